@@ -1,0 +1,135 @@
+"""Flags -> typed configs: one parser for every experiment, and one-line errors."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from jaxshard.data import DataConfig
+from jaxshard.errors import ConfigError, JaxshardError
+from jaxshard.mesh import MeshSpec
+from jaxshard.optim import OptimConfig
+from jaxshard.remat import Remat
+from jaxshard.rules import Strategy
+from jaxshard.runtime import DEFAULT_CACHE, RuntimeConfig
+from jaxshard.train_step import COMPUTE_DTYPES, StepConfig
+
+
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    model: str
+    mesh: MeshSpec
+    strategy: Strategy
+    optim: OptimConfig
+    step: StepConfig
+    data: DataConfig
+    runtime: RuntimeConfig
+    steps: int
+    batch_size: int  # global, in sequences
+    seq_len: int
+    dropout: float | None  # None: the preset's
+    remat: Remat
+    eval_every: int  # 0: only at the end
+    eval_batches: int
+    metrics: str | None
+    report: str | None
+    progress: bool
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "eval_batches"):
+            if getattr(self, name) < 1:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{flag} must be >= 1, got {getattr(self, name)}")
+        if self.eval_every < 0:
+            raise ConfigError(f"--eval-every must be >= 0, got {self.eval_every}")
+
+
+def train_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Train a transformer LM on a device mesh (DDP, ZeRO-1/2/3, FSDP, HSDP).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("model and mesh")
+    g.add_argument("--model", default="tiny", help="preset name (see models/presets.py)")
+    g.add_argument("--mesh", default="data=-1",
+                   help="AXIS=SIZE,... over data, fsdp, stage, expert, sequence, tensor; "
+                        "outermost first; one -1 fills the remaining devices")
+    g.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
+                   help="ZeRO stage over the data axis: 1 shards optimizer state, 2 also grads, "
+                        "3 also params (the fsdp axis always shards all three)")
+    g.add_argument("--fsdp-min-size", type=int, default=0,
+                   help="params with fewer elements stay replicated under ZeRO/FSDP")
+    g.add_argument("--remat", default=Remat.NONE.value, choices=[r.value for r in Remat],
+                   help="activation checkpointing policy of the layer scan")
+    g.add_argument("--dropout", type=float, default=None, help="override the preset's dropout")
+    g.add_argument("--compute-dtype", default="float32", choices=COMPUTE_DTYPES,
+                   help="dtype of matmuls; params and optimizer state stay float32")
+
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=100)
+    g.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
+    g.add_argument("--seq-len", type=int, default=128)
+    g.add_argument("--grad-accum", type=int, default=1, help="microbatches per step")
+    g.add_argument("--seed", type=int, default=0, help="drives init, data order and dropout")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    g.add_argument("--warmup-steps", type=int, default=20)
+    g.add_argument("--decay-steps", type=int, default=None,
+                   help="cosine decay length (default: --steps)")
+    g.add_argument("--min-lr-ratio", type=float, default=0.1)
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--beta1", type=float, default=0.9)
+    g.add_argument("--beta2", type=float, default=0.95)
+    g.add_argument("--grad-clip", type=float, default=1.0, help="global-norm clip; 0 disables")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default=None,
+                   help="text file (bytes are tokens) or uint16 .bin; default: the Python "
+                        "standard library's source")
+    g.add_argument("--val-fraction", type=float, default=0.05)
+    g.add_argument("--eval-every", type=int, default=50, help="validation every N steps; 0: at the end")
+    g.add_argument("--eval-batches", type=int, default=4)
+
+    g = p.add_argument_group("outputs and runtime")
+    g.add_argument("--metrics", default=None, help="JSON lines, one per step")
+    g.add_argument("--report", default=None, help="JSON summary written at the end")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--cpu-devices", type=int, default=None,
+                   help="force N host devices when running on CPU (acts before JAX starts)")
+    g.add_argument("--platform", default=None, help="cpu, gpu or tpu (default: JAX's choice)")
+    g.add_argument("--compile-cache", default=str(DEFAULT_CACHE),
+                   help="persistent XLA compilation cache directory; '' disables")
+    return p
+
+
+def parse_train(argv: Sequence[str] | None = None) -> TrainConfig:
+    a = train_parser().parse_args(argv)
+    return TrainConfig(
+        model=a.model,
+        mesh=MeshSpec.parse(a.mesh),
+        strategy=Strategy(zero=a.zero, fsdp_min_size=a.fsdp_min_size),
+        optim=OptimConfig(lr=a.lr, warmup_steps=a.warmup_steps,
+                          total_steps=a.decay_steps or a.steps, min_lr_ratio=a.min_lr_ratio,
+                          b1=a.beta1, b2=a.beta2, weight_decay=a.weight_decay,
+                          grad_clip=a.grad_clip),
+        step=StepConfig(grad_accum=a.grad_accum, compute_dtype=a.compute_dtype, seed=a.seed),
+        data=DataConfig(path=a.data, val_fraction=a.val_fraction),
+        runtime=RuntimeConfig(cpu_devices=a.cpu_devices, platform=a.platform,
+                              compile_cache=a.compile_cache or None),
+        steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, dropout=a.dropout,
+        remat=Remat(a.remat), eval_every=a.eval_every, eval_batches=a.eval_batches,
+        metrics=a.metrics, report=a.report, progress=not a.no_progress)
+
+
+@contextlib.contextmanager
+def one_line_errors() -> Iterator[None]:
+    """Bad input -> ``error: ...`` on stderr and exit status 2; Ctrl-C -> status 130."""
+    try:
+        yield
+    except JaxshardError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -1,0 +1,148 @@
+"""Token corpora and per-process batching.
+
+The default corpus needs no download: the byte-level tokens of the Python standard
+library's source text, which every machine with Python has. ``--data PATH`` takes a text file
+(bytes are tokens) or a pre-tokenized ``.bin`` of little-endian uint16 ids (nanoGPT's format).
+
+Sample ``g`` of the run (a global offset: step * batch + row) is a window of ``seq_len + 1``
+tokens picked by a per-epoch permutation of the corpus's windows, so the data order depends
+only on the seed -- not on the mesh or the number of processes. Each process materialises only
+the rows its devices hold (the DistributedSampler idea) and
+``jax.make_array_from_process_local_data`` assembles the global batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from jaxshard.errors import DataError
+
+STDLIB = "stdlib"  # name of the default corpus
+
+
+@dataclass(frozen=True, slots=True)
+class DataConfig:
+    path: str | None = None  # None: the Python standard library's source
+    val_fraction: float = 0.05
+    max_bytes: int = 16 << 20  # cap on the default corpus (the stdlib holds ~30-60 MB)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.val_fraction < 1.0:
+            raise DataError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
+
+
+@dataclass(frozen=True)
+class Corpus:
+    name: str
+    train: np.ndarray  # 1-D token ids
+    val: np.ndarray
+    vocab_size: int  # ids are < vocab_size
+
+
+def load_corpus(cfg: DataConfig) -> Corpus:
+    if cfg.path is None:
+        tokens, name, vocab = _stdlib_tokens(cfg.max_bytes), STDLIB, 256
+    else:
+        tokens, name, vocab = _file_tokens(Path(cfg.path))
+    n_val = max(1, int(len(tokens) * cfg.val_fraction))
+    if len(tokens) - n_val < 2:
+        raise DataError(f"data {name} has only {len(tokens)} tokens; too few to train on")
+    return Corpus(name, tokens[:-n_val], tokens[-n_val:], vocab)
+
+
+@functools.lru_cache(maxsize=2)
+def _stdlib_tokens(max_bytes: int) -> np.ndarray:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py")
+                   if "site-packages" not in p.parts and "dist-packages" not in p.parts)
+    chunks, total = [], 0
+    for f in files:
+        try:
+            data = f.read_bytes()
+        except OSError:
+            continue
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    if not chunks:
+        raise DataError(f"found no Python sources under {root} for the default corpus; pass --data")
+    return np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
+
+
+def _file_tokens(path: Path) -> tuple[np.ndarray, str, int]:
+    if not path.is_file():
+        raise DataError(f"data file not found: {path}")
+    if path.suffix == ".bin":
+        if path.stat().st_size % 2:
+            raise DataError(f"{path} has an odd size; a .bin must hold little-endian uint16 tokens")
+        tokens = np.memmap(path, dtype="<u2", mode="r")
+        vocab = int(tokens.max()) + 1 if len(tokens) else 0
+        return tokens, str(path), vocab
+    return np.fromfile(path, dtype=np.uint8), str(path), 256
+
+
+class Batches:
+    """Batches of ``[rows, seq_len]`` inputs and next-token targets for one process."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int,
+                 rows: slice | None = None, shuffle: bool = True):
+        self.tokens, self.seq_len, self.global_batch = tokens, seq_len, global_batch
+        self.seed, self.shuffle = seed, shuffle
+        self.rows = rows or slice(0, global_batch)
+        self.n_windows = (len(tokens) - 1) // seq_len
+        if self.n_windows < 1:
+            raise DataError(f"corpus has {len(tokens)} tokens, fewer than --seq-len + 1 = {seq_len + 1}")
+        self._orders: dict[int, np.ndarray] = {}
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.n_windows)
+        if epoch not in self._orders:
+            self._orders = {epoch: np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)}
+        return self._orders[epoch]
+
+    def window_starts(self, samples: np.ndarray) -> np.ndarray:
+        epoch, index = np.divmod(samples, self.n_windows)
+        return np.array([self._order(int(e))[i] for e, i in zip(epoch, index)]) * self.seq_len
+
+    def batch(self, step: int) -> dict[str, np.ndarray]:
+        """This process's rows of global batch ``step``."""
+        rows = np.arange(self.rows.start, self.rows.stop)
+        starts = self.window_starts(step * self.global_batch + rows)
+        win = np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts]).astype(np.int32)
+        return {"inputs": win[:, :-1], "targets": win[:, 1:]}
+
+
+def process_rows(sharding, global_batch: int, seq_len: int) -> slice:
+    """The contiguous rows of the global batch that this process's devices hold."""
+    index_map = sharding.addressable_devices_indices_map((global_batch, seq_len))
+    starts = [idx[0].start or 0 for idx in index_map.values()]
+    stops = [global_batch if idx[0].stop is None else idx[0].stop for idx in index_map.values()]
+    rows = slice(min(starts), max(stops))
+    held = sum(b - a for a, b in {(a, b) for a, b in zip(starts, stops)})
+    if held != rows.stop - rows.start:
+        raise DataError("this process's batch rows are not contiguous; use a mesh whose batch "
+                        "axes are outermost across processes")
+    return rows
+
+
+def to_global(batch: dict[str, np.ndarray], sharding, global_batch: int) -> dict:
+    import jax
+
+    return {k: jax.make_array_from_process_local_data(sharding, v, (global_batch, *v.shape[1:]))
+            for k, v in batch.items()}
+
+
+def write_bin(path: str | os.PathLike, tokens: np.ndarray) -> None:
+    """Save token ids as the uint16 ``.bin`` format that ``--data`` reads."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 1 << 16):
+        raise DataError("token ids must fit in uint16 for a .bin file")
+    tokens.astype("<u2").tofile(path)

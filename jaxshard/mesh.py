@@ -1,0 +1,111 @@
+"""``--mesh data=2,fsdp=2,tensor=2``: parsing, validation, ``-1`` fill, and the jax Mesh.
+
+Parsing needs no jax, so a malformed spec fails before the backend starts. Every mesh
+built here has all :data:`~jaxshard.axes.MESH_AXES` (absent ones with size 1), with Auto
+axis types so XLA's partitioner (GSPMD/Shardy) inserts the collectives.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from jaxshard.axes import MESH_AXES, MeshAxis
+from jaxshard.errors import MeshError
+
+if TYPE_CHECKING:
+    import jax
+
+_ITEM = re.compile(r"^\s*([A-Za-z_]\w*)\s*=\s*(-?\d+)\s*$")
+_KNOWN = ", ".join(MESH_AXES)
+
+
+@dataclass(frozen=True, slots=True)
+class MeshSpec:
+    """Axis sizes in the order given (outermost first); at most one size is -1."""
+
+    axes: tuple[tuple[MeshAxis, int], ...]
+
+    def __post_init__(self) -> None:
+        names = [a for a, _ in self.axes]
+        for axis in names:
+            if names.count(axis) > 1:
+                raise MeshError(f"mesh axis '{axis}' is given twice in --mesh {self}")
+        for axis, size in self.axes:
+            if size == 0 or size < -1:
+                raise MeshError(
+                    f"mesh axis '{axis}' has size {size} in --mesh {self}; sizes are positive "
+                    "integers, or -1 once to fill the remaining devices")
+        if sum(size == -1 for _, size in self.axes) > 1:
+            raise MeshError(f"--mesh {self} has more than one -1; at most one axis may fill the rest")
+
+    @classmethod
+    def parse(cls, text: str) -> MeshSpec:
+        if not text or not text.strip():
+            raise MeshError("--mesh is empty; expected AXIS=SIZE[,AXIS=SIZE...], e.g. data=2,fsdp=4")
+        axes = []
+        for item in text.split(","):
+            m = _ITEM.match(item)
+            if m is None:
+                raise MeshError(
+                    f"malformed --mesh '{text}': '{item.strip()}' is not AXIS=SIZE "
+                    "(expected e.g. data=2,fsdp=4)")
+            name, size = m.group(1), int(m.group(2))
+            try:
+                axis = MeshAxis(name)
+            except ValueError:
+                raise MeshError(
+                    f"unknown mesh axis '{name}' in --mesh '{text}'; known axes: {_KNOWN}") from None
+            axes.append((axis, size))
+        return cls(tuple(axes))
+
+    def __str__(self) -> str:
+        return ",".join(f"{a}={s}" for a, s in self.axes)
+
+    def resolve(self, n_devices: int) -> dict[MeshAxis, int]:
+        """Sizes of all mesh axes for ``n_devices``, in nesting order (given axes first)."""
+        fixed = math.prod(s for _, s in self.axes if s != -1)
+        sizes = {}
+        for axis, size in self.axes:
+            if size == -1:
+                if n_devices % fixed:
+                    raise MeshError(
+                        f"--mesh {self}: cannot fill -1, {n_devices} devices are not divisible "
+                        f"by the other axes' product {fixed}")
+                size = n_devices // fixed
+            sizes[axis] = size
+        if math.prod(sizes.values()) != n_devices:
+            raise MeshError(
+                f"--mesh {self} needs {math.prod(sizes.values())} devices but {n_devices} are "
+                "available; the sizes must multiply to the device count (or use -1 to fill)")
+        for axis in MESH_AXES:
+            sizes.setdefault(axis, 1)
+        return sizes
+
+
+def build_mesh(spec: MeshSpec | str, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
+    """The mesh for ``spec`` over ``devices`` (default: all devices of the default backend)."""
+    import jax
+    import numpy as np
+    from jax.experimental import mesh_utils
+
+    if isinstance(spec, str):
+        spec = MeshSpec.parse(spec)
+    all_devices = jax.devices()
+    devices = list(all_devices if devices is None else devices)
+    sizes = spec.resolve(len(devices))
+    shape = tuple(sizes.values())
+    if len(devices) == len(all_devices) and len(devices) > 1:
+        # Lets XLA order devices along the physical topology (rings on TPU/NVLink islands).
+        grid = mesh_utils.create_device_mesh(shape, devices)
+    else:
+        grid = np.asarray(devices, dtype=object).reshape(shape)
+    axis_types = (jax.sharding.AxisType.Auto,) * len(shape)
+    return jax.sharding.Mesh(grid, tuple(str(a) for a in sizes), axis_types=axis_types)
+
+
+def axis_sizes(mesh: jax.sharding.Mesh) -> dict[str, int]:
+    """``{axis: size}`` in the mesh's nesting order (the report's ``mesh`` field)."""
+    return {str(name): int(size) for name, size in mesh.shape.items()}

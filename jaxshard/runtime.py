@@ -1,0 +1,50 @@
+"""JAX settings that must be made before the backend starts (``--cpu-devices``, caches)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from jaxshard.errors import ConfigError
+
+DEFAULT_CACHE = Path(os.environ.get("JAXSHARD_CACHE", Path.home() / ".cache" / "jaxshard")) / "xla"
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeConfig:
+    cpu_devices: int | None = None  # force N host devices when running on CPU
+    platform: str | None = None  # 'cpu', 'gpu', 'tpu' or None for JAX's default
+    compile_cache: str | None = str(DEFAULT_CACHE)  # persistent compilation cache; None: off
+
+    def __post_init__(self) -> None:
+        if self.cpu_devices is not None and self.cpu_devices < 1:
+            raise ConfigError(f"--cpu-devices must be >= 1, got {self.cpu_devices}")
+        if self.platform not in (None, "cpu", "gpu", "cuda", "tpu"):
+            raise ConfigError(f"--platform must be cpu, gpu or tpu, got {self.platform}")
+
+
+def configure(cfg: RuntimeConfig) -> None:
+    """Apply ``cfg``; call before any jax computation or device query."""
+    import jax
+
+    if cfg.platform is not None:
+        jax.config.update("jax_platforms", cfg.platform)
+    if cfg.cpu_devices is not None:
+        try:
+            jax.config.update("jax_num_cpu_devices", cfg.cpu_devices)
+        except RuntimeError as e:  # the backend already started
+            raise ConfigError(f"--cpu-devices must act before JAX starts: {e}") from None
+    # Random bits independent of sharding, so init and dropout match one device on any mesh.
+    jax.config.update("jax_threefry_partitionable", True)
+    if cfg.compile_cache:
+        enable_compile_cache(cfg.compile_cache)
+
+
+def enable_compile_cache(path: str | os.PathLike) -> None:
+    import jax
+
+    Path(path).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -1,0 +1,70 @@
+"""Typed, validated model configuration. The family presets live in ``presets.py``."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from enum import StrEnum
+
+from jaxshard.errors import ConfigError
+
+
+class Norm(StrEnum):
+    LAYER = "layernorm"
+    RMS = "rmsnorm"
+
+
+class Mlp(StrEnum):
+    GELU = "gelu"  # GPT-2: up, GELU, down
+    SWIGLU = "swiglu"  # Llama: gate * up, SiLU, down
+
+
+class Positions(StrEnum):
+    LEARNED = "learned"  # GPT-2: a learned table of max_seq_len rows
+    ROPE = "rope"  # Llama: rotary embedding of q and k
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """A decoder-only transformer. ``n_kv_heads < n_heads`` is grouped-query attention."""
+
+    name: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    d_mlp: int
+    vocab_size: int
+    max_seq_len: int
+    n_kv_heads: int | None = None  # None: = n_heads
+    d_head: int | None = None  # None: d_model // n_heads
+    norm: Norm = Norm.LAYER
+    mlp: Mlp = Mlp.GELU
+    positions: Positions = Positions.LEARNED
+    use_bias: bool = True
+    tie_embeddings: bool = True
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    dropout: float = 0.0
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for field in ("n_layers", "d_model", "n_heads", "d_mlp", "vocab_size", "max_seq_len"):
+            if getattr(self, field) < 1:
+                raise ConfigError(f"model {self.name}: {field} must be >= 1, got {getattr(self, field)}")
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if self.d_head is None:
+            if self.d_model % self.n_heads:
+                raise ConfigError(f"model {self.name}: d_model {self.d_model} is not divisible by "
+                                  f"n_heads {self.n_heads}; set d_head")
+            object.__setattr__(self, "d_head", self.d_model // self.n_heads)
+        if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"model {self.name}: n_heads {self.n_heads} is not a multiple of "
+                              f"n_kv_heads {self.n_kv_heads}")
+        if self.positions is Positions.ROPE and self.d_head % 2:
+            raise ConfigError(f"model {self.name}: rotary embeddings need an even d_head, got {self.d_head}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model {self.name}: dropout must be in [0, 1), got {self.dropout}")
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)

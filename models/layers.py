@@ -1,0 +1,198 @@
+"""flax NNX building blocks of one transformer layer and of the embedding ends.
+
+Every parameter carries ``logical_axes`` metadata naming its dims (see ``jaxshard.axes.Dim``).
+Shape letters: B batch, L length, D d_model, N heads, K kv heads, G = N/K, H d_head,
+F d_mlp, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxshard.axes import Dim
+from jaxshard.rules import constrain
+from models.config import ModelConfig, Mlp, Norm, Positions
+
+ACT_BLD = (Dim.BATCH, Dim.LENGTH, Dim.ACT_EMBED)
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[Dim, ...], std: float) -> nnx.Param:
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), logical_axes=axes)
+
+
+def _const(value: float, shape: tuple[int, ...], axes: tuple[Dim, ...]) -> nnx.Param:
+    return nnx.Param(jnp.full(shape, value, jnp.float32), logical_axes=axes)
+
+
+def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    """Inverted dropout. The mask is drawn at the global shape inside the jitted step, so with
+    partitionable threefry it is the same on any mesh (sharding-invariant)."""
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+class NormLayer(nnx.Module):
+    """LayerNorm (GPT-2, with bias) or RMSNorm (Llama); statistics in float32."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.kind, self.eps = cfg.norm, cfg.norm_eps
+        self.scale = _const(1.0, (cfg.d_model,), (Dim.EMBED,))
+        if cfg.norm is Norm.LAYER:
+            self.bias = _const(0.0, (cfg.d_model,), (Dim.EMBED,))
+
+    def __call__(self, x_BLD: jax.Array) -> jax.Array:
+        x = x_BLD.astype(jnp.float32)
+        if self.kind is Norm.LAYER:
+            x = x - x.mean(-1, keepdims=True)
+        y = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + self.eps)
+        y = y * self.scale[...].astype(jnp.float32)
+        if self.kind is Norm.LAYER:
+            y = y + self.bias[...].astype(jnp.float32)
+        return y.astype(x_BLD.dtype)
+
+
+def rope_tables(positions_L: jax.Array, d_head: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """(sin, cos) of shape [L, H/2] for rotary embeddings."""
+    inv_freq = theta ** (-jnp.arange(0, d_head, 2, dtype=jnp.float32) / d_head)
+    angles = positions_L.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    return jnp.sin(angles), jnp.cos(angles)
+
+
+def apply_rope(x_BLNH: jax.Array, sin_cos: tuple[jax.Array, jax.Array]) -> jax.Array:
+    sin, cos = (t[None, :, None, :] for t in sin_cos)
+    x1, x2 = jnp.split(x_BLNH.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BLNH.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal multi-head attention; grouped-query when n_kv_heads < n_heads.
+
+    No key bias even with ``use_bias``: q.b_k is the same for every key of a query, so softmax
+    cancels it and its gradient is identically zero -- only rounding noise, which Adam would
+    amplify into run-to-run differences.
+    """
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head
+        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        self.wq = _param(rngs, (D, N, H), (Dim.EMBED, Dim.HEADS, Dim.HEAD_DIM), std)
+        self.wk = _param(rngs, (D, K, H), (Dim.EMBED, Dim.KV_HEADS, Dim.HEAD_DIM), std)
+        self.wv = _param(rngs, (D, K, H), (Dim.EMBED, Dim.KV_HEADS, Dim.HEAD_DIM), std)
+        self.wo = _param(rngs, (N, H, D), (Dim.HEADS, Dim.HEAD_DIM, Dim.EMBED), out_std)
+        self.use_bias = cfg.use_bias
+        if cfg.use_bias:
+            self.bq = _const(0.0, (N, H), (Dim.HEADS, Dim.HEAD_DIM))
+            self.bv = _const(0.0, (K, H), (Dim.KV_HEADS, Dim.HEAD_DIM))
+            self.bo = _const(0.0, (D,), (Dim.EMBED,))
+
+    def __call__(self, x_BLD: jax.Array, rope: tuple[jax.Array, jax.Array] | None) -> jax.Array:
+        q_BLNH = jnp.einsum("bld,dnh->blnh", x_BLD, self.wq[...])
+        k_BLKH = jnp.einsum("bld,dkh->blkh", x_BLD, self.wk[...])
+        v_BLKH = jnp.einsum("bld,dkh->blkh", x_BLD, self.wv[...])
+        if self.use_bias:
+            q_BLNH, v_BLKH = q_BLNH + self.bq[...], v_BLKH + self.bv[...]
+        if rope is not None:
+            q_BLNH, k_BLKH = apply_rope(q_BLNH, rope), apply_rope(k_BLKH, rope)
+        q_BLNH = constrain(q_BLNH, (Dim.BATCH, Dim.LENGTH, Dim.ACT_HEADS, None))
+        k_BLKH = constrain(k_BLKH, (Dim.BATCH, Dim.LENGTH, Dim.ACT_KV_HEADS, None))
+        v_BLKH = constrain(v_BLKH, (Dim.BATCH, Dim.LENGTH, Dim.ACT_KV_HEADS, None))
+
+        B, L, N, H = q_BLNH.shape
+        K = k_BLKH.shape[2]
+        q_BLKGH = q_BLNH.reshape(B, L, K, N // K, H)
+        s_BKGLM = jnp.einsum("blkgh,bmkh->bkglm", q_BLKGH, k_BLKH,
+                             preferred_element_type=jnp.float32) / math.sqrt(H)
+        causal_LM = jnp.tril(jnp.ones((L, L), dtype=bool))
+        s_BKGLM = jnp.where(causal_LM, s_BKGLM, jnp.finfo(jnp.float32).min)
+        p_BKGLM = jax.nn.softmax(s_BKGLM, axis=-1).astype(v_BLKH.dtype)
+        o_BLKGH = jnp.einsum("bkglm,bmkh->blkgh", p_BKGLM, v_BLKH)
+        o_BLNH = constrain(o_BLKGH.reshape(B, L, N, H), (Dim.BATCH, Dim.LENGTH, Dim.ACT_HEADS, None))
+        y_BLD = jnp.einsum("blnh,nhd->bld", o_BLNH, self.wo[...])
+        return y_BLD + self.bo[...] if self.use_bias else y_BLD
+
+
+class FeedForward(nnx.Module):
+    """GPT-2 MLP (up, GELU, down) or Llama SwiGLU (SiLU(gate) * up, down)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        D, F = cfg.d_model, cfg.d_mlp
+        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        self.kind, self.use_bias = cfg.mlp, cfg.use_bias
+        self.w_in = _param(rngs, (D, F), (Dim.EMBED, Dim.MLP), std)
+        if cfg.mlp is Mlp.SWIGLU:
+            self.w_gate = _param(rngs, (D, F), (Dim.EMBED, Dim.MLP), std)
+        self.w_out = _param(rngs, (F, D), (Dim.MLP, Dim.EMBED), out_std)
+        if cfg.use_bias:
+            self.b_in = _const(0.0, (F,), (Dim.MLP,))
+            self.b_out = _const(0.0, (D,), (Dim.EMBED,))
+
+    def __call__(self, x_BLD: jax.Array) -> jax.Array:
+        h_BLF = jnp.einsum("bld,df->blf", x_BLD, self.w_in[...])
+        if self.use_bias:
+            h_BLF = h_BLF + self.b_in[...]
+        if self.kind is Mlp.SWIGLU:
+            h_BLF = jax.nn.silu(jnp.einsum("bld,df->blf", x_BLD, self.w_gate[...])) * h_BLF
+        else:
+            h_BLF = jax.nn.gelu(h_BLF, approximate=True)
+        h_BLF = constrain(h_BLF, (Dim.BATCH, Dim.LENGTH, Dim.ACT_MLP))
+        y_BLD = jnp.einsum("blf,fd->bld", h_BLF, self.w_out[...])
+        return y_BLD + self.b_out[...] if self.use_bias else y_BLD
+
+
+class Block(nnx.Module):
+    """One pre-norm layer: x + attn(norm(x)), then x + ffn(norm(x)); the layer scan's body."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.dropout = cfg.dropout
+        self.attn_norm = NormLayer(cfg)
+        self.attn = Attention(cfg, rngs)
+        self.ffn_norm = NormLayer(cfg)
+        self.ffn = FeedForward(cfg, rngs)
+
+    def __call__(self, x_BLD: jax.Array, rope: tuple[jax.Array, jax.Array] | None,
+                 key: jax.Array | None) -> jax.Array:
+        k_attn, k_ffn = jax.random.split(key) if key is not None else (None, None)
+        x_BLD = x_BLD + dropout(self.attn(self.attn_norm(x_BLD), rope), self.dropout, k_attn)
+        x_BLD = constrain(x_BLD, ACT_BLD)
+        x_BLD = x_BLD + dropout(self.ffn(self.ffn_norm(x_BLD)), self.dropout, k_ffn)
+        return constrain(x_BLD, ACT_BLD)
+
+
+class Embedder(nnx.Module):
+    """The two ends of the model: token (+ learned position) embedding in, final norm and
+    vocabulary projection out (tied to the token table unless ``tie_embeddings=False``)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.tied = cfg.tie_embeddings
+        self.tokens = _param(rngs, (cfg.vocab_size, cfg.d_model), (Dim.VOCAB, Dim.EMBED), cfg.init_std)
+        if cfg.positions is Positions.LEARNED:
+            self.positions = _param(rngs, (cfg.max_seq_len, cfg.d_model),
+                                    (Dim.POSITION, Dim.EMBED), cfg.init_std)
+        self.final_norm = NormLayer(cfg)
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), (Dim.EMBED, Dim.VOCAB),
+                                  cfg.init_std)
+
+    def encode(self, tokens_BL: jax.Array, positions_L: jax.Array) -> jax.Array:
+        x_BLD = jnp.take(self.tokens[...], tokens_BL, axis=0)
+        if hasattr(self, "positions"):
+            x_BLD = x_BLD + jnp.take(self.positions[...], positions_L, axis=0)[None]
+        return constrain(x_BLD, ACT_BLD)
+
+    def decode(self, x_BLD: jax.Array) -> jax.Array:
+        """Float32 logits ``[B, L, V]``."""
+        x_BLD = self.final_norm(x_BLD)
+        if self.tied:
+            logits = jnp.einsum("bld,vd->blv", x_BLD, self.tokens[...],
+                                preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("bld,dv->blv", x_BLD, self.lm_head[...],
+                                preferred_element_type=jnp.float32)
+        return constrain(logits, (Dim.BATCH, Dim.LENGTH, Dim.ACT_VOCAB))

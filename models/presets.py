@@ -1,0 +1,119 @@
+"""Named model presets, one function each. Sizes of the published models they follow are
+in the docstrings; ``tests/test_models.py`` checks the parameter counts."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from jaxshard.errors import ConfigError
+from models.config import ModelConfig, Mlp, Norm, Positions
+
+
+def _gpt2(name: str, n_layers: int, d_model: int, n_heads: int, *, vocab_size: int = 50257,
+          max_seq_len: int = 1024, d_mlp: int | None = None) -> ModelConfig:
+    return ModelConfig(name=name, n_layers=n_layers, d_model=d_model, n_heads=n_heads,
+                       d_mlp=d_mlp or 4 * d_model, vocab_size=vocab_size, max_seq_len=max_seq_len,
+                       norm=Norm.LAYER, mlp=Mlp.GELU, positions=Positions.LEARNED,
+                       use_bias=True, tie_embeddings=True)
+
+
+def _llama(name: str, n_layers: int, d_model: int, n_heads: int, n_kv_heads: int, d_mlp: int, *,
+           vocab_size: int, max_seq_len: int, tie_embeddings: bool = False,
+           rope_theta: float = 10_000.0) -> ModelConfig:
+    return ModelConfig(name=name, n_layers=n_layers, d_model=d_model, n_heads=n_heads,
+                       n_kv_heads=n_kv_heads, d_mlp=d_mlp, vocab_size=vocab_size,
+                       max_seq_len=max_seq_len, norm=Norm.RMS, mlp=Mlp.SWIGLU,
+                       positions=Positions.ROPE, use_bias=False, tie_embeddings=tie_embeddings,
+                       rope_theta=rope_theta)
+
+
+def tiny() -> ModelConfig:
+    """GPT-2 family, 2 layers, d_model 64, byte vocabulary: for tests (0.13M params)."""
+    return _gpt2("tiny", 2, 64, 4, vocab_size=256, max_seq_len=256)
+
+
+def tiny_llama() -> ModelConfig:
+    """Llama family at the size of ``tiny``, with grouped-query attention (4 heads, 2 kv)."""
+    return _llama("tiny-llama", 2, 64, 4, 2, 192, vocab_size=256, max_seq_len=256)
+
+
+def small() -> ModelConfig:
+    """GPT-2 family, 4 layers, d_model 128, byte vocabulary (0.9M params): the default
+    experiment, a few minutes on CPU."""
+    return _gpt2("small", 4, 128, 4, vocab_size=256, max_seq_len=512)
+
+
+def llama_tiny() -> ModelConfig:
+    """Llama family: 4 layers, d_model 256, 4 heads, mlp 1024, byte vocabulary (4.3M params)."""
+    return _llama("llama-tiny", 4, 256, 4, 4, 1024, vocab_size=256, max_seq_len=1024)
+
+
+def gpt2_small() -> ModelConfig:
+    """GPT-2 124M (Radford et al. 2019): 12 layers, d 768, 12 heads. 124,430,592 params: the
+    published 124,439,808 less the 9,216 key biases, which softmax makes inert (see Attention)."""
+    return _gpt2("gpt2-small", 12, 768, 12)
+
+
+def gpt2_medium() -> ModelConfig:
+    """GPT-2 350M: 24 layers, d 1024, 16 heads."""
+    return _gpt2("gpt2-medium", 24, 1024, 16)
+
+
+def gpt2_large() -> ModelConfig:
+    """GPT-2 774M: 36 layers, d 1280, 20 heads."""
+    return _gpt2("gpt2-large", 36, 1280, 20)
+
+
+def gpt2_xl() -> ModelConfig:
+    """GPT-2 1.5B: 48 layers, d 1600, 25 heads; 1,557,534,400 params (published 1,557,611,200
+    less 76,800 inert key biases)."""
+    return _gpt2("gpt2-xl", 48, 1600, 25)
+
+
+def llama_1b() -> ModelConfig:
+    """Llama-3.2-1B shape: 16 layers, d 2048, 32 heads / 8 kv, mlp 8192, vocab 128256, tied
+    embeddings; 1,235,814,400 params."""
+    return _llama("llama-1b", 16, 2048, 32, 8, 8192, vocab_size=128256, max_seq_len=8192,
+                  tie_embeddings=True, rope_theta=500_000.0)
+
+
+def llama_7b() -> ModelConfig:
+    """Llama-2-7B shape: 32 layers, d 4096, 32 heads, mlp 11008, vocab 32000; 6,738,415,616 params."""
+    return _llama("llama-7b", 32, 4096, 32, 32, 11008, vocab_size=32000, max_seq_len=4096)
+
+
+def llama_8b() -> ModelConfig:
+    """Llama-3-8B shape: 32 layers, d 4096, 32 heads / 8 kv, mlp 14336, vocab 128256;
+    8,030,261,248 params."""
+    return _llama("llama-8b", 32, 4096, 32, 8, 14336, vocab_size=128256, max_seq_len=8192,
+                  rope_theta=500_000.0)
+
+
+def llama_70b() -> ModelConfig:
+    """Llama-3-70B shape: 80 layers, d 8192, 64 heads / 8 kv, mlp 28672, vocab 128256;
+    70,553,706,496 params."""
+    return _llama("llama-70b", 80, 8192, 64, 8, 28672, vocab_size=128256, max_seq_len=8192,
+                  rope_theta=500_000.0)
+
+
+PRESETS: dict[str, Callable[[], ModelConfig]] = {
+    "tiny": tiny,
+    "tiny-llama": tiny_llama,
+    "small": small,
+    "llama-tiny": llama_tiny,
+    "gpt2-small": gpt2_small,
+    "gpt2-medium": gpt2_medium,
+    "gpt2-large": gpt2_large,
+    "gpt2-xl": gpt2_xl,
+    "llama-1b": llama_1b,
+    "llama-7b": llama_7b,
+    "llama-8b": llama_8b,
+    "llama-70b": llama_70b,
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name]()
+    except KeyError:
+        raise ConfigError(f"unknown model '{name}'; presets: {', '.join(PRESETS)}") from None

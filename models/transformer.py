@@ -1,0 +1,117 @@
+"""The decoder-only language model as functions of (params, inputs).
+
+Params are a plain nested dict of arrays (easy to shard, checkpoint and hand to optax):
+the :class:`~models.layers.Embedder`'s params at the top level, and ``blocks`` holding every
+layer's :class:`~models.layers.Block` params stacked on a leading ``layers`` dim. The layers
+run in a ``lax.scan`` so compile time does not grow with depth. The pieces a pipeline needs --
+:meth:`embed`, :meth:`block` (one layer's params) and :meth:`head` / :meth:`loss` -- are
+public, and the remat policy is a parameter of the scan.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxshard import remat as remat_lib
+from jaxshard.axes import Dim
+from jaxshard.rules import for_compute
+from models.config import ModelConfig, Positions
+from models.layers import Block, Embedder, dropout, rope_tables
+
+Params = dict[str, Any]
+BLOCKS = "blocks"
+
+
+def _logical_axes(state: nnx.State) -> dict:
+    return nnx.to_pure_dict(jax.tree.map(lambda v: tuple(v.get_metadata()["logical_axes"]), state,
+                                         is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+class TransformerLM:
+    def __init__(self, cfg: ModelConfig, remat: remat_lib.Remat = remat_lib.Remat.NONE):
+        self.cfg = cfg
+        self.remat = remat_lib.Remat(remat)
+        self._embedder_def, emb = nnx.split(nnx.eval_shape(lambda: Embedder(cfg, nnx.Rngs(0))), nnx.Param)
+        self._block_def, blk = nnx.split(nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0))), nnx.Param)
+        self.embedder_axes = _logical_axes(emb)
+        self.block_axes = _logical_axes(blk)
+
+    # ---- parameters -----------------------------------------------------------------------
+    def init(self, key: jax.Array) -> Params:
+        """Fresh params. Jit it with ``out_shardings`` to create them already sharded."""
+        k_emb, k_blocks = jax.random.split(key)
+
+        def block_params(k):
+            return nnx.to_pure_dict(nnx.state(Block(self.cfg, nnx.Rngs(k)), nnx.Param))
+
+        params = nnx.to_pure_dict(nnx.state(Embedder(self.cfg, nnx.Rngs(k_emb)), nnx.Param))
+        params[BLOCKS] = jax.vmap(block_params)(jax.random.split(k_blocks, self.cfg.n_layers))
+        return params
+
+    def param_axes(self) -> dict:
+        """Logical dims of every param, a dict of the same structure as the params."""
+        axes = dict(self.embedder_axes)
+        axes[BLOCKS] = jax.tree.map(lambda ax: (Dim.LAYERS, *ax), self.block_axes,
+                                    is_leaf=lambda x: isinstance(x, tuple))
+        return axes
+
+    def abstract_params(self) -> Params:
+        return jax.eval_shape(self.init, jax.random.key(0))
+
+    def n_params(self) -> int:
+        """Counted from shapes alone: works for models far larger than memory."""
+        return sum(math.prod(x.shape) for x in jax.tree.leaves(self.abstract_params()))
+
+    # ---- pieces ---------------------------------------------------------------------------
+    def _embedder(self, params: Params) -> Embedder:
+        outer = {k: v for k, v in params.items() if k != BLOCKS}
+        return nnx.merge(self._embedder_def, for_compute(outer, self.embedder_axes))
+
+    def embed(self, params: Params, tokens_BL: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
+        positions_L = jnp.arange(tokens_BL.shape[1])
+        x_BLD = self._embedder(params).encode(tokens_BL, positions_L)
+        return dropout(x_BLD, self.cfg.dropout, key)
+
+    def block(self, layer_params: Params, x_BLD: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
+        """One layer, given that layer's (unstacked) params."""
+        block = nnx.merge(self._block_def, for_compute(layer_params, self.block_axes))
+        return block(x_BLD, self._rope(x_BLD.shape[1]), key)
+
+    def blocks(self, params: Params, x_BLD: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
+        """All layers: a scan over the stacked params, remat'd by the model's policy."""
+        keys = None if key is None else jax.random.split(key, self.cfg.n_layers)
+
+        def body(x, layer):
+            layer_params, layer_key = layer
+            return self.block(layer_params, x, key=layer_key), None
+
+        x_BLD, _ = jax.lax.scan(remat_lib.apply(body, self.remat), x_BLD, (params[BLOCKS], keys))
+        return x_BLD
+
+    def head(self, params: Params, x_BLD: jax.Array) -> jax.Array:
+        """Float32 logits ``[B, L, V]``."""
+        return self._embedder(params).decode(x_BLD)
+
+    def loss(self, params: Params, inputs_BL: jax.Array, targets_BL: jax.Array, *,
+             key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """(sum of token cross-entropies, number of tokens): callers divide once globally, so
+        microbatches and shards add up to the full-batch mean exactly."""
+        if inputs_BL.shape[1] > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {inputs_BL.shape[1]} exceeds max_seq_len {self.cfg.max_seq_len}")
+        k_embed, k_blocks = jax.random.split(key) if key is not None else (None, None)
+        x_BLD = self.embed(params, inputs_BL, key=k_embed)
+        x_BLD = self.blocks(params, x_BLD, key=k_blocks)
+        logits_BLV = self.head(params, x_BLD)
+        nll_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL)
+        return nll_BL.sum(), jnp.asarray(nll_BL.size, jnp.float32)
+
+    def _rope(self, length: int) -> tuple[jax.Array, jax.Array] | None:
+        if self.cfg.positions is not Positions.ROPE:
+            return None
+        return rope_tables(jnp.arange(length), self.cfg.d_head, self.cfg.rope_theta)
