@@ -110,7 +110,7 @@ def parse_train(argv: Sequence[str] | None = None) -> TrainConfig:
         mesh=MeshSpec.parse(a.mesh),
         strategy=Strategy(zero=a.zero, fsdp_min_size=a.fsdp_min_size),
         optim=OptimConfig(lr=a.lr, warmup_steps=a.warmup_steps,
-                          total_steps=a.decay_steps or a.steps, min_lr_ratio=a.min_lr_ratio,
+                          total_steps=a.decay_steps or max(a.steps, 1), min_lr_ratio=a.min_lr_ratio,
                           b1=a.beta1, b2=a.beta2, weight_decay=a.weight_decay,
                           grad_clip=a.grad_clip),
         step=StepConfig(grad_accum=a.grad_accum, compute_dtype=a.compute_dtype, seed=a.seed),

@@ -30,7 +30,7 @@ class OptimConfig:
         if self.warmup_steps < 0:
             raise ConfigError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         if self.total_steps < 1:
-            raise ConfigError(f"the number of steps must be >= 1, got {self.total_steps}")
+            raise ConfigError(f"--decay-steps must be >= 1, got {self.total_steps}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.grad_clip < 0 or self.weight_decay < 0:

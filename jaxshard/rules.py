@@ -166,13 +166,13 @@ class ShardingRules:
         return jax.tree.map(self.named, self.param_specs(axes_tree, shapes_tree, kind),
                             is_leaf=lambda x: isinstance(x, PartitionSpec))
 
-    def check_batch(self, global_batch: int, what: str = "--batch-size") -> None:
+    def check_batch(self, rows: int, label: str | None = None) -> None:
+        """One clear error if ``rows`` sequences cannot be split over the batch axes."""
         n = self.size(self.batch_axes)
-        if global_batch % n:
+        if rows % n:
             axes = ",".join(f"{a}={self.sizes[a]}" for a in self.batch_axes)
-            raise ConfigError(
-                f"{what} {global_batch} is not divisible by the batch-sharding axes "
-                f"({axes}: {n} shards)")
+            raise ConfigError(f"{label or f'--batch-size {rows}'} is not divisible by the "
+                              f"batch-sharding axes ({axes}: {n} shards)")
 
 
 def _is_axes(x: Any) -> bool:

@@ -69,7 +69,8 @@ def check_batch(rules: ShardingRules, batch_size: int, grad_accum: int) -> None:
     rules.check_batch(batch_size)
     if batch_size % grad_accum:
         raise ConfigError(f"--batch-size {batch_size} is not divisible by --grad-accum {grad_accum}")
-    rules.check_batch(batch_size // grad_accum, f"the microbatch (--batch-size / --grad-accum =)")
+    rules.check_batch(batch_size // grad_accum, f"the microbatch of {batch_size // grad_accum} "
+                      f"(--batch-size {batch_size} / --grad-accum {grad_accum})")
 
 
 def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig,

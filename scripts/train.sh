@@ -5,5 +5,5 @@
 source "$(dirname "${BASH_SOURCE[0]}")/bootstrap.sh"
 exec "$PY" experiments/train.py \
   --model tiny --mesh data=2,fsdp=4 --cpu-devices 8 --platform cpu \
-  --steps 300 --batch-size 32 --seq-len 128 --lr 3e-3 --warmup-steps 30 --eval-every 50 \
+  --steps 400 --batch-size 32 --seq-len 256 --lr 3e-3 --warmup-steps 30 --eval-every 50 \
   --metrics runs/default/metrics.jsonl --report runs/default/report.json "$@"

@@ -1,0 +1,93 @@
+"""experiments/train.py through its command line, as a user runs it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = ROOT / ".cache" / "xla-tests"
+
+
+def train(*flags, timeout=240):
+    cmd = [sys.executable, str(ROOT / "experiments" / "train.py"), "--platform", "cpu",
+           "--no-progress", "--compile-cache", str(CACHE), *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def assert_one_line_error(result, message):
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ") and message in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("mesh, message", [
+    ("data=2,foo=4", "unknown mesh axis 'foo'"),
+    ("data=4", "needs 4 devices but 8 are available"),
+    ("data=0,fsdp=8", "has size 0"),
+    ("data=-1,fsdp=-1", "more than one -1"),
+    ("data=2:fsdp=4", "malformed --mesh"),
+])
+def test_bad_mesh(mesh, message):
+    assert_one_line_error(train("--mesh", mesh, "--cpu-devices", "8"), message)
+
+
+def test_batch_not_divisible_by_batch_axes():
+    result = train("--mesh", "data=2,fsdp=4", "--cpu-devices", "8", "--batch-size", "12")
+    assert_one_line_error(result, "--batch-size 12 is not divisible by the batch-sharding axes")
+
+
+def test_missing_data_file(tmp_path):
+    result = train("--mesh", "data=8", "--cpu-devices", "8", "--data", str(tmp_path / "nope.txt"))
+    assert_one_line_error(result, f"data file not found: {tmp_path / 'nope.txt'}")
+
+
+def test_bad_values():
+    assert_one_line_error(train("--steps", "0", "--cpu-devices", "1"), "--steps must be >= 1")
+    assert_one_line_error(train("--model", "gpt5", "--cpu-devices", "1"), "unknown model 'gpt5'")
+
+
+def test_nan_loss_stops_with_one_line_and_no_report(tmp_path):
+    result = train("--mesh", "data=8", "--cpu-devices", "8", "--steps", "6", "--lr", "1e30",
+                   "--batch-size", "8", "--seq-len", "32", "--metrics", str(tmp_path / "m.jsonl"),
+                   "--report", str(tmp_path / "r.json"))
+    assert result.returncode == 2, result.stderr
+    assert "error: loss is nan at step" in result.stderr
+    assert not (tmp_path / "r.json").exists()
+    lines = (tmp_path / "m.jsonl").read_text().splitlines()
+    assert json.loads(lines[0])["step"] == 1 and json.loads(lines[-1])["loss"] == "nan"
+
+
+def test_train_writes_metrics_and_report(tmp_path):
+    metrics, report = tmp_path / "m.jsonl", tmp_path / "r.json"
+    result = train("--model", "tiny", "--mesh", "data=2,fsdp=4", "--zero", "1", "--cpu-devices", "8",
+                   "--steps", "12", "--batch-size", "16", "--seq-len", "64", "--eval-every", "6",
+                   "--seed", "3", "--metrics", str(metrics), "--report", str(report))
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    for r in records:
+        assert {"step", "loss", "grad_norm", "lr", "step_time_s", "tokens_per_s"} <= set(r)
+    assert "val_loss" in records[5] and "val_loss" in records[11] and "val_loss" not in records[6]
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5
+
+    rep = json.loads(report.read_text())
+    assert rep["mesh"] == {"data": 2, "fsdp": 4, "stage": 1, "expert": 1, "sequence": 1, "tensor": 1}
+    assert rep["strategy"] == "hsdp+zero1"
+    assert rep["n_params"] == 132_736
+    # fsdp=4 shards params 4 ways; ZeRO-1 over data=2 shards Adam's moments 8 ways
+    assert rep["per_device_bytes"]["params"] == 4 * 132_736 // 4
+    assert rep["per_device_bytes"]["opt_state"] <= 2 * 4 * 132_736 // 8 + 64
+    assert set(rep["xla_memory"]) >= {"argument", "output", "temp"}
+    assert rep["xla_memory"]["argument"] >= rep["per_device_bytes"]["params"]
+    assert rep["collectives"] == []
+    assert rep["final_loss"] == records[-1]["loss"]
+
+
+def test_microbatch_not_divisible_by_batch_axes():
+    result = train("--mesh", "data=8", "--cpu-devices", "8", "--batch-size", "16", "--grad-accum", "4")
+    assert_one_line_error(result, "the microbatch of 4 (--batch-size 16 / --grad-accum 4) is not "
+                                  "divisible by the batch-sharding axes (data=8: 8 shards)")

@@ -1,0 +1,84 @@
+import jax
+import numpy as np
+import pytest
+
+from jaxshard import data
+from jaxshard.errors import DataError
+from jaxshard.mesh import build_mesh
+from jaxshard.rules import ShardingRules
+
+
+def test_default_corpus_is_python_source_bytes():
+    corpus = data.load_corpus(data.DataConfig(max_bytes=1 << 20))
+    assert corpus.name == data.STDLIB and corpus.vocab_size == 256
+    assert corpus.train.dtype == np.uint8 and len(corpus.train) > 900_000
+    assert 0.04 < len(corpus.val) / (len(corpus.train) + len(corpus.val)) < 0.06
+    assert b"def " in corpus.train[:200_000].tobytes()
+    again = data.load_corpus(data.DataConfig(max_bytes=1 << 20))
+    np.testing.assert_array_equal(again.train, corpus.train)
+
+
+def test_text_and_bin_files(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(b"hello world\n" * 100)
+    corpus = data.load_corpus(data.DataConfig(path=str(text)))
+    assert corpus.vocab_size == 256 and corpus.train[:5].tobytes() == b"hello"
+
+    ids = np.arange(1000, dtype=np.int64) * 37 % 50_000
+    data.write_bin(tmp_path / "tokens.bin", ids)
+    corpus = data.load_corpus(data.DataConfig(path=str(tmp_path / "tokens.bin"), val_fraction=0.1))
+    np.testing.assert_array_equal(np.concatenate([corpus.train, corpus.val]), ids)
+    assert corpus.vocab_size == ids.max() + 1 and len(corpus.val) == 100
+
+
+def test_bad_data_fails_clearly(tmp_path):
+    with pytest.raises(DataError, match="data file not found: .*missing.txt"):
+        data.load_corpus(data.DataConfig(path=str(tmp_path / "missing.txt")))
+    (tmp_path / "odd.bin").write_bytes(b"\x00\x01\x02")
+    with pytest.raises(DataError, match="odd size"):
+        data.load_corpus(data.DataConfig(path=str(tmp_path / "odd.bin")))
+    (tmp_path / "tiny.txt").write_bytes(b"ab")
+    with pytest.raises(DataError, match="too few to train on"):
+        data.load_corpus(data.DataConfig(path=str(tmp_path / "tiny.txt")))
+    with pytest.raises(DataError, match="fewer than --seq-len"):
+        data.Batches(np.arange(10), seq_len=16, global_batch=2, seed=0)
+
+
+def test_batches_are_shifted_windows_in_a_seeded_order():
+    tokens = np.arange(10_000) % 251
+    b = data.Batches(tokens, seq_len=8, global_batch=4, seed=0)
+    first = b.batch(0)
+    assert first["inputs"].shape == (4, 8) and first["inputs"].dtype == np.int32
+    np.testing.assert_array_equal(first["targets"][:, :-1], first["inputs"][:, 1:])
+    np.testing.assert_array_equal(data.Batches(tokens, 8, 4, seed=0).batch(3)["inputs"], b.batch(3)["inputs"])
+    assert not np.array_equal(data.Batches(tokens, 8, 4, seed=1).batch(0)["inputs"], first["inputs"])
+
+
+def test_an_epoch_visits_every_window_once():
+    tokens = np.arange(8 * 12 + 1)
+    b = data.Batches(tokens, seq_len=8, global_batch=4, seed=3)
+    assert b.n_windows == 12
+    starts = np.concatenate([b.window_starts(np.arange(4 * s, 4 * s + 4)) for s in range(3)])
+    assert sorted(starts) == list(range(0, 96, 8))
+    assert not np.array_equal(b.window_starts(np.arange(12)), b.window_starts(np.arange(12, 24)))
+
+
+def test_a_process_reads_only_its_rows_of_the_global_batch():
+    tokens = np.arange(5_000) % 199
+    full = data.Batches(tokens, seq_len=16, global_batch=8, seed=0)
+    part = data.Batches(tokens, seq_len=16, global_batch=8, seed=0, rows=slice(4, 8))
+    for step in (0, 5):
+        np.testing.assert_array_equal(part.batch(step)["inputs"], full.batch(step)["inputs"][4:8])
+
+
+def test_global_batch_assembled_from_process_rows():
+    rules = ShardingRules(build_mesh("data=2,fsdp=4"))
+    sharding = rules.batch_sharding()
+    assert data.process_rows(sharding, 16, 32) == slice(0, 16)  # one process holds every row
+    b = data.Batches(np.arange(20_000) % 256, seq_len=32, global_batch=16, seed=0)
+    local = b.batch(0)
+    arr = data.to_global(local, sharding, 16)["inputs"]
+    assert arr.shape == (16, 32) and arr.sharding == sharding
+    np.testing.assert_array_equal(np.asarray(arr), local["inputs"])
+    assert {s.data.shape for s in arr.addressable_shards} == {(2, 32)}
+    assert len(jax.devices()) == 8
