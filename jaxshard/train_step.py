@@ -102,7 +102,7 @@ def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig
             grads = jax.tree.map(lambda g: g / count, grads)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
-            metrics = {"loss": loss_sum / count, "grad_norm": optax.global_norm(grads),
+            metrics = {"loss": loss_sum / count, "grad_norm": optax.tree.norm(grads),
                        "lr": lr_schedule(state.step)}
             return TrainState(state.step + 1, params, opt_state), metrics
 

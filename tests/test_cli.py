@@ -28,6 +28,7 @@ def assert_one_line_error(result, message):
     ("data=2,foo=4", "unknown mesh axis 'foo'"),
     ("data=4", "needs 4 devices but 8 are available"),
     ("data=0,fsdp=8", "has size 0"),
+    ("data=-2,fsdp=4", "has size -2"),
     ("data=-1,fsdp=-1", "more than one -1"),
     ("data=2:fsdp=4", "malformed --mesh"),
 ])
