@@ -107,9 +107,7 @@ class ShardingRules:
     def param_spec(self, axes: LogicalAxes, shape: tuple[int, ...],
                    kind: StateKind = StateKind.PARAMS) -> PartitionSpec:
         """At-rest spec of one parameter (or its grad / optimizer moment)."""
-        if len(axes) != len(shape):
-            raise ValueError(f"logical axes {axes} do not match shape {shape}")
-        entries = [self.param_table.get(d, ()) if d is not None else () for d in axes]
+        entries = self._model_parallel(axes, shape)
         state = self.state_axes(kind)
         if state and math.prod(shape) >= self.strategy.fsdp_min_size:
             # Shard on one dim: `embed` if it divides, else the largest dim that does. If
@@ -132,9 +130,12 @@ class ShardingRules:
     # ---- in compute -----------------------------------------------------------------------
     def compute_param_spec(self, axes: LogicalAxes, shape: tuple[int, ...]) -> PartitionSpec:
         """A parameter as a layer uses it: model-parallel axes only (ZeRO/FSDP gathered)."""
+        return _spec(self._model_parallel(axes, shape))
+
+    def _model_parallel(self, axes: LogicalAxes, shape: tuple[int, ...]) -> list[tuple[str, ...]]:
         if len(axes) != len(shape):
             raise ValueError(f"logical axes {axes} do not match shape {shape}")
-        return _spec([self.param_table.get(d, ()) if d is not None else () for d in axes])
+        return [self.param_table.get(d, ()) if d is not None else () for d in axes]
 
     def activation_spec(self, axes: LogicalAxes) -> PartitionSpec:
         used: set[str] = set()
