@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None) -> None:
         model_cfg = get_preset(cfg.model)
         if cfg.dropout is not None:
             model_cfg = model_cfg.replace(dropout=cfg.dropout)
+        if cfg.vocab_multiple is not None:
+            model_cfg = model_cfg.replace(vocab_multiple=cfg.vocab_multiple)
         loop.train(cfg, TransformerLM(model_cfg, remat=cfg.remat))
 
 

@@ -36,7 +36,8 @@ class Dim(StrEnum):
     POSITION = "position"
     # activation dims
     BATCH = "batch"
-    LENGTH = "length"
+    LENGTH = "length"  # inside attention and the MLP
+    RESIDUAL_LENGTH = "residual_length"  # the residual stream between sublayers (SP splits it)
     ACT_EMBED = "act_embed"
     ACT_HEADS = "act_heads"
     ACT_KV_HEADS = "act_kv_heads"

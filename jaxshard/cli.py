@@ -31,6 +31,7 @@ class TrainConfig:
     batch_size: int  # global, in sequences
     seq_len: int
     dropout: float | None  # None: the preset's
+    vocab_multiple: int | None  # None: the preset's
     remat: Remat
     eval_every: int  # 0: only at the end
     eval_batches: int
@@ -49,7 +50,8 @@ class TrainConfig:
 
 def train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description="Train a transformer LM on a device mesh (DDP, ZeRO-1/2/3, FSDP, HSDP).",
+        description="Train a transformer LM on a device mesh (DDP, ZeRO-1/2/3, FSDP, HSDP, "
+                    "tensor, sequence and context parallelism).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("model and mesh")
     g.add_argument("--model", default="tiny", help="preset name (see models/presets.py)")
@@ -61,6 +63,12 @@ def train_parser() -> argparse.ArgumentParser:
                         "3 also params (the fsdp axis always shards all three)")
     g.add_argument("--fsdp-min-size", type=int, default=0,
                    help="params with fewer elements stay replicated under ZeRO/FSDP")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="with tensor > 1: split the residual stream's sequence over tensor "
+                        "(the block all-reduces become reduce-scatter + all-gather)")
+    g.add_argument("--vocab-multiple", type=int, default=None,
+                   help="pad the vocab to a multiple of N (e.g. so tensor divides it); "
+                        "padding logits are masked out of the loss")
     g.add_argument("--remat", default=Remat.NONE.value, choices=[r.value for r in Remat],
                    help="activation checkpointing policy of the layer scan")
     g.add_argument("--dropout", type=float, default=None, help="override the preset's dropout")
@@ -108,7 +116,8 @@ def parse_train(argv: Sequence[str] | None = None) -> TrainConfig:
     return TrainConfig(
         model=a.model,
         mesh=MeshSpec.parse(a.mesh),
-        strategy=Strategy(zero=a.zero, fsdp_min_size=a.fsdp_min_size),
+        strategy=Strategy(zero=a.zero, fsdp_min_size=a.fsdp_min_size,
+                          sequence_parallel=a.sequence_parallel),
         optim=OptimConfig(lr=a.lr, warmup_steps=a.warmup_steps,
                           total_steps=a.decay_steps or max(a.steps, 1), min_lr_ratio=a.min_lr_ratio,
                           b1=a.beta1, b2=a.beta2, weight_decay=a.weight_decay,
@@ -118,6 +127,7 @@ def parse_train(argv: Sequence[str] | None = None) -> TrainConfig:
         runtime=RuntimeConfig(cpu_devices=a.cpu_devices, platform=a.platform,
                               compile_cache=a.compile_cache or None),
         steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, dropout=a.dropout,
+        vocab_multiple=a.vocab_multiple,
         remat=Remat(a.remat), eval_every=a.eval_every, eval_batches=a.eval_batches,
         metrics=a.metrics, report=a.report, progress=not a.no_progress)
 

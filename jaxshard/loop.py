@@ -38,7 +38,7 @@ def train(cfg: TrainConfig, model: Any) -> dict[str, Any]:
     B, L = cfg.batch_size, cfg.seq_len
     mesh = build_mesh(cfg.mesh)
     rules = ShardingRules(mesh, cfg.strategy)
-    check_batch(rules, B, cfg.step.grad_accum)
+    check_batch(rules, B, L, cfg.step.grad_accum)
     corpus = data_lib.load_corpus(cfg.data)
     _check_model_fits_data(model, corpus, L)
 
@@ -103,7 +103,7 @@ def train(cfg: TrainConfig, model: Any) -> dict[str, Any]:
         "compute_dtype": cfg.step.compute_dtype,
         "per_device_bytes": held,
         "xla_memory": inspect.xla_memory(compiled),
-        "collectives": [],
+        "collectives": inspect.collective_summary(inspect.collectives(compiled.as_text())),
         "compile_time_s": compile_s,
         "step_time_s_median": float(np.median(timed)),
         "tokens_per_s": tokens_per_step / float(np.median(timed)),

@@ -10,6 +10,13 @@ Two mappings, as in Levanter:
   all-gathers one layer's weights inside the layer scan, and its transpose reduce-scatters the
   gradient).
 
+Model-parallel axes are the same in both mappings: ``tensor`` splits ``heads``, ``kv_heads``,
+``mlp`` and ``vocab`` (Megatron); ``sequence`` splits the sequence of every activation
+(context parallelism); with sequence parallelism ``tensor`` also splits the sequence of the
+residual stream between sublayers. A mesh axis that does not divide a dim is left off that
+dim (so grouped-query attention with fewer kv heads than ``tensor`` replicates the kv heads);
+:meth:`ShardingRules.check_model` turns the cases that cannot be handled into one-line errors.
+
 Model code calls :func:`constrain` and :func:`for_compute`; both read the rules made active
 by :func:`use_rules` while the step is traced, and do nothing outside it.
 """
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 from dataclasses import dataclass
 from enum import Enum
@@ -51,6 +59,7 @@ class Strategy:
 
     zero: int = 0
     fsdp_min_size: int = 0
+    sequence_parallel: bool = False  # split the residual stream's sequence over `tensor`
 
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):
@@ -71,10 +80,20 @@ class ShardingRules:
         self.strategy = strategy
         self.sizes = {str(a): int(s) for a, s in mesh.shape.items()}
         self.batch_axes = self._active(BATCH_AXES)
-        # logical activation dim -> mesh axes
-        self.activation_table: dict[Dim, tuple[str, ...]] = {Dim.BATCH: self.batch_axes}
+        tensor = self._active((MeshAxis.TENSOR,))
+        sequence = self._active((MeshAxis.SEQUENCE,))
+        if strategy.sequence_parallel and not tensor:
+            raise ConfigError("--sequence-parallel needs a tensor axis of size > 1 in --mesh")
         # logical param dim -> model-parallel mesh axes (kept in compute, unlike ZeRO/FSDP)
-        self.param_table: dict[Dim, tuple[str, ...]] = {}
+        self.param_table: dict[Dim, tuple[str, ...]] = {
+            Dim.HEADS: tensor, Dim.KV_HEADS: tensor, Dim.MLP: tensor, Dim.VOCAB: tensor}
+        # logical activation dim -> mesh axes
+        self.activation_table: dict[Dim, tuple[str, ...]] = {
+            Dim.BATCH: self.batch_axes,
+            Dim.LENGTH: sequence,
+            Dim.RESIDUAL_LENGTH: sequence + (tensor if strategy.sequence_parallel else ()),
+            Dim.ACT_HEADS: tensor, Dim.ACT_KV_HEADS: tensor, Dim.ACT_MLP: tensor,
+            Dim.ACT_VOCAB: tensor}
 
     def _active(self, axes: tuple[MeshAxis, ...]) -> tuple[str, ...]:
         """The axes of ``axes`` with size > 1, in mesh nesting order."""
@@ -87,14 +106,20 @@ class ShardingRules:
     # ---- naming ---------------------------------------------------------------------------
     @property
     def name(self) -> str:
-        """Short strategy name for reports: ddp, zero1, zero2, zero3, fsdp, hsdp, single."""
+        """Short strategy name for reports, e.g. ddp, zero2, fsdp, hsdp+zero1, fsdp+tp+sp+cp."""
         data, fsdp, zero = self.sizes[MeshAxis.DATA], self.sizes[MeshAxis.FSDP], self.strategy.zero
+        parts = []
         if fsdp > 1:
-            base = "hsdp" if data > 1 else "fsdp"
-            return f"{base}+zero{zero}" if data > 1 and zero else base
-        if data > 1:
-            return f"zero{zero}" if zero else "ddp"
-        return "single"
+            parts.append("hsdp" if data > 1 else "fsdp")
+            if data > 1 and zero:
+                parts.append(f"zero{zero}")
+        elif data > 1:
+            parts.append(f"zero{zero}" if zero else "ddp")
+        if self.sizes[MeshAxis.TENSOR] > 1:
+            parts.append("tp+sp" if self.strategy.sequence_parallel else "tp")
+        if self.sizes[MeshAxis.SEQUENCE] > 1:
+            parts.append("cp")
+        return "+".join(parts) or "single"
 
     # ---- at rest --------------------------------------------------------------------------
     def state_axes(self, kind: StateKind) -> tuple[str, ...]:
@@ -135,16 +160,30 @@ class ShardingRules:
     def _model_parallel(self, axes: LogicalAxes, shape: tuple[int, ...]) -> list[tuple[str, ...]]:
         if len(axes) != len(shape):
             raise ValueError(f"logical axes {axes} do not match shape {shape}")
-        return [self.param_table.get(d, ()) if d is not None else () for d in axes]
+        return [self._dividing(self.param_table.get(d, ()), n) for d, n in zip(axes, shape)]
 
-    def activation_spec(self, axes: LogicalAxes) -> PartitionSpec:
+    def _dividing(self, mesh_axes: tuple[str, ...], n: int | None) -> tuple[str, ...]:
+        """The mesh axes that can split a dim of size ``n`` (all of them, or none)."""
+        return mesh_axes if n is None or n % self.size(mesh_axes) == 0 else ()
+
+    def activation_spec(self, axes: LogicalAxes, shape: tuple[int, ...] | None = None) -> PartitionSpec:
+        """Spec of an activation with dims ``axes``; with ``shape``, axes that do not divide a
+        dim are left off it (e.g. kv heads fewer than ``tensor``)."""
         used: set[str] = set()
         entries = []
-        for d in axes:
+        for i, d in enumerate(axes):
             mesh_axes = tuple(a for a in self.activation_table.get(d, ()) if a not in used)
+            mesh_axes = self._dividing(mesh_axes, None if shape is None else shape[i])
             used.update(mesh_axes)
             entries.append(mesh_axes)
         return _spec(entries)
+
+    def param_mesh_axes(self, dim: Dim) -> tuple[str, ...]:
+        """Model-parallel mesh axes (size > 1) that split parameter dim ``dim``."""
+        return self.param_table.get(dim, ())
+
+    def activation_mesh_axes(self, dim: Dim) -> tuple[str, ...]:
+        return self.activation_table.get(dim, ())
 
     # ---- shardings ------------------------------------------------------------------------
     def named(self, spec: PartitionSpec) -> NamedSharding:
@@ -153,9 +192,9 @@ class ShardingRules:
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())
 
-    def batch_sharding(self, ndim: int = 2) -> NamedSharding:
-        """Token batches ``[batch, length, ...]``: rows over the batch axes."""
-        return self.named(self.activation_spec((Dim.BATCH,) + (None,) * (ndim - 1)))
+    def batch_sharding(self) -> NamedSharding:
+        """Token batches ``[batch, length]``: rows over the batch axes, sequence over ``sequence``."""
+        return self.named(self.activation_spec((Dim.BATCH, Dim.LENGTH)))
 
     def param_specs(self, axes_tree: Any, shapes_tree: Any,
                     kind: StateKind = StateKind.PARAMS) -> Any:
@@ -176,6 +215,38 @@ class ShardingRules:
                               f"batch-sharding axes ({axes}: {n} shards)")
 
 
+    def check_model(self, axes_tree: Any, shapes_tree: Any) -> None:
+        """One clear error for a param dim that a model-parallel axis cannot split.
+
+        Kv heads fewer than ``tensor`` are replicated (each device holds the kv heads its query
+        heads use); every other mapped dim must divide.
+        """
+        flat_axes = jax.tree.leaves(axes_tree, is_leaf=_is_axes)
+        for ax, x in zip(flat_axes, jax.tree.leaves(shapes_tree)):
+            for d, n in zip(ax, x.shape):
+                mesh_axes = self.param_table.get(d, ()) if d is not None else ()
+                size = self.size(mesh_axes)
+                if n % size == 0 or (d == Dim.KV_HEADS and size % n == 0):
+                    continue
+                split = ",".join(f"{a}={self.sizes[a]}" for a in mesh_axes)
+                hint = " (use a vocab multiple: --vocab-multiple)" if d == Dim.VOCAB else ""
+                raise ConfigError(f"{d} ({n}) is not divisible by {split}{hint}")
+
+    def check_seq_len(self, seq_len: int) -> None:
+        for dim in (Dim.LENGTH, Dim.RESIDUAL_LENGTH):
+            mesh_axes = self.activation_table[dim]
+            if seq_len % self.size(mesh_axes):
+                split = "x".join(f"{a}={self.sizes[a]}" for a in mesh_axes)
+                why = " (sequence parallelism splits the sequence over tensor too)" \
+                    if dim == Dim.RESIDUAL_LENGTH else ""
+                raise ConfigError(f"--seq-len {seq_len} is not divisible by {split}{why}")
+
+
+def spec_axes(spec: PartitionSpec) -> set[str]:
+    """The mesh axes a spec mentions."""
+    return {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
+
+
 def _is_axes(x: Any) -> bool:
     return isinstance(x, tuple) and all(d is None or isinstance(d, str) for d in x)
 
@@ -194,12 +265,49 @@ def use_rules(rules: ShardingRules | None) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
+def active() -> ShardingRules | None:
+    """The rules of the step being traced, or None (plain single-device semantics)."""
+    return _ACTIVE.get()
+
+
 def constrain(x: jax.Array, axes: LogicalAxes) -> jax.Array:
     """Lay out activation ``x`` (dims named ``axes``) by the active rules."""
     rules = _ACTIVE.get()
     if rules is None:
         return x
-    return jax.lax.with_sharding_constraint(x, rules.named(rules.activation_spec(axes)))
+    return jax.lax.with_sharding_constraint(x, rules.named(rules.activation_spec(axes, x.shape)))
+
+
+def relayout(x: jax.Array, src: LogicalAxes, dst: LogicalAxes) -> jax.Array:
+    """Move activation ``x`` from layout ``src`` to ``dst``, and its gradient back to ``src``.
+
+    A plain constraint to ``dst`` leaves the backward layout to the partitioner, which may
+    all-reduce a whole activation gradient where a reduce-scatter into ``src`` suffices (it
+    does so under sequence parallelism, to compute a norm's bias gradient from the full
+    array). Here the gradient is constrained to ``src`` explicitly: the transpose of an
+    all-gather is a reduce-scatter.
+    """
+    rules = _ACTIVE.get()
+    if rules is None:
+        return x
+    return _relayout(x, rules.named(rules.activation_spec(src, x.shape)),
+                     rules.named(rules.activation_spec(dst, x.shape)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _relayout(x, src, dst):
+    return jax.lax.with_sharding_constraint(x, dst)
+
+
+def _relayout_fwd(x, src, dst):
+    return jax.lax.with_sharding_constraint(x, dst), None
+
+
+def _relayout_bwd(src, dst, _, g):
+    return (jax.lax.with_sharding_constraint(g, src),)
+
+
+_relayout.defvjp(_relayout_fwd, _relayout_bwd)
 
 
 def for_compute(params: Any, axes_tree: Any) -> Any:

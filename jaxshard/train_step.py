@@ -51,6 +51,7 @@ class Program:
     init: Callable[[int], TrainState]
     step: Callable  # (state, batch) -> (state, metrics); donates state
     eval: Callable  # (params, batch) -> mean loss
+    loss: Callable  # (params, batch, key) -> (loss sum, tokens), unjitted, under the rules
 
     def abstract_batch(self, batch_size: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
         x = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=self.batch_sharding)
@@ -64,8 +65,9 @@ def _cast(tree: Any, dtype: jnp.dtype) -> Any:
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
-def check_batch(rules: ShardingRules, batch_size: int, grad_accum: int) -> None:
+def check_batch(rules: ShardingRules, batch_size: int, seq_len: int, grad_accum: int) -> None:
     """Fail early with one line if the batch cannot be split into sharded microbatches."""
+    rules.check_seq_len(seq_len)
     rules.check_batch(batch_size)
     if batch_size % grad_accum:
         raise ConfigError(f"--batch-size {batch_size} is not divisible by --grad-accum {grad_accum}")
@@ -75,6 +77,7 @@ def check_batch(rules: ShardingRules, batch_size: int, grad_accum: int) -> None:
 
 def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig,
                   cfg: StepConfig) -> Program:
+    rules.check_model(model.param_axes(), model.abstract_params())
     tx = optim.make(optim_cfg, model.param_axes())
     lr_schedule = optim.schedule(optim_cfg)
     layout = state_layout(model, tx, rules)
@@ -82,7 +85,8 @@ def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig
     batch_sharding = rules.batch_sharding()
 
     def loss_and_count(params, batch, key):
-        return model.loss(_cast(params, dtype), batch["inputs"], batch["targets"], key=key)
+        with use_rules(rules):
+            return model.loss(_cast(params, dtype), batch["inputs"], batch["targets"], key=key)
 
     grad_fn = jax.value_and_grad(loss_and_count, has_aux=True)
 
@@ -107,14 +111,13 @@ def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig
             return TrainState(state.step + 1, params, opt_state), metrics
 
     def evaluate(params, batch):
-        with use_rules(rules):
-            loss_sum, count = loss_and_count(params, batch, None)
-            return loss_sum / count
+        loss_sum, count = loss_and_count(params, batch, None)
+        return loss_sum / count
 
     replicated = rules.replicated()
     return Program(
         rules=rules, layout=layout, batch_sharding=batch_sharding,
-        init=build_init(model, tx, layout),
+        init=build_init(model, tx, layout), loss=loss_and_count,
         step=jax.jit(step, in_shardings=(layout.shardings, batch_sharding),
                      out_shardings=(layout.shardings, replicated), donate_argnums=0),
         eval=jax.jit(evaluate, in_shardings=(layout.shardings.params, batch_sharding),

@@ -46,6 +46,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     dropout: float = 0.0
     init_std: float = 0.02
+    vocab_multiple: int = 1  # pad the vocab to a multiple (Megatron's divisible-by), e.g. for TP
 
     def __post_init__(self) -> None:
         for field in ("n_layers", "d_model", "n_heads", "d_mlp", "vocab_size", "max_seq_len"):
@@ -63,8 +64,16 @@ class ModelConfig:
                               f"n_kv_heads {self.n_kv_heads}")
         if self.positions is Positions.ROPE and self.d_head % 2:
             raise ConfigError(f"model {self.name}: rotary embeddings need an even d_head, got {self.d_head}")
+        if self.vocab_multiple < 1:
+            raise ConfigError(f"--vocab-multiple must be >= 1, got {self.vocab_multiple}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model {self.name}: dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def padded_vocab(self) -> int:
+        """Rows of the embedding table: vocab_size rounded up to vocab_multiple. The padding
+        rows are never looked up and their logits are masked out of the loss."""
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)

@@ -14,10 +14,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxshard.axes import Dim
-from jaxshard.rules import constrain
+from jaxshard.parallel.attention import causal_attention
+from jaxshard.parallel.vocab import embed_lookup
+from jaxshard.rules import constrain, relayout
 from models.config import ModelConfig, Mlp, Norm, Positions
 
-ACT_BLD = (Dim.BATCH, Dim.LENGTH, Dim.ACT_EMBED)
+# The residual stream between sublayers (sequence parallelism splits its length over tensor).
+RESIDUAL_BLD = (Dim.BATCH, Dim.RESIDUAL_LENGTH, Dim.ACT_EMBED)
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[Dim, ...], std: float) -> nnx.Param:
@@ -106,15 +109,11 @@ class Attention(nnx.Module):
 
         B, L, N, H = q_BLNH.shape
         K = k_BLKH.shape[2]
-        q_BLKGH = q_BLNH.reshape(B, L, K, N // K, H)
-        s_BKGLM = jnp.einsum("blkgh,bmkh->bkglm", q_BLKGH, k_BLKH,
-                             preferred_element_type=jnp.float32) / math.sqrt(H)
-        causal_LM = jnp.tril(jnp.ones((L, L), dtype=bool))
-        s_BKGLM = jnp.where(causal_LM, s_BKGLM, jnp.finfo(jnp.float32).min)
-        p_BKGLM = jax.nn.softmax(s_BKGLM, axis=-1).astype(v_BLKH.dtype)
-        o_BLKGH = jnp.einsum("bkglm,bmkh->blkgh", p_BKGLM, v_BLKH)
+        o_BLKGH = causal_attention(q_BLNH.reshape(B, L, K, N // K, H), k_BLKH, v_BLKH)
         o_BLNH = constrain(o_BLKGH.reshape(B, L, N, H), (Dim.BATCH, Dim.LENGTH, Dim.ACT_HEADS, None))
-        y_BLD = jnp.einsum("blnh,nhd->bld", o_BLNH, self.wo[...])
+        # Row-parallel output: the partial sums over heads are reduced into the residual
+        # layout (all-reduce, or reduce-scatter under SP) before the bias, as in Megatron.
+        y_BLD = constrain(jnp.einsum("blnh,nhd->bld", o_BLNH, self.wo[...]), RESIDUAL_BLD)
         return y_BLD + self.bo[...] if self.use_bias else y_BLD
 
 
@@ -142,7 +141,7 @@ class FeedForward(nnx.Module):
         else:
             h_BLF = jax.nn.gelu(h_BLF, approximate=True)
         h_BLF = constrain(h_BLF, (Dim.BATCH, Dim.LENGTH, Dim.ACT_MLP))
-        y_BLD = jnp.einsum("blf,fd->bld", h_BLF, self.w_out[...])
+        y_BLD = constrain(jnp.einsum("blf,fd->bld", h_BLF, self.w_out[...]), RESIDUAL_BLD)
         return y_BLD + self.b_out[...] if self.use_bias else y_BLD
 
 
@@ -159,10 +158,19 @@ class Block(nnx.Module):
     def __call__(self, x_BLD: jax.Array, rope: tuple[jax.Array, jax.Array] | None,
                  key: jax.Array | None) -> jax.Array:
         k_attn, k_ffn = jax.random.split(key) if key is not None else (None, None)
-        x_BLD = x_BLD + dropout(self.attn(self.attn_norm(x_BLD), rope), self.dropout, k_attn)
-        x_BLD = constrain(x_BLD, ACT_BLD)
-        x_BLD = x_BLD + dropout(self.ffn(self.ffn_norm(x_BLD)), self.dropout, k_ffn)
-        return constrain(x_BLD, ACT_BLD)
+        x_BLD = x_BLD + dropout(self.attn(_gather_sequence(self.attn_norm(x_BLD)), rope),
+                                self.dropout, k_attn)
+        x_BLD = constrain(x_BLD, RESIDUAL_BLD)
+        x_BLD = x_BLD + dropout(self.ffn(_gather_sequence(self.ffn_norm(x_BLD))), self.dropout, k_ffn)
+        return constrain(x_BLD, RESIDUAL_BLD)
+
+
+def _gather_sequence(h_BLD: jax.Array) -> jax.Array:
+    """The sublayer's input in the layout its matmuls need. Under sequence parallelism this is
+    where the residual stream's sequence is all-gathered (Megatron-SP's g) and, backward, its
+    gradient reduce-scattered; saying so keeps the partitioner from gathering the (smaller)
+    weights instead."""
+    return relayout(h_BLD, RESIDUAL_BLD, (Dim.BATCH, Dim.LENGTH, Dim.ACT_EMBED))
 
 
 class Embedder(nnx.Module):
@@ -171,23 +179,23 @@ class Embedder(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.tied = cfg.tie_embeddings
-        self.tokens = _param(rngs, (cfg.vocab_size, cfg.d_model), (Dim.VOCAB, Dim.EMBED), cfg.init_std)
+        self.tokens = _param(rngs, (cfg.padded_vocab, cfg.d_model), (Dim.VOCAB, Dim.EMBED), cfg.init_std)
         if cfg.positions is Positions.LEARNED:
             self.positions = _param(rngs, (cfg.max_seq_len, cfg.d_model),
                                     (Dim.POSITION, Dim.EMBED), cfg.init_std)
         self.final_norm = NormLayer(cfg)
         if not cfg.tie_embeddings:
-            self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), (Dim.EMBED, Dim.VOCAB),
+            self.lm_head = _param(rngs, (cfg.d_model, cfg.padded_vocab), (Dim.EMBED, Dim.VOCAB),
                                   cfg.init_std)
 
     def encode(self, tokens_BL: jax.Array, positions_L: jax.Array) -> jax.Array:
-        x_BLD = jnp.take(self.tokens[...], tokens_BL, axis=0)
+        x_BLD = embed_lookup(self.tokens[...], tokens_BL)
         if hasattr(self, "positions"):
             x_BLD = x_BLD + jnp.take(self.positions[...], positions_L, axis=0)[None]
-        return constrain(x_BLD, ACT_BLD)
+        return constrain(x_BLD, RESIDUAL_BLD)
 
     def decode(self, x_BLD: jax.Array) -> jax.Array:
-        """Float32 logits ``[B, L, V]``."""
+        """Float32 logits ``[B, L, V]`` over the padded vocab."""
         x_BLD = self.final_norm(x_BLD)
         if self.tied:
             logits = jnp.einsum("bld,vd->blv", x_BLD, self.tokens[...],

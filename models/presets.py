@@ -28,13 +28,15 @@ def _llama(name: str, n_layers: int, d_model: int, n_heads: int, n_kv_heads: int
 
 
 def tiny() -> ModelConfig:
-    """GPT-2 family, 2 layers, d_model 64, byte vocabulary: for tests (0.13M params)."""
-    return _gpt2("tiny", 2, 64, 4, vocab_size=256, max_seq_len=256)
+    """GPT-2 family, 2 layers, d_model 64, 8 heads, byte vocabulary: for tests (0.13M params).
+    8 heads so that tensor=8 splits them."""
+    return _gpt2("tiny", 2, 64, 8, vocab_size=256, max_seq_len=256)
 
 
 def tiny_llama() -> ModelConfig:
-    """Llama family at the size of ``tiny``, with grouped-query attention (4 heads, 2 kv)."""
-    return _llama("tiny-llama", 2, 64, 4, 2, 192, vocab_size=256, max_seq_len=256)
+    """Llama family at the size of ``tiny``, with grouped-query attention (8 heads, 2 kv: with
+    tensor > 2 the kv heads are replicated)."""
+    return _llama("tiny-llama", 2, 64, 8, 2, 192, vocab_size=256, max_seq_len=256)
 
 
 def small() -> ModelConfig:

@@ -15,11 +15,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from jaxshard import remat as remat_lib
 from jaxshard.axes import Dim
+from jaxshard.parallel.vocab import cross_entropy
 from jaxshard.rules import for_compute
 from models.config import ModelConfig, Positions
 from models.layers import Block, Embedder, dropout, rope_tables
@@ -108,7 +108,7 @@ class TransformerLM:
         x_BLD = self.embed(params, inputs_BL, key=k_embed)
         x_BLD = self.blocks(params, x_BLD, key=k_blocks)
         logits_BLV = self.head(params, x_BLD)
-        nll_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL)
+        nll_BL = cross_entropy(logits_BLV, targets_BL, self.cfg.vocab_size)
         return nll_BL.sum(), jnp.asarray(nll_BL.size, jnp.float32)
 
     def _rope(self, length: int) -> tuple[jax.Array, jax.Array] | None:

@@ -1,6 +1,7 @@
 """experiments/train.py through its command line, as a user runs it."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CACHE = ROOT / ".cache" / "xla-tests"
+CACHE = os.environ.get("JAXSHARD_TEST_CACHE", str(ROOT / ".cache" / "xla-tests"))
 
 
 def train(*flags, timeout=240):
@@ -84,7 +85,9 @@ def test_train_writes_metrics_and_report(tmp_path):
     assert rep["per_device_bytes"]["opt_state"] <= 2 * 4 * 132_736 // 8 + 64
     assert set(rep["xla_memory"]) >= {"argument", "output", "temp"}
     assert rep["xla_memory"]["argument"] >= rep["per_device_bytes"]["params"]
-    assert rep["collectives"] == []
+    kinds = {c["kind"]: c for c in rep["collectives"]}
+    assert {"all-gather", "all-reduce"} <= set(kinds)  # FSDP gathers params; grads are reduced
+    assert all(c["count"] >= 1 and c["bytes"] > 0 for c in rep["collectives"])
     assert rep["final_loss"] == records[-1]["loss"]
 
 
@@ -92,3 +95,29 @@ def test_microbatch_not_divisible_by_batch_axes():
     result = train("--mesh", "data=8", "--cpu-devices", "8", "--batch-size", "16", "--grad-accum", "4")
     assert_one_line_error(result, "the microbatch of 4 (--batch-size 16 / --grad-accum 4) is not "
                                   "divisible by the batch-sharding axes (data=8: 8 shards)")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--model", "llama-tiny", "--mesh", "tensor=8"], "heads (4) is not divisible by tensor=8"),
+    (["--model", "gpt2-small", "--mesh", "data=4,tensor=2"],
+     "vocab (50257) is not divisible by tensor=2 (use a vocab multiple: --vocab-multiple)"),
+    (["--mesh", "data=2,sequence=4", "--seq-len", "30"], "--seq-len 30 is not divisible by sequence=4"),
+    (["--mesh", "data=8", "--sequence-parallel"], "--sequence-parallel needs a tensor axis"),
+])
+def test_model_parallel_input_errors(flags, message):
+    assert_one_line_error(train(*flags, "--cpu-devices", "8"), message)
+
+
+def test_tensor_and_sequence_parallel_run_reports_a_quarter_of_the_weights(tmp_path):
+    report = tmp_path / "r.json"
+    result = train("--model", "llama-tiny", "--mesh", "data=2,tensor=4", "--sequence-parallel",
+                   "--cpu-devices", "8", "--steps", "3", "--batch-size", "8", "--seq-len", "32",
+                   "--report", str(report))
+    assert result.returncode == 0, result.stderr
+    rep = json.loads(report.read_text())
+    assert rep["strategy"] == "ddp+tp+sp"
+    # every weight is split 4 ways; only the norm scales (0.05% of the params) are whole
+    full = 4 * rep["n_params"]
+    assert full / 4 < rep["per_device_bytes"]["params"] < 1.01 * full / 4
+    kinds = {c["kind"] for c in rep["collectives"]}
+    assert {"all-gather", "reduce-scatter"} <= kinds

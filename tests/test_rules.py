@@ -17,10 +17,10 @@ from models import ModelConfig, TransformerLM, get_preset
 STATE_DIM = {
     "tiny": {
         "blocks/attn/bo": 1,  # (2, 64)
-        "blocks/attn/bq": 2,  # (2, 4, 16): heads 4 does not divide by 8 -> head_dim
-        "blocks/attn/bv": 2,  # (2, 4, 16)
-        "blocks/attn/wk": 1,  # (2, 64, 4, 16)
-        "blocks/attn/wo": 3,  # (2, 4, 16, 64)
+        "blocks/attn/bq": 1,  # (2, 8, 8): no embed; the first of the largest dims
+        "blocks/attn/bv": 1,  # (2, 8, 8)
+        "blocks/attn/wk": 1,  # (2, 64, 8, 8)
+        "blocks/attn/wo": 3,  # (2, 8, 8, 64)
         "blocks/attn/wq": 1,
         "blocks/attn/wv": 1,
         "blocks/attn_norm/bias": 1,  # (2, 64)
@@ -37,9 +37,9 @@ STATE_DIM = {
         "tokens": 1,  # (256, 64)
     },
     "tiny-llama": {
-        "blocks/attn/wk": 1,  # (2, 64, 2, 16)
-        "blocks/attn/wo": 3,  # (2, 4, 16, 64)
-        "blocks/attn/wq": 1,  # (2, 64, 4, 16)
+        "blocks/attn/wk": 1,  # (2, 64, 2, 8)
+        "blocks/attn/wo": 3,  # (2, 8, 8, 64)
+        "blocks/attn/wq": 1,  # (2, 64, 8, 8)
         "blocks/attn/wv": 1,
         "blocks/attn_norm/scale": 1,  # (2, 64)
         "blocks/ffn/w_gate": 1,  # (2, 64, 192)

@@ -1,0 +1,99 @@
+"""Each explicit shard_map kernel against its dense one-device computation, values and grads."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxshard.axes import Dim
+from jaxshard.mesh import build_mesh
+from jaxshard.parallel.attention import causal_attention
+from jaxshard.parallel.vocab import cross_entropy, embed_lookup
+from jaxshard.rules import ShardingRules, Strategy, constrain, use_rules
+
+RNG = np.random.default_rng(0)
+
+
+def under(mesh, fn, *args, sp=False):
+    """``fn(*args)`` jitted under the rules of ``mesh`` (inputs laid out by the rules too)."""
+    rules = ShardingRules(build_mesh(mesh), Strategy(sequence_parallel=sp))
+
+    def run(*a):
+        with use_rules(rules):
+            return fn(*a)
+
+    return jax.jit(run)(*args)
+
+
+@pytest.mark.parametrize("mesh, sp", [("tensor=8", False), ("data=2,tensor=4", False),
+                                      ("data=2,tensor=4", True), ("sequence=2,tensor=4", True)])
+def test_vocab_parallel_embedding(mesh, sp):
+    table = RNG.normal(size=(64, 16)).astype(np.float32)
+    tokens = RNG.integers(0, 64, (4, 8)).astype(np.int32)
+    cot = RNG.normal(size=(4, 8, 16)).astype(np.float32)
+
+    def f(t):  # a scalar of the lookup, so the gradient w.r.t. the table is checked too
+        return (embed_lookup(t, tokens) * cot).sum()
+
+    np.testing.assert_allclose(under(mesh, lambda t: embed_lookup(t, tokens), table, sp=sp),
+                               table[tokens], rtol=1e-6)
+    np.testing.assert_allclose(under(mesh, jax.grad(f), table, sp=sp), jax.grad(f)(table), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mesh", ["tensor=8", "data=2,tensor=4", "sequence=2,tensor=4"])
+@pytest.mark.parametrize("vocab, padded", [(64, 64), (60, 64)])
+def test_vocab_parallel_cross_entropy(mesh, vocab, padded):
+    logits = (3 * RNG.normal(size=(4, 8, padded))).astype(np.float32)
+    targets = RNG.integers(0, vocab, (4, 8)).astype(np.int32)
+    want = optax.softmax_cross_entropy_with_integer_labels(logits[..., :vocab], targets)
+
+    def f(lg):
+        lg = constrain(lg, (Dim.BATCH, Dim.LENGTH, Dim.ACT_VOCAB))
+        return cross_entropy(lg, targets, vocab)
+
+    np.testing.assert_allclose(under(mesh, f, logits), want, rtol=1e-5)
+    grad = under(mesh, jax.grad(lambda lg: f(lg).sum()), logits)
+    want_grad = jax.grad(lambda lg: optax.softmax_cross_entropy_with_integer_labels(lg, targets).sum())(
+        logits[..., :vocab])
+    np.testing.assert_allclose(grad[..., :vocab], want_grad, rtol=1e-5, atol=1e-6)
+    assert not np.any(grad[..., vocab:])  # padding columns get no gradient
+    np.testing.assert_allclose(cross_entropy(jnp.asarray(logits), targets, vocab), want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mesh", ["data=4,sequence=2", "sequence=8", "data=2,sequence=4",
+                                  "sequence=4,tensor=2"])
+@pytest.mark.parametrize("kv_heads, groups", [(4, 1), (2, 2)])
+def test_ring_attention(mesh, kv_heads, groups):
+    B, L, H = 2, 32, 8
+    q = RNG.normal(size=(B, L, kv_heads, groups, H)).astype(np.float32)
+    k, v = (RNG.normal(size=(B, L, kv_heads, H)).astype(np.float32) for _ in range(2))
+    cot = RNG.normal(size=q.shape).astype(np.float32)
+
+    def f(q, k, v):
+        q = constrain(q, (Dim.BATCH, Dim.LENGTH, Dim.ACT_KV_HEADS, None, None))
+        return causal_attention(q, k, v)
+
+    dense = causal_attention(q, k, v)  # no rules: the dense path
+    np.testing.assert_allclose(under(mesh, f, q, k, v), dense, rtol=1e-5, atol=1e-6)
+
+    def loss(*a):
+        return (f(*a) * cot).sum()
+
+    grads = under(mesh, jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
+    want = jax.grad(lambda *a: (causal_attention(*a) * cot).sum(), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(grads, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_dense_attention_is_causal_softmax():
+    B, L, K, G, H = 1, 6, 1, 2, 4
+    q = RNG.normal(size=(B, L, K, G, H))
+    k, v = RNG.normal(size=(B, L, K, H)), RNG.normal(size=(B, L, K, H))
+    s = np.einsum("blkgh,bmkh->bkglm", q, k) / np.sqrt(H)
+    s = np.where(np.tril(np.ones((L, L), bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    want = np.einsum("bkglm,bmkh->blkgh", p, v)
+    got = causal_attention(*(jnp.asarray(a, jnp.float32) for a in (q, k, v)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

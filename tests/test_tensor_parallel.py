@@ -1,0 +1,193 @@
+"""Tensor, sequence and context parallelism: equal to one device, and what the compiled step
+sends (no full-vocab transfers, no weight gathers, reduce-scatter/all-gather under SP)."""
+
+import jax
+import numpy as np
+import pytest
+
+from harness import BATCH, SEQ, assert_matches_reference, make_program
+from jaxshard import inspect
+from jaxshard.errors import ConfigError
+from jaxshard.mesh import build_mesh
+from jaxshard.rules import ShardingRules, Strategy
+from models import ModelConfig, TransformerLM, get_preset
+
+# mesh, sequence parallelism, strategy name
+CASES = {
+    "tensor=2": ("tensor=2", False, "tp"),
+    "tensor=4": ("tensor=4", False, "tp"),
+    "tensor=8": ("tensor=8", False, "tp"),
+    "data=2,fsdp=2,tensor=2": ("data=2,fsdp=2,tensor=2", False, "hsdp+tp"),
+    "tensor=2+sp": ("tensor=2", True, "tp+sp"),
+    "sequence=2": ("sequence=2", False, "cp"),
+    "sequence=4": ("sequence=4", False, "cp"),
+    "fsdp=2,tensor=2,sequence=2": ("fsdp=2,tensor=2,sequence=2", False, "fsdp+tp+cp"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("model_name", ["tiny", "tiny-llama"])
+def test_matches_one_device(model_name, case):
+    mesh, sp, name = CASES[case]
+    program = assert_matches_reference(model_name, mesh, sequence_parallel=sp)
+    assert program.rules.name == name
+
+
+@pytest.mark.parametrize("mesh, sp", [("fsdp=2,tensor=2,sequence=2", False), ("data=4,tensor=2", True)])
+def test_dropout_matches_one_device(mesh, sp):
+    assert_matches_reference("tiny", mesh, sequence_parallel=sp, dropout=0.1)
+
+
+def test_gqa_kv_heads_replicated_when_fewer_than_tensor():
+    program = make_program(TransformerLM(get_preset("tiny-llama")), "tensor=8")
+    specs = jax.tree.map(lambda s: s.spec, program.layout.shardings.params["blocks"]["attn"])
+    P = jax.sharding.PartitionSpec
+    assert specs["wq"] == P(None, None, "tensor", None)  # 8 query heads: one per device
+    assert specs["wk"] == P(None, None, None, None)  # 2 kv heads < 8: every device holds both
+    assert specs["wo"] == P(None, "tensor", None, None)
+    assert make_program(TransformerLM(get_preset("tiny-llama")), "tensor=2").layout.shardings \
+        .params["blocks"]["attn"]["wk"].spec == P(None, None, "tensor", None)
+
+
+# ---- what the compiled step sends ---------------------------------------------------------
+
+VOCAB = 320  # a size no other dim of the test models has
+
+
+def compiled_collectives(model, mesh, sp=False):
+    program = make_program(model, mesh, sequence_parallel=sp)
+    return inspect.collectives(program.lower_step(BATCH, SEQ).compile().as_text())
+
+
+@pytest.mark.parametrize("mesh, sp", [("tensor=8", False), ("data=2,fsdp=2,tensor=2", False),
+                                      ("data=4,tensor=2", True), ("fsdp=2,tensor=2,sequence=2", False)])
+@pytest.mark.parametrize("model_name", ["tiny", "tiny-llama"])  # tied and untied embeddings
+def test_no_collective_carries_the_full_vocab(model_name, mesh, sp):
+    model = TransformerLM(get_preset(model_name).replace(vocab_size=VOCAB))
+    found = compiled_collectives(model, mesh, sp)
+    assert found
+    offenders = [(c.kind, c.shapes) for c in found if VOCAB in c.dims()]
+    assert not offenders, offenders
+
+
+def test_full_vocab_check_can_fail():
+    """Control: under DDP the embedding gradient is all-reduced whole, and the check sees it."""
+    model = TransformerLM(get_preset("tiny").replace(vocab_size=VOCAB))
+    assert any(VOCAB in c.dims() for c in compiled_collectives(model, "data=8"))
+
+
+def weight_shapes(model, stacked_only=False):
+    """Full shapes of every attention/MLP weight, stacked and per layer."""
+    shapes = set()
+    for name, group in model.abstract_params()["blocks"].items():
+        if name in ("attn", "ffn"):
+            for w in group.values():
+                if len(w.shape) > 2:
+                    shapes |= {w.shape, w.shape[1:]}
+    return shapes
+
+
+@pytest.mark.parametrize("mesh, sp", [("tensor=2", False), ("tensor=8", False), ("tensor=2", True)])
+@pytest.mark.parametrize("model_name", ["tiny", "tiny-llama"])
+def test_tensor_parallel_weights_are_never_gathered(model_name, mesh, sp):
+    model = TransformerLM(get_preset(model_name))
+    found = compiled_collectives(model, mesh, sp)
+    full = weight_shapes(model)
+    assert not [c for c in found if c.kind == "all-gather" and set(c.shapes) & full]
+    kv_split = model.cfg.n_kv_heads % int(mesh.split("=")[1]) == 0
+    if not sp and kv_split:  # Megatron TP: only activation all-reduces (and per-token losses)
+        assert {c.kind for c in found} == {"all-reduce"}
+    # With kv heads replicated (fewer than tensor), the backward pass also gathers the kv
+    # activation gradients across the devices holding different kv heads -- never weights.
+
+
+@pytest.mark.parametrize("model_name", ["tiny", "tiny-llama"])
+def test_fsdp_with_tensor_gathers_only_the_tensor_shards(model_name):
+    model = TransformerLM(get_preset(model_name).replace(vocab_size=VOCAB, max_seq_len=96))
+    found = compiled_collectives(model, "data=2,fsdp=2,tensor=2")
+    gathers = [c for c in found if c.kind == "all-gather"]
+    assert gathers  # FSDP gathers its shards...
+    assert not [c for c in gathers if set(c.shapes) & weight_shapes(model)]  # ...not across tensor
+    # ...and never activations across the batch: every gathered array is a parameter shard
+    assert not [c for c in gathers if c.shapes[0][:1] == (BATCH // 4,) or BATCH in c.shapes[0][:1]]
+
+
+def activation_collectives(found):
+    return [c for c in found if c.shapes and len(c.shapes[0]) == 3 and c.shapes[0][:1] == (BATCH,)]
+
+
+@pytest.mark.parametrize("model_name", ["tiny", "tiny-llama"])
+def test_sequence_parallel_turns_block_all_reduces_into_reduce_scatter_all_gather(model_name):
+    model = TransformerLM(get_preset(model_name))
+    tp = activation_collectives(compiled_collectives(model, "tensor=2"))
+    sp = activation_collectives(compiled_collectives(model, "tensor=2", sp=True))
+    assert tp and {c.kind for c in tp} == {"all-reduce"}
+    kinds = [c.kind for c in sp]
+    assert set(kinds) == {"all-gather", "reduce-scatter"}, kinds
+    # at least one of each per sublayer (attention, MLP) of every layer, forward and backward
+    for kind in ("all-gather", "reduce-scatter"):
+        assert sum(c.executions for c in sp if c.kind == kind) >= 2 * 2 * model.cfg.n_layers
+
+
+def test_context_parallel_passes_kv_chunks_around_a_ring():
+    model = TransformerLM(get_preset("tiny-llama"))
+    found = compiled_collectives(model, "sequence=4")
+    ring = [c for c in found if c.kind == "collective-permute"]
+    B, C, K, H = BATCH, SEQ // 4, model.cfg.n_kv_heads, model.cfg.d_head
+    assert ring and all(c.shapes == ((B, C, K, H),) for c in ring)
+    assert not [c for c in found if c.kind == "all-gather"]  # keys/values are never gathered
+
+
+# ---- what each device holds ----------------------------------------------------------------
+
+@pytest.mark.parametrize("tensor", [2, 4, 8])
+def test_tensor_parallel_weights_per_device(tensor):
+    model = TransformerLM(get_preset("tiny"))
+    program = make_program(model, f"tensor={tensor}")
+    blocks = program.init(0).params["blocks"]
+    big = {k: v for k, group in blocks.items() if k in ("attn", "ffn") for k, v in group.items()
+           if v.ndim > 2}
+    total = sum(v.nbytes for v in big.values())
+    assert inspect.max_bytes_per_device(big) == total // tensor
+
+
+def test_sequence_parallel_saves_activation_memory():
+    model = TransformerLM(get_preset("tiny"))
+    tp = inspect.saved_residual_bytes(make_program(model, "tensor=2"), BATCH, SEQ)
+    sp = inspect.saved_residual_bytes(make_program(model, "tensor=2", sequence_parallel=True), BATCH, SEQ)
+    assert sp < 0.95 * tp, (sp, tp)
+
+
+# ---- bad input -----------------------------------------------------------------------------
+
+def rules(mesh, sp=False):
+    return ShardingRules(build_mesh(mesh), Strategy(sequence_parallel=sp))
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"n_heads": 4, "n_kv_heads": 4}, r"heads \(4\) is not divisible by tensor=8"),
+    ({"n_heads": 24, "n_kv_heads": 3, "d_head": 8}, r"kv_heads \(3\) is not divisible by tensor=8"),
+    ({"d_mlp": 100}, r"mlp \(100\) is not divisible by tensor=8"),
+    ({"vocab_size": 250}, r"vocab \(250\) is not divisible by tensor=8 \(use a vocab multiple"),
+])
+def test_dims_tensor_cannot_split_are_one_line_errors(changes, message):
+    model = TransformerLM(get_preset("tiny-llama").replace(**changes))
+    with pytest.raises(ConfigError, match=message):
+        rules("tensor=8").check_model(model.param_axes(), model.abstract_params())
+
+
+def test_vocab_multiple_pads_the_vocab_so_tensor_divides_it():
+    model = TransformerLM(get_preset("tiny").replace(vocab_size=250, vocab_multiple=8))
+    assert model.abstract_params()["tokens"].shape == (256, 64)
+    rules("tensor=8").check_model(model.param_axes(), model.abstract_params())
+
+
+def test_sequence_errors():
+    with pytest.raises(ConfigError, match=r"--seq-len 30 is not divisible by sequence=4"):
+        rules("data=2,sequence=4").check_seq_len(30)
+    with pytest.raises(ConfigError, match=r"--seq-len 6 is not divisible by tensor=4 \(sequence "
+                                          r"parallelism splits the sequence over tensor too\)"):
+        rules("data=2,tensor=4", sp=True).check_seq_len(6)
+    rules("data=2,tensor=4").check_seq_len(6)  # without SP the sequence is not split
+    with pytest.raises(ConfigError, match="--sequence-parallel needs a tensor axis"):
+        rules("data=8", sp=True)
