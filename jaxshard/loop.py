@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from jaxshard import data as data_lib
-from jaxshard import inspect
+from jaxshard import hlo, inspect
 from jaxshard.cli import TrainConfig
 from jaxshard.errors import ConfigError, DataError, TrainingError
 from jaxshard.mesh import axis_sizes, build_mesh
@@ -103,7 +103,7 @@ def train(cfg: TrainConfig, model: Any) -> dict[str, Any]:
         "compute_dtype": cfg.step.compute_dtype,
         "per_device_bytes": held,
         "xla_memory": inspect.xla_memory(compiled),
-        "collectives": inspect.collective_summary(inspect.collectives(compiled.as_text())),
+        "collectives": hlo.summary(inspect.compiled_collectives(compiled, mesh)),
         "compile_time_s": compile_s,
         "step_time_s_median": float(np.median(timed)),
         "tokens_per_s": tokens_per_step / float(np.median(timed)),

@@ -311,12 +311,16 @@ _relayout.defvjp(_relayout_fwd, _relayout_bwd)
 
 
 def for_compute(params: Any, axes_tree: Any) -> Any:
-    """Params as a layer uses them. Under FSDP/ZeRO-3 this is the all-gather of the weights;
-    in the backward pass its transpose reduce-scatters their gradient."""
+    """Params as a layer uses them: ZeRO-3/FSDP all-gather the weights here, and the gradient
+    is reduce-scattered straight into its at-rest layout (DDP/ZeRO-1: all-reduced), where the
+    layer's backward pass produces it."""
     rules = _ACTIVE.get()
     if rules is None:
         return params
-    return jax.tree.map(
-        lambda x, ax: jax.lax.with_sharding_constraint(
-            x, rules.named(rules.compute_param_spec(ax, tuple(x.shape)))),
-        params, axes_tree)
+
+    def gather(x, ax):
+        shape = tuple(x.shape)
+        return _relayout(x, rules.named(rules.param_spec(ax, shape, StateKind.GRADS)),
+                         rules.named(rules.compute_param_spec(ax, shape)))
+
+    return jax.tree.map(gather, params, axes_tree)

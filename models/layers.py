@@ -191,7 +191,9 @@ class Embedder(nnx.Module):
     def encode(self, tokens_BL: jax.Array, positions_L: jax.Array) -> jax.Array:
         x_BLD = embed_lookup(self.tokens[...], tokens_BL)
         if hasattr(self, "positions"):
-            x_BLD = x_BLD + jnp.take(self.positions[...], positions_L, axis=0)[None]
+            # positions_L is 0..L-1: a slice, whose gradient is a dense pad (a scatter-add's
+            # would make XLA move the activation gradient around to scatter it).
+            x_BLD = x_BLD + self.positions[...][: positions_L.shape[0]][None]
         return constrain(x_BLD, RESIDUAL_BLD)
 
     def decode(self, x_BLD: jax.Array) -> jax.Array:

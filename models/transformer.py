@@ -105,9 +105,12 @@ class TransformerLM:
         if inputs_BL.shape[1] > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {inputs_BL.shape[1]} exceeds max_seq_len {self.cfg.max_seq_len}")
         k_embed, k_blocks = jax.random.split(key) if key is not None else (None, None)
-        x_BLD = self.embed(params, inputs_BL, key=k_embed)
+        # One embedder for both ends (not embed() then head()): a tied table is gathered once
+        # and its two gradients are summed before they are reduced.
+        embedder = self._embedder(params)
+        x_BLD = dropout(embedder.encode(inputs_BL, jnp.arange(inputs_BL.shape[1])), self.cfg.dropout, k_embed)
         x_BLD = self.blocks(params, x_BLD, key=k_blocks)
-        logits_BLV = self.head(params, x_BLD)
+        logits_BLV = embedder.decode(x_BLD)
         nll_BL = cross_entropy(logits_BLV, targets_BL, self.cfg.vocab_size)
         return nll_BL.sum(), jnp.asarray(nll_BL.size, jnp.float32)
 

@@ -56,7 +56,7 @@ VOCAB = 320  # a size no other dim of the test models has
 
 def compiled_collectives(model, mesh, sp=False):
     program = make_program(model, mesh, sequence_parallel=sp)
-    return inspect.collectives(program.lower_step(BATCH, SEQ).compile().as_text())
+    return inspect.compiled_collectives(program.lower_step(BATCH, SEQ).compile(), program.rules.mesh)
 
 
 @pytest.mark.parametrize("mesh, sp", [("tensor=8", False), ("data=2,fsdp=2,tensor=2", False),

@@ -33,28 +33,38 @@ def _local_range(axes: tuple[str, ...], local_size: int, ids: jax.Array):
 
 
 def embed_lookup(table_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array:
-    """``table[tokens]``; with vocab sharded, a masked local lookup and one sum over the shards."""
+    """``table[tokens]``; with vocab sharded, a masked local lookup and one sum over the shards.
+
+    Also manual when only the batch is sharded: each device scatter-adds its own rows'
+    gradient into its copy of the table and the copies are summed (reduce-scattered under
+    ZeRO-2/3), whatever the sizes. Left to the partitioner, a small table's gradient may
+    instead move the activation gradients with an all-to-all.
+    """
     rules = active()
-    axes = rules.param_mesh_axes(Dim.VOCAB) if rules is not None else ()
-    if not axes:
+    if rules is None:
         return jnp.take(table_VD, tokens_BL, axis=0)
+    axes = rules.param_mesh_axes(Dim.VOCAB)
     tokens_spec = rules.activation_spec((Dim.BATCH, Dim.LENGTH), tokens_BL.shape)
-    # Under sequence parallelism the residual stream is split along the sequence over the same
-    # axes: reduce-scatter straight into that layout instead of all-reducing.
-    scatter = set(axes) <= set(rules.activation_mesh_axes(Dim.RESIDUAL_LENGTH))
+    manual = spec_axes(tokens_spec) | set(axes)
+    if not manual:
+        return jnp.take(table_VD, tokens_BL, axis=0)
+    # Under sequence parallelism the residual stream is split along the sequence over the
+    # vocab axes: reduce-scatter straight into that layout instead of all-reducing.
+    scatter = bool(axes) and set(axes) <= set(rules.activation_mesh_axes(Dim.RESIDUAL_LENGTH))
     out_spec = rules.activation_spec(
         (Dim.BATCH, Dim.RESIDUAL_LENGTH if scatter else Dim.LENGTH, None), (*tokens_BL.shape, None))
 
     def local(table_vD, tokens):
+        if not axes:
+            return jnp.take(table_vD, tokens, axis=0)
         ids, in_range = _local_range(axes, table_vD.shape[0], tokens)
         x = jnp.where(in_range[..., None], jnp.take(table_vD, ids, axis=0), 0)
         if scatter:
             return jax.lax.psum_scatter(x, axes, scatter_dimension=1, tiled=True)
         return jax.lax.psum(x, axes)
 
-    return jax.shard_map(local, mesh=rules.mesh, in_specs=(P(axes, None), tokens_spec),
-                         out_specs=out_spec, axis_names=spec_axes(tokens_spec) | set(axes)
-                         )(table_VD, tokens_BL)
+    return jax.shard_map(local, mesh=rules.mesh, in_specs=(P(axes or None, None), tokens_spec),
+                         out_specs=out_spec, axis_names=manual)(table_VD, tokens_BL)
 
 
 def cross_entropy(logits_BLV: jax.Array, targets_BL: jax.Array, vocab_size: int) -> jax.Array:

@@ -1,0 +1,225 @@
+"""The collectives of a compiled step, read from its HLO text (``compiled.as_text()``).
+
+The partitioned module is per device, so every size here is what one device sends or
+receives. Handles the text of jax 0.10-0.12: tuple-shaped (combined) collectives, replica
+groups written out (``{{0,1},{2,3}}``), as iota lists (``[2,4]<=[4,2]T(1,0)``) or as meshes
+(``mesh['axis_0'=2,'axis_1'=4] {'axis_1'}``, optionally with ``device_ids=(...)``), async
+``-start`` forms, and XLA:CPU's reduce-scatter spelled as an all-reduce whose users only
+take slices of it. A collective inside a loop counts once per iteration (``known_trip_count``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = (?P<shape>\(.*?\)|\S+) "
+                    r"(?P<op>[\w\-]+)\((?P<operands>[^)]*)\)(?P<attrs>.*)$")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[\w.\-]+)\s*\((?P<params>.*)\)\s*->.*\{\s*$")
+_ARRAY = re.compile(r"\b(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\]")
+_CALLS = re.compile(r"\b(body|condition|calls|to_apply|branch_computations|true_computation|"
+                    r"false_computation)=\{?%([\w.\-]+)")
+
+Groups = tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One transfer of the compiled step, as one device sees it."""
+
+    kind: str  # one of KINDS; "reduce-scatter" also for all-reduce + slice
+    name: str  # instruction name; "#i" marks element i of a combined (tuple) collective
+    shapes: tuple[tuple[int, ...], ...]  # result arrays
+    operand_shapes: tuple[tuple[int, ...], ...]
+    bytes: int  # the full buffer: all-reduce's, all-gather's result, reduce-scatter's input
+    groups: Groups  # partition ids per replica group (collective-permute: source/target pairs)
+    spelled_as: str  # the HLO opcode
+    executions: int = 1  # runs per step (trip counts of the loops around it)
+    axes: tuple[str, ...] = ()  # mesh axes its groups span (see attribute())
+
+    @property
+    def group_size(self) -> int:
+        return len(self.groups[0]) if self.groups else 0
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes one device sends per execution under the ring algorithm."""
+        n = self.group_size
+        if self.kind == "collective-permute":
+            return float(self.bytes)
+        if n <= 1:
+            return 0.0
+        factor = 2 * (n - 1) / n if self.kind == "all-reduce" else (n - 1) / n
+        return factor * self.bytes
+
+    def dims(self) -> set[int]:
+        return {d for shape in self.shapes + self.operand_shapes for d in shape}
+
+
+def _arrays(text: str) -> list[tuple[str, tuple[int, ...]]]:
+    return [(m["dtype"], tuple(int(d) for d in m["dims"].split(",") if d))
+            for m in _ARRAY.finditer(text) if m["dtype"] in _DTYPE_BYTES]
+
+
+def _nbytes(arrays) -> int:
+    return sum(_DTYPE_BYTES[t] * math.prod(s) for t, s in arrays)
+
+
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+    shape = [int(d) for d in dims.split(",")]
+    ids = np.arange(math.prod(shape)).reshape(shape)
+    return ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
+
+
+def parse_groups(attrs: str, n_partitions: int) -> Groups:
+    """Replica groups (or collective-permute pairs) as tuples of partition ids."""
+    if m := re.search(r"source_target_pairs=\{(.*?)\}\}", attrs + "}"):
+        return tuple(tuple(int(x) for x in p.split(",")) for p in re.findall(r"\{([\d,]+)\}", m[1] + "}"))
+    if m := re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attrs):
+        groups = tuple(tuple(int(x) for x in g.split(",") if x) for g in re.findall(r"\{([\d,]*)\}", m[1]))
+        return groups or (tuple(range(n_partitions)),)
+    if m := re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs):
+        return tuple(map(tuple, _iota(m[3], m[4]).reshape(int(m[1]), int(m[2])).tolist()))
+    if m := re.search(r"replica_groups=mesh\[(.*?)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
+                      r"\s*(?:\{(.*?)\})?", attrs):
+        names = re.findall(r"'(\w+)'=(\d+)", m[1])
+        sizes = [int(s) for _, s in names]
+        ids = (_iota(m[2], m[3]) if m[2] else np.arange(math.prod(sizes))).reshape(sizes)
+        listed = re.findall(r"'(\w+)'", m[4]) if m[4] else [n for n, _ in names]
+        inner = [i for i, (n, _) in enumerate(names) if n in listed]
+        outer = [i for i in range(len(names)) if i not in inner]
+        size = math.prod(sizes[i] for i in inner)
+        return tuple(map(tuple, ids.transpose(outer + inner).reshape(-1, size).tolist()))
+    return (tuple(range(n_partitions)),)
+
+
+def parse(hlo_text: str) -> list[Collective]:
+    """Every collective in the per-device HLO, combined ones split into their elements."""
+    n_partitions = int(m[1]) if (m := re.search(r"num_partitions=(\d+)", hlo_text)) else 1
+    shapes: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    instrs, users = [], defaultdict(list)
+    body: dict[str, list] = defaultdict(list)  # computation -> its instructions
+    calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    where: dict[str, str] = {}
+    computation = entry = ""
+    for line in hlo_text.splitlines():
+        if h := _HEADER.match(line):
+            computation = h["name"]
+            entry = computation if line.startswith("ENTRY") else entry
+            for pname, ptype in re.findall(r"([\w.\-]+):\s*(\([^)]*\)|[^,()]+)", h["params"]):
+                shapes[pname] = _arrays(ptype)
+            continue
+        m = _INSTR.match(line)
+        if m is None:
+            continue
+        shapes[m["name"]] = _arrays(m["shape"])
+        where[m["name"]] = computation
+        trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', m["attrs"])
+        for role, callee in _CALLS.findall(m["attrs"]):
+            calls[computation].append((callee, int(trips[1]) if trips and role == "body" else 1))
+        body[computation].append(m)
+        for operand in re.findall(r"%([\w.\-]+)", m["operands"]):
+            users[operand].append(m)
+        if m["op"].removesuffix("-start") in KINDS:
+            instrs.append(m)
+
+    runs = _executions(entry, calls)
+    found = []
+    for m in instrs:
+        op = m["op"].removesuffix("-start")
+        result = shapes[m["name"]]
+        if m["op"].endswith("-start") and len(result) > 1:  # async: (operands, results, ...)
+            result = result[len(result) // 2:]
+        operands = [a for o in re.findall(r"%([\w.\-]+)", m["operands"]) for a in shapes.get(o, [])]
+        groups = parse_groups(m["attrs"], n_partitions)
+        # XLA combines small collectives into one with a tuple result; each element is its own
+        # transfer (and may be a reduce-scatter while its neighbours are not).
+        parts = [(m["name"], result, operands, {m["name"]})]
+        if len(result) > 1 and len(operands) == len(result):
+            elements = defaultdict(set)  # index -> names of its get-tuple-elements
+            for u in users[m["name"]]:
+                if u["op"] == "get-tuple-element" and (i := re.search(r"index=(\d+)", u["attrs"])):
+                    elements[int(i[1])].add(u["name"])
+            parts = [(f"{m['name']}#{i}", [r], [o], elements[i])
+                     for i, (r, o) in enumerate(zip(result, operands))]
+        for name, res, ops, values in parts:
+            kind = op
+            if op == "all-reduce" and len(res) == 1 and _only_sliced(values, users, body):
+                kind = "reduce-scatter"
+            full = ops if op == "reduce-scatter" else res
+            found.append(Collective(
+                kind=kind, name=name, shapes=tuple(s for _, s in res),
+                operand_shapes=tuple(s for _, s in ops), bytes=_nbytes(full), groups=groups,
+                spelled_as=op, executions=runs.get(where[m["name"]], 1)))
+    return found
+
+
+def _only_sliced(values: set[str], users, body) -> bool:
+    """Every use of ``values`` takes a slice: a dynamic-slice, or a fusion inside which the
+    parameter the value arrives as is only sliced."""
+    uses = [u for v in values for u in users[v]]
+    if not uses:
+        return False
+    for u in uses:
+        if u["op"] in ("dynamic-slice", "slice"):
+            continue
+        called = re.search(r"calls=%([\w.\-]+)", u["attrs"])
+        if u["op"] != "fusion" or not called:
+            return False
+        fused = body[called[1]]
+        operands = re.findall(r"%([\w.\-]+)", u["operands"])
+        for index in (i for i, o in enumerate(operands) if o in values):
+            param = next((f["name"] for f in fused
+                          if f["op"] == "parameter" and f["operands"].strip() == str(index)), None)
+            inside = [f for f in fused if param and re.search(rf"%{re.escape(param)}(?![\w.\-])", f["operands"])]
+            if not inside or any(f["op"] not in ("dynamic-slice", "slice") for f in inside):
+                return False
+    return True
+
+
+def _executions(entry: str, calls: dict[str, list[tuple[str, int]]]) -> dict[str, int]:
+    """How many times one run of ``entry`` runs each computation (while bodies: trip count)."""
+    runs: dict[str, int] = defaultdict(int)
+
+    def visit(comp: str, times: int, depth: int = 0) -> None:
+        runs[comp] += times
+        if depth < 64:
+            for callee, n in calls.get(comp, ()):
+                visit(callee, times * n, depth + 1)
+
+    visit(entry, 1)
+    return dict(runs)
+
+
+def attribute(found: list[Collective], axis_names: tuple[str, ...],
+              axis_sizes: tuple[int, ...]) -> list[Collective]:
+    """Name the mesh axes each collective's groups span. Partition ``i`` is the ``i``-th device
+    of the mesh in row-major order (how jit assigns a mesh's devices)."""
+    coords = np.stack(np.unravel_index(np.arange(math.prod(axis_sizes)), axis_sizes), axis=1)
+    out = []
+    for c in found:
+        varying = set()
+        for g in c.groups:
+            members = coords[list(g)]
+            varying |= {axis_names[i] for i in np.flatnonzero((members != members[0]).any(axis=0))}
+        out.append(replace(c, axes=tuple(a for a in axis_names if a in varying)))
+    return out
+
+
+def summary(found: list[Collective]) -> list[dict]:
+    """``[{kind, count, bytes}]`` per kind, per device per step (the report's ``collectives``),
+    with ``sent_bytes`` of the ring model."""
+    by_kind: dict[str, list[Collective]] = defaultdict(list)
+    for c in found:
+        by_kind[c.kind].append(c)
+    return [{"kind": k, "count": sum(c.executions for c in cs),
+             "bytes": sum(c.bytes * c.executions for c in cs),
+             "sent_bytes": round(sum(c.sent_bytes * c.executions for c in cs))}
+            for k, cs in sorted(by_kind.items())]
