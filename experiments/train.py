@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The repository root instead of this folder, whose inspect.py would shadow the standard library's.
+sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from jaxshard import cli, runtime  # noqa: E402
 
@@ -18,15 +19,10 @@ def main(argv: list[str] | None = None) -> None:
         cfg = cli.parse_train(argv)
         runtime.configure(cfg.runtime)  # before anything touches a device
 
+        from experiments.common import build_model
         from jaxshard import loop
-        from models import TransformerLM, get_preset
 
-        model_cfg = get_preset(cfg.model)
-        if cfg.dropout is not None:
-            model_cfg = model_cfg.replace(dropout=cfg.dropout)
-        if cfg.vocab_multiple is not None:
-            model_cfg = model_cfg.replace(vocab_multiple=cfg.vocab_multiple)
-        loop.train(cfg, TransformerLM(model_cfg, remat=cfg.remat))
+        loop.train(cfg, build_model(cfg))
 
 
 if __name__ == "__main__":

@@ -112,7 +112,22 @@ def train_parser() -> argparse.ArgumentParser:
 
 
 def parse_train(argv: Sequence[str] | None = None) -> TrainConfig:
-    a = train_parser().parse_args(argv)
+    return train_config(train_parser().parse_args(argv))
+
+
+def inspect_parser() -> argparse.ArgumentParser:
+    p = train_parser()
+    p.description = ("Compile one training step without running it and compare what each device "
+                     "holds and sends with the strategy's accounting.")
+    g = p.add_argument_group("inspection")
+    g.add_argument("--strict", action="store_true", help="exit with status 1 if anything is flagged")
+    g.add_argument("--no-unroll", action="store_true",
+                   help="keep the layer scan rolled (faster to compile; XLA's FLOP count then "
+                        "covers one layer of each loop)")
+    return p
+
+
+def train_config(a: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         model=a.model,
         mesh=MeshSpec.parse(a.mesh),

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 
-from jaxshard import hlo
+from jaxshard import accounting, hlo
 
 
 def bytes_per_device(tree: Any) -> dict[int, int]:
@@ -54,3 +55,141 @@ def compiled_collectives(compiled: jax.stages.Compiled, mesh: jax.sharding.Mesh)
     """The collectives of a compiled step, with the mesh axes each one spans."""
     return hlo.attribute(hlo.parse(compiled.as_text()), tuple(mesh.axis_names),
                          tuple(mesh.devices.shape))
+
+
+# ---- the verifier: accounting against the compiled step ------------------------------------
+
+TOLERANCE = 0.05  # relative, per collective kind and for argument bytes
+
+
+@dataclass
+class Verification:
+    """Predicted against measured, per device, for one compiled step."""
+
+    memory: list[tuple[str, int, int | None]]  # (what, predicted, measured)
+    collectives: list[tuple[str, tuple[str, ...], int, int]]  # (kind, axes, predicted, compiled)
+    by_kind: list[tuple[str, int, int]]  # (kind, predicted, compiled)
+    flops: tuple[float, float | None]  # (predicted per device, XLA cost analysis)
+    params: list[accounting.ParamInfo]
+    sizes: dict[str, int]
+    allowances: list[str]
+    flags: list[str] = field(default_factory=list)
+    unrolled: bool = False
+
+
+def verify(model: Any, program: Any, compiled: jax.stages.Compiled, batch_size: int, seq_len: int,
+           *, compute_dtype: str = "float32", grad_accum: int = 1, expected: Any = None) -> Verification:
+    """Compare the accounting of ``expected`` rules (default: the program's) with ``compiled``.
+
+    Flags a collective kind/axes the strategy does not explain, a kind whose bytes differ from
+    the prediction by more than 5% (plus a small slack for scalars), and argument bytes off by
+    more than 5%.
+    """
+    rules = expected or program.rules
+    remat = model.remat
+    mem = accounting.memory(model, rules, batch_size, seq_len, compute_dtype=compute_dtype,
+                            remat=remat, grad_accum=grad_accum)
+    comm = accounting.communication(model, rules, batch_size, seq_len, compute_dtype=compute_dtype,
+                                    remat=remat, grad_accum=grad_accum)
+    fl = accounting.flops(model.cfg, rules, batch_size, seq_len, remat=remat, model=model)
+    found = compiled_collectives(compiled, program.rules.mesh)
+    xla = xla_memory(compiled)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+
+    measured: dict[tuple[str, tuple[str, ...]], int] = defaultdict(int)
+    for c in found:
+        measured[(c.kind, c.axes)] += c.bytes * c.executions
+    predicted = comm.by_kind_and_axes()
+    total = sum(predicted.values()) + sum(measured.values())
+    slack = max(4096, 0.01 * total)
+    flags = []
+    for (kind, axes), b in sorted(measured.items()):
+        near = [a for k, a in predicted if k == kind and (set(a) <= set(axes) or set(axes) <= set(a))]
+        if not near and b > slack:
+            flags.append(f"unexplained {kind} over {','.join(axes) or '?'}: {b:,} B per step "
+                         "(the strategy predicts none)")
+    kinds = sorted({k for k, _ in predicted} | {k for k, _ in measured})
+    by_kind = [(k, sum(v for (kk, _), v in predicted.items() if kk == k),
+                sum(v for (kk, _), v in measured.items() if kk == k)) for k in kinds]
+    for k, p, m in by_kind:
+        if abs(m - p) > TOLERANCE * p + slack:
+            flags.append(f"{k}: compiled {m:,} B vs predicted {p:,} B per step")
+    if xla and abs(xla["argument"] - mem.argument) > TOLERANCE * mem.argument:
+        flags.append(f"argument bytes: XLA {xla['argument']:,} vs predicted {mem.argument:,}")
+    return Verification(
+        memory=[("params", mem.params, max_bytes_abstract(program.layout.abstract.params)),
+                ("optimizer state", mem.opt_state, max_bytes_abstract(program.layout.abstract.opt_state)),
+                ("argument (XLA)", mem.argument, xla.get("argument")),
+                ("output (XLA)", mem.params + mem.opt_state + 4, xla.get("output")),
+                ("gradients (transient)", mem.grads, None),
+                ("activations saved for backward (estimate)", mem.activations, None),
+                ("weights kept for backward, extra copies", mem.weights_extra, None),
+                ("temp (XLA)", None, xla.get("temp"))],
+        collectives=[(k, a, predicted.get((k, a), 0), measured.get((k, a), 0))
+                     for k, a in sorted(set(predicted) | set(measured))],
+        by_kind=by_kind, flops=(fl.per_device, cost.get("flops") if cost else None),
+        params=accounting.param_infos(model, rules), sizes=rules.sizes,
+        allowances=comm.allowances, flags=flags, unrolled=getattr(model, "unroll", False))
+
+
+def max_bytes_abstract(tree: Any) -> int:
+    """Bytes one device holds of abstract arrays with shardings (no allocation)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def format_verification(v: Verification) -> str:
+    def mb(x):
+        return "-" if x is None else f"{x / 2**20:,.3f} MiB"
+
+    lines = ["Memory per device                          predicted        measured"]
+    for what, p, m in v.memory:
+        lines.append(f"  {what:<40} {mb(p):>14} {mb(m):>15}")
+    lines.append("")
+    lines.append("Collectives per device per step     predicted bytes  compiled bytes")
+    for kind, axes, p, m in v.collectives:
+        lines.append(f"  {kind:<16} {','.join(axes):<16} {p:>14,} {m:>15,}")
+    lines.append("  by kind:")
+    for kind, p, m in v.by_kind:
+        ratio = f"{m / p:.3f}" if p else "-"
+        lines.append(f"  {kind:<33} {p:>14,} {m:>15,}   x{ratio}")
+    pf, xf = v.flops
+    note = "" if v.unrolled else " (XLA counts a loop body once: compare with --unroll)"
+    lines.append("")
+    lines.append(f"FLOPs per device per step: predicted {pf:,.0f}, XLA {xf or 0:,.0f}{note}")
+    lines.append("")
+    lines.append("Parameters: logical dims -> mesh axes at rest -> bytes per device (params / grads / Adam)")
+    for p in v.params:
+        dims = " ".join(f"{d}:{_entry(e)}" for d, e in zip(p.axes, list(p.params) + [None] * len(p.axes)))
+        sizes = [accounting.F32 * accounting.shard_elems(p.shape, s, v.sizes) for s in (p.params, p.grads, p.opt_state)]
+        lines.append(f"  {p.path:<28} {dims:<60} {sizes[0]:>10,} {sizes[1]:>10,} {2 * sizes[2]:>10,}")
+    if v.allowances:
+        lines.append("")
+        lines.append("Known differences from the textbook (allowed for):")
+        lines += [f"  - {a}" for a in v.allowances]
+    lines.append("")
+    lines += [f"FLAG: {f}" for f in v.flags] or ["No unexplained collectives; every kind within 5% of the prediction."]
+    return "\n".join(lines)
+
+
+def _entry(e) -> str:
+    return "-" if e is None else e if isinstance(e, str) else "+".join(e)
+
+
+def jaxpr_saved_bytes(fn: Any, *args: Any) -> int:
+    """Bytes of the residuals autodiff saves for ``fn(*args)``'s backward pass, at the traced
+    (global) shapes, from ``jax.ad_checkpoint.print_saved_residuals``."""
+    import contextlib
+    import io
+    import re
+
+    from jax.ad_checkpoint import print_saved_residuals
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(fn, *args)
+    total = 0
+    for dtype, dims in re.findall(r"^(\w+)\[([\d,]*)\]", out.getvalue(), flags=re.M):
+        itemsize = 1 if dtype == "bool" else int(re.sub(r"\D", "", dtype) or 32) // 8
+        total += itemsize * math.prod(int(d) for d in dims.split(",") if d)
+    return total

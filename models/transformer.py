@@ -34,9 +34,13 @@ def _logical_axes(state: nnx.State) -> dict:
 
 
 class TransformerLM:
-    def __init__(self, cfg: ModelConfig, remat: remat_lib.Remat = remat_lib.Remat.NONE):
+    def __init__(self, cfg: ModelConfig, remat: remat_lib.Remat = remat_lib.Remat.NONE,
+                 unroll: bool = False):
+        """``unroll``: unroll the layer scan (slower to compile; XLA's cost analysis then
+        counts every layer, which it does not for a loop body)."""
         self.cfg = cfg
         self.remat = remat_lib.Remat(remat)
+        self.unroll = unroll
         self._embedder_def, emb = nnx.split(nnx.eval_shape(lambda: Embedder(cfg, nnx.Rngs(0))), nnx.Param)
         self._block_def, blk = nnx.split(nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0))), nnx.Param)
         self.embedder_axes = _logical_axes(emb)
@@ -91,7 +95,8 @@ class TransformerLM:
             layer_params, layer_key = layer
             return self.block(layer_params, x, key=layer_key), None
 
-        x_BLD, _ = jax.lax.scan(remat_lib.apply(body, self.remat), x_BLD, (params[BLOCKS], keys))
+        x_BLD, _ = jax.lax.scan(remat_lib.apply(body, self.remat), x_BLD, (params[BLOCKS], keys),
+                                unroll=self.unroll)
         return x_BLD
 
     def head(self, params: Params, x_BLD: jax.Array) -> jax.Array:

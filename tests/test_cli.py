@@ -121,3 +121,24 @@ def test_tensor_and_sequence_parallel_run_reports_a_quarter_of_the_weights(tmp_p
     assert full / 4 < rep["per_device_bytes"]["params"] < 1.01 * full / 4
     kinds = {c["kind"] for c in rep["collectives"]}
     assert {"all-gather", "reduce-scatter"} <= kinds
+
+
+def run_script(name, *flags, timeout=300):
+    cmd = [sys.executable, str(ROOT / "experiments" / name), *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_inspect_compiles_and_verifies_without_training():
+    result = run_script("inspect.py", "--model", "tiny", "--mesh", "data=2,fsdp=4", "--zero", "1",
+                        "--cpu-devices", "8", "--platform", "cpu", "--batch-size", "16",
+                        "--seq-len", "32", "--compile-cache", CACHE, "--strict")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    for text in ("strategy hsdp+zero1", "argument (XLA)", "all-gather       fsdp",
+                 "blocks/ffn/w_in", "layers:- embed:fsdp mlp:-", "No unexplained collectives"):
+        assert text in out, text
+
+
+def test_inspect_bad_input_is_one_line():
+    result = run_script("inspect.py", "--mesh", "data=3", "--cpu-devices", "8")
+    assert_one_line_error(result, "needs 3 devices but 8 are available")

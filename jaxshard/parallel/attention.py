@@ -81,6 +81,7 @@ def _ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual):
     init = (jnp.full((B, K, G, C), _NEG, jnp.float32), jnp.zeros((B, K, G, C), jnp.float32),
             jnp.zeros((B, K, G, C, H), jnp.float32), k_BCKH, v_BCKH)
     init = jax.tree.map(lambda x: jax.lax.pcast(x, manual, to="varying"), init[:3]) + init[3:]
-    (_, l_BKGC, o_BKGCH, _, _), _ = jax.lax.scan(step, init, jnp.arange(S))
+    # Unrolled: S is small, and it lets XLA overlap each ppermute with the next step's math.
+    (_, l_BKGC, o_BKGCH, _, _), _ = jax.lax.scan(step, init, jnp.arange(S), unroll=True)
     o_BKGCH = o_BKGCH / l_BKGC[..., None]
     return o_BKGCH.transpose(0, 3, 1, 2, 4).astype(q_BCKGH.dtype)

@@ -1,0 +1,409 @@
+"""What a configuration holds, sends and computes, per device per step, before compiling.
+
+Everything is derived from the model's shapes and the sharding rules (which accept an
+``AbstractMesh``, so a 512-device plan needs no devices):
+
+* **memory** -- params, gradients and optimizer state at rest from each leaf's PartitionSpec
+  (our precision policy: float32 params and Adam moments, gradients reduced in the compute
+  dtype), the batch, and an estimate of saved activations per remat policy;
+* **communication** -- the collectives each strategy implies, with the textbook reason for
+  each (:class:`Transfer`), including the few places where XLA's choice differs from the
+  textbook and why (``allowance``);
+* **FLOPs** -- matmul FLOPs per token with the formula, attention counted as computed (the
+  full square, what XLA executes) and as useful (causally halved, for MFU), embeddings as
+  gathers (no FLOPs) and the vocabulary projection as a matmul; remat recompute separately
+  (hardware vs model FLOPs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec
+
+from jaxshard.axes import Dim
+from jaxshard.remat import Remat
+from jaxshard.rules import ShardingRules, StateKind, spec_axes
+
+F32 = 4
+
+
+def dtype_bytes(dtype: str) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+
+
+def shard_elems(shape: tuple[int, ...], spec: PartitionSpec, sizes: dict[str, int]) -> int:
+    n = 1
+    for i, d in enumerate(shape):
+        entry = spec[i] if i < len(spec) else None
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+        n *= d // math.prod(sizes[a] for a in axes)
+    return n
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter: its logical dims and where each state of it lives."""
+
+    path: str
+    axes: tuple
+    shape: tuple[int, ...]
+    params: PartitionSpec  # at rest
+    grads: PartitionSpec  # at rest, after reduction
+    opt_state: PartitionSpec  # each Adam moment
+    compute: PartitionSpec  # as a layer uses it
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def in_layers(self) -> bool:
+        return bool(self.axes) and self.axes[0] == Dim.LAYERS
+
+
+def param_infos(model: Any, rules: ShardingRules) -> list[ParamInfo]:
+    axes_tree = model.param_axes()
+    flat_axes = jax.tree_util.tree_flatten_with_path(axes_tree, is_leaf=lambda x: isinstance(x, tuple))[0]
+    shapes = jax.tree.leaves(model.abstract_params())
+    out = []
+    for (path, ax), x in zip(flat_axes, shapes):
+        shape = tuple(x.shape)
+        out.append(ParamInfo(
+            path="/".join(str(getattr(k, "key", k)) for k in path), axes=ax, shape=shape,
+            params=rules.param_spec(ax, shape, StateKind.PARAMS),
+            grads=rules.param_spec(ax, shape, StateKind.GRADS),
+            opt_state=rules.param_spec(ax, shape, StateKind.OPT_STATE),
+            compute=rules.compute_param_spec(ax, shape)))
+    return out
+
+
+# ---- memory -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per device. ``argument`` is what the jitted step takes in (XLA's argument size)."""
+
+    params: int
+    grads: int  # transient, at their reduced layout
+    opt_state: int
+    batch: int
+    activations: int  # saved for the backward pass (estimate)
+    weights_saved: int  # weights in compute layout that the backward pass keeps (may alias params)
+    weights_extra: int  # the part of weights_saved that is not the params themselves
+    gathered_layer: int  # one layer's weights in compute layout (FSDP holds this transiently)
+
+    @property
+    def argument(self) -> int:
+        return self.params + self.opt_state + self.batch + 4  # + the step counter
+
+    @property
+    def saved_for_backward(self) -> int:
+        return self.activations + self.weights_saved
+
+    @property
+    def peak(self) -> int:
+        """A planning estimate: state, gradients, activations and extra weight copies, and two
+        gathered layers (the one in use and the next being fetched)."""
+        return (self.params + self.opt_state + self.grads + self.activations + self.weights_extra
+                + 2 * self.gathered_layer + self.batch)
+
+
+OPT_COUNTERS = 8  # Adam's and the schedule's int32 step counts
+
+
+def memory(model: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
+           compute_dtype: str = "float32", remat: Remat = Remat.NONE, grad_accum: int = 1) -> Memory:
+    sizes = rules.sizes
+    c = dtype_bytes(compute_dtype)
+    infos = param_infos(model, rules)
+    params = sum(F32 * shard_elems(p.shape, p.params, sizes) for p in infos)
+    grads = sum(F32 * shard_elems(p.shape, p.grads, sizes) for p in infos)
+    opt = sum(2 * F32 * shard_elems(p.shape, p.opt_state, sizes) for p in infos) + OPT_COUNTERS
+    tokens = _local_tokens(rules, batch_size, seq_len)
+    layers = model.cfg.n_layers
+    layer_weights = sum(c * shard_elems(p.shape, p.compute, sizes) for p in infos if p.in_layers)
+    layer_rest = sum(c * shard_elems(p.shape, p.params, sizes) for p in infos if p.in_layers)
+    outer_weights = sum(c * shard_elems(p.shape, p.compute, sizes) for p in infos if not p.in_layers)
+    # Without remat the backward pass keeps every layer's weights as the forward used them
+    # (gathered, under FSDP); with remat it keeps them as stored and re-gathers a layer at a time.
+    saved = outer_weights + (layer_weights if remat is Remat.NONE else layer_rest)
+    copies = bool(rules.state_axes(StateKind.PARAMS)) or c != F32
+    acts = activation_bytes(model.cfg, rules, batch_size // grad_accum, seq_len, c, remat)
+    return Memory(params=params, grads=grads, opt_state=opt, batch=2 * 4 * tokens,
+                  activations=acts, weights_saved=saved, weights_extra=saved if copies else 0,
+                  gathered_layer=layer_weights // layers if rules.state_axes(StateKind.PARAMS) else 0)
+
+
+def _local_tokens(rules: ShardingRules, batch_size: int, seq_len: int) -> int:
+    return (batch_size // rules.size(rules.batch_axes)) * (seq_len // _seq_split(rules))
+
+
+def _seq_split(rules: ShardingRules) -> int:
+    return rules.size(rules.activation_mesh_axes(Dim.LENGTH))
+
+
+def activation_bytes(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, c: int,
+                     remat: Remat) -> int:
+    """Activations saved for the backward pass per device, one microbatch. Per layer per
+    token, as XLA keeps them (counted from ``print_saved_residuals``):
+
+    * no remat: 6 D of the residual stream (norm inputs, normalised values, sums; split over
+      tensor under SP), 2 N H + 2 K H of q, k, v and the attention output (split by heads),
+      2 N L of attention scores and probabilities (split by heads), 6 F of MLP intermediates
+      (GELU's tanh pieces or SwiGLU's gate/up/products; split over tensor);
+    * dots: the matmul outputs (2 D, the projections, N L scores, 1 or 2 F MLP inputs);
+      dots_no_batch: those without batch dims (not the scores nor the attention output);
+    * full: the layer's input, D.
+
+    Plus the float32 logits' exponentials ``[tokens, V / tensor]`` and a few per-token stats.
+    """
+    t = rules.size(rules.activation_mesh_axes(Dim.ACT_HEADS))
+    sp = rules.size(rules.activation_mesh_axes(Dim.RESIDUAL_LENGTH)) // _seq_split(rules)
+    tokens = (batch_size // rules.size(rules.batch_axes)) * (seq_len // _seq_split(rules))
+    D, N, K, H, F, L = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_mlp, seq_len
+    kv_t = t if K % t == 0 else 1
+    projections = 2 * N * H / t + 2 * K * H / kv_t
+    mlp_in = 2 if getattr(cfg.mlp, "value", cfg.mlp) == "swiglu" else 1
+    if remat is Remat.FULL:
+        per_token_layer = D / sp
+    elif remat is Remat.DOTS:  # every matmul output: projections, scores, p v, MLP inputs/output
+        per_token_layer = 2 * D / sp + projections + N * L / t + mlp_in * F / t
+    elif remat is Remat.DOTS_NO_BATCH:  # no batched matmuls: not the scores nor p v
+        per_token_layer = 2 * D / sp + projections - N * H / t + mlp_in * F / t
+    else:
+        per_token_layer = 6 * D / sp + projections + 2 * N * L / t + 6 * F / t
+    logits = F32 * tokens * cfg.padded_vocab / t
+    return int(c * per_token_layer * tokens * cfg.n_layers + logits + 4 * D * tokens * c / sp)
+
+
+# ---- communication ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Transfer:
+    """One expected collective (or a group of identical ones), per device per step."""
+
+    kind: str
+    axes: tuple[str, ...]
+    bytes: int  # the full buffer of one execution (as hlo.Collective.bytes)
+    executions: int
+    what: str
+    group: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.bytes * self.executions
+
+    @property
+    def sent_bytes(self) -> float:
+        n = self.group
+        if self.kind == "collective-permute":
+            return float(self.total)
+        if n <= 1:
+            return 0.0
+        return (2 * (n - 1) / n if self.kind == "all-reduce" else (n - 1) / n) * self.total
+
+
+@dataclass(frozen=True)
+class Communication:
+    transfers: list[Transfer]
+    allowances: list[str] = field(default_factory=list)
+
+    def by_kind(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for t in self.transfers:
+            out[t.kind] = out.get(t.kind, 0) + t.total
+        return out
+
+    def by_kind_and_axes(self) -> dict[tuple[str, tuple[str, ...]], int]:
+        out: dict[tuple[str, tuple[str, ...]], int] = {}
+        for t in self.transfers:
+            out[(t.kind, t.axes)] = out.get((t.kind, t.axes), 0) + t.total
+        return out
+
+
+def _axes_in_order(rules: ShardingRules, axes) -> tuple[str, ...]:
+    return tuple(a for a in rules.mesh.axis_names if a in set(axes) and rules.sizes[a] > 1)
+
+
+def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
+                  compute_dtype: str = "float32", remat: Remat = Remat.NONE,
+                  grad_accum: int = 1) -> Communication:
+    """The collectives one step needs, per device, with the textbook reason for each."""
+    cfg, sizes = model.cfg, rules.sizes
+    c = dtype_bytes(compute_dtype)
+    out: list[Transfer] = []
+    allowances: list[str] = []
+
+    def add(kind, axes, nbytes, executions, what, group=None):
+        axes = _axes_in_order(rules, axes)
+        if axes and nbytes and executions:
+            out.append(Transfer(kind, axes, int(nbytes), executions, what, group or rules.size(axes)))
+
+    recompute = remat is not Remat.NONE
+    tensor = rules.activation_mesh_axes(Dim.ACT_HEADS)
+    sp = set(tensor) <= set(rules.activation_mesh_axes(Dim.RESIDUAL_LENGTH)) and bool(tensor)
+    split = set(rules.batch_axes) | set(rules.activation_mesh_axes(Dim.LENGTH))
+
+    # Parameters: gathered where a layer uses them, gradients reduced into their at-rest layout.
+    for p in param_infos(model, rules):
+        model_axes = spec_axes(p.compute)
+        used = dtype_bytes(compute_dtype) * shard_elems(p.shape, p.compute, sizes)
+        per_micro = grad_accum
+        if p.in_layers:  # the scan gathers and reduces one layer at a time
+            used //= p.shape[0]
+            per_micro *= p.shape[0]
+        # ZeRO-1/2: each device updates its optimizer shard, then the params are re-assembled.
+        add("all-gather", spec_axes(p.opt_state) - spec_axes(p.params),
+            F32 * shard_elems(p.shape, p.params, sizes), 1,
+            f"{p.path}: ZeRO-1/2 all-gather of the updated params")
+        gather_axes = spec_axes(p.params) - model_axes
+        add("all-gather", gather_axes, used, per_micro * (2 if recompute and p.in_layers else 1),
+            f"{p.path}: ZeRO-3/FSDP all-gather of the weights for compute")
+        reduce_axes = set(split)
+        kv_replicated = Dim.KV_HEADS in p.axes and tensor and cfg.n_kv_heads % rules.size(tensor)
+        if (sp or kv_replicated) and not (model_axes & set(tensor)):
+            reduce_axes |= set(tensor)  # computed on tensor-split activations
+        scatter = (spec_axes(p.grads) - model_axes) & reduce_axes
+        if p.axes and p.axes[0] == Dim.POSITION:
+            # A slice of the first L rows: only those rows have a gradient. They are disjoint
+            # across the sequence shards, so those gather rather than sum.
+            rows = dtype_bytes(compute_dtype) * seq_len * shard_elems(p.shape[1:], PartitionSpec(*p.compute[1:]), sizes)
+            seq_axes = reduce_axes - set(rules.batch_axes)
+            batch_scatter = scatter & set(rules.batch_axes)
+            add("reduce-scatter", batch_scatter, rows, per_micro, f"{p.path}: gradient of the used rows")
+            add("all-reduce", set(rules.batch_axes) - batch_scatter, rows, per_micro,
+                f"{p.path}: gradient of the used rows")
+            add("all-gather", seq_axes, rows, per_micro, f"{p.path}: gradient rows held by sequence shards")
+            continue
+        parts = [(scatter, reduce_axes - scatter, "")]
+        if p.axes and p.axes[0] == Dim.VOCAB:
+            # The lookup kernel sums its share of the table gradient over all the batch and
+            # sequence axes at once; a tied table's projection share is reduced separately.
+            lookup = ("reduce-scatter" if scatter else "all-reduce", reduce_axes)
+            add(lookup[0], lookup[1], used, per_micro, f"{p.path}: gradient of the lookup")
+            if not cfg.tie_embeddings:
+                continue
+            allowances.append("Tied embeddings: XLA reduces the table gradients of the lookup and of "
+                              "the vocabulary projection separately (one table-sized reduction more).")
+        add("reduce-scatter", scatter, used, per_micro,
+            f"{p.path}: gradient reduce-scatter into its ZeRO-2/3 shard")
+        add("all-reduce", reduce_axes - scatter, used // rules.size(_axes_in_order(rules, scatter)),
+            per_micro, f"{p.path}: gradient all-reduce")
+
+    L_local = seq_len // _seq_split(rules)
+    B_local = batch_size // rules.size(rules.batch_axes) // grad_accum
+    act = B_local * L_local * cfg.d_model * c
+    n_fwd = 2 if recompute else 1
+    if tensor:
+        T = rules.size(tensor)
+        layers, micro = cfg.n_layers, grad_accum
+        K = cfg.n_kv_heads
+        # Backward, a column-parallel layer's input gradient is a partial sum over tensor; XLA
+        # reduces each projection's separately: q, k, v (just q when the kv heads are
+        # replicated) and the MLP's one (GELU) or two (SwiGLU) input projections.
+        mlp_in = 2 if getattr(cfg.mlp, "value", cfg.mlp) == "swiglu" else 1
+        bwd_inputs = (3 if K % T == 0 else 1) + mlp_in
+        if sp:
+            add("all-gather", tensor, act, micro * layers * 2 * n_fwd, "SP: gather the sequence into attention/MLP")
+            add("reduce-scatter", tensor, act, micro * layers * 2 * n_fwd, "SP: reduce-scatter attention/MLP outputs")
+            add("all-gather", tensor, act, micro * layers * 2, "SP backward: gather output gradients")
+            add("reduce-scatter", tensor, act, micro * layers * bwd_inputs,
+                "SP backward: reduce-scatter the input gradient of each column-parallel projection")
+            add("reduce-scatter", tensor, act, micro, "SP: vocab-parallel embedding, reduce-scattered")
+            add("all-gather", tensor, act, micro, "SP backward: embedding output gradient")
+            add("all-gather", tensor, act, micro, "SP: gather the sequence for the vocabulary projection")
+            add("reduce-scatter", tensor, act, micro, "SP backward: vocabulary projection input gradient")
+        else:
+            add("all-reduce", tensor, act, micro * layers * 2 * n_fwd, "TP: row-parallel attention/MLP outputs")
+            add("all-reduce", tensor, act, micro * layers * bwd_inputs,
+                "TP backward: input gradient of each column-parallel projection")
+            add("all-reduce", tensor, act, micro, "TP: vocab-parallel embedding")
+            add("all-reduce", tensor, act, micro, "TP backward: vocabulary projection input gradient")
+        add("all-reduce", tensor, B_local * L_local * F32, 3 * micro,
+            "vocab-parallel cross-entropy: max, sum of exponentials, target logit per token")
+        allowances.append("XLA reduces the input gradients of the q, k and v projections (and of "
+                          "SwiGLU's two input projections) separately, where Megatron's fused "
+                          "projections have one collective.")
+        if K % T:
+            kv = B_local * L_local * cfg.d_head * c
+            add("all-reduce", tensor, kv, micro * layers * 2,
+                "GQA, kv heads replicated: sum each kv head's k, v gradient over its query heads",
+                group=T // K)
+            add("all-gather", tensor, kv * K, micro * layers * 2,
+                "GQA, kv heads replicated: gather the k, v gradients of all kv heads", group=K)
+            if sp:
+                allowances.append("GQA with kv heads replicated under SP: XLA moves one more "
+                                  "activation per layer (an all-gather for a reduce-scatter).")
+    seq = rules.activation_mesh_axes(Dim.LENGTH)
+    if seq:
+        S = rules.size(seq)
+        kv_local = B_local * L_local * cfg.n_kv_heads * cfg.d_head * c
+        kv_t = rules.size(tensor) if tensor and cfg.n_kv_heads % rules.size(tensor) == 0 else 1
+        # S - 1 hops of k and v per attention (the last step's would be dead); the backward
+        # pass sends the gradients back the same way.
+        add("collective-permute", seq, kv_local // kv_t,
+            grad_accum * (cfg.n_layers * 2 * (S - 1) * (n_fwd + 1) + 1),
+            "CP: pass key and value chunks around the ring (forward and backward)")
+        allowances.append("CP: XLA keeps one of the backward ring's transfers outside the layer loop.")
+    allowances.append("Scalars (loss, gradient norm) are all-reduced too: a few bytes, not listed.")
+    if rules.batch_axes and len(rules.batch_axes) > 1:
+        allowances.append("HSDP: XLA may reduce a small gradient over data x fsdp at once and slice "
+                          "it, instead of a reduce-scatter over fsdp and an all-reduce over data.")
+    return Communication(out, allowances)
+
+
+# ---- FLOPs ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Flops:
+    """Per step. ``per_device`` is what one device executes (XLA's cost analysis counts this);
+    ``model`` is the useful work for MFU (causal attention halved, no recompute)."""
+
+    matmul_per_token: int  # forward, layers + vocabulary projection, attention as computed
+    attention_per_token: int  # forward, the full L x L square per layer
+    elementwise_per_token: int  # forward, an estimate: norms, softmax, activations, adds
+    tokens: int
+    per_device: float  # forward + backward (+ recompute) + optimizer, what one device runs
+    model: float  # 6 N_matmul + causal attention, whole step, all devices
+    hardware: float  # what runs: full attention squares and remat recompute, all devices
+    formula: str
+
+
+ADAMW_FLOPS = 20  # per parameter element per step: clip, moments, bias correction, decay, update
+
+
+def flops(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
+          remat: Remat = Remat.NONE, model: Any = None) -> Flops:
+    """FLOPs of one step. With ``model``, the optimizer's elementwise work is added too."""
+    D, N, K, H, F, L = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_mlp, seq_len
+    mlp_mats = 3 if getattr(cfg.mlp, "value", cfg.mlp) == "swiglu" else 2
+    layer_params = D * (N + 2 * K) * H + N * H * D + mlp_mats * D * F
+    head = D * cfg.padded_vocab
+    attention = 2 * 2 * L * N * H  # q k^T and p v, per token per layer, full square
+    matmul = 2 * (cfg.n_layers * layer_params + head)
+    fwd = matmul + cfg.n_layers * attention
+    tokens = batch_size * seq_len
+    recompute = cfg.n_layers * (2 * layer_params + attention) if remat is not Remat.NONE else 0
+    model_flops = tokens * (3 * matmul + 3 * cfg.n_layers * attention // 2)
+    devices = rules.size(rules.batch_axes) * rules.size(rules.activation_mesh_axes(Dim.LENGTH)) * \
+        rules.size(rules.activation_mesh_axes(Dim.ACT_HEADS))
+    formula = (f"forward per token = 2 x ({cfg.n_layers} layers x {layer_params:,} matmul params "
+               f"+ {head:,} vocabulary projection) + {cfg.n_layers} x 4 x L x heads x d_head "
+               f"(attention, L = {L}); step = 3 x forward (backward = 2 x){' + recompute' if recompute else ''}; "
+               f"MFU counts causal attention at half")
+    hardware = tokens * (3 * fwd + recompute)
+    # Elementwise work (XLA counts it as FLOPs too): ~20 per residual element (two norms, adds),
+    # ~5 per attention score (mask, max, subtract, sum, scale), ~10 per MLP hidden element.
+    elementwise = cfg.n_layers * (20 * D + 5 * N * L + 10 * F) + 10 * cfg.padded_vocab
+    optimizer = 0
+    if model is not None:
+        optimizer = ADAMW_FLOPS * sum(shard_elems(p.shape, p.opt_state, rules.sizes)
+                                      for p in param_infos(model, rules))
+    return Flops(matmul_per_token=matmul, attention_per_token=cfg.n_layers * attention,
+                 elementwise_per_token=elementwise, tokens=tokens,
+                 per_device=(hardware + 3 * tokens * elementwise) / devices + optimizer,
+                 model=model_flops, hardware=hardware, formula=formula)

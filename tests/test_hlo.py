@@ -1,0 +1,101 @@
+"""The HLO reader on hand-written text in each format jax 0.10-0.12 prints."""
+
+from jaxshard import hlo
+
+MODULE = """HloModule jit_step, entry_computation_layout={()->f32[]}, num_partitions=8
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%fused_slice (param_0.1: f32[16,64], param_1.2: s32[]) -> f32[2,64] {
+  %param_0.1 = f32[16,64]{1,0} parameter(0)
+  %param_1.2 = s32[] parameter(1)
+  %c = s32[] constant(0)
+  ROOT %dynamic-slice.3 = f32[2,64]{1,0} dynamic-slice(%param_0.1, %param_1.2, %c), dynamic_slice_sizes={2,64}
+}
+
+%body (p: (s32[], f32[8,64])) -> (s32[], f32[8,64]) {
+  %p = (s32[], f32[8,64]{1,0}) parameter(0)
+  %g = f32[8,64]{1,0} get-tuple-element(%p), index=1
+  %ag = f32[64,64]{1,0} all-gather(%g), channel_id=3, replica_groups=[1,8]<=[8], dimensions={0}, use_global_device_ids=true
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %t = (s32[], f32[8,64]{1,0}) tuple(%i, %g)
+}
+
+%cond (p.1: (s32[], f32[8,64])) -> pred[] {
+  %p.1 = (s32[], f32[8,64]{1,0}) parameter(0)
+  ROOT %lt = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[16,64], b: f32[4], w: (s32[], f32[8,64])) -> f32[] {
+  %a = f32[16,64]{1,0} parameter(0)
+  %b = f32[4]{0} parameter(1)
+  %w = (s32[], f32[8,64]{1,0}) parameter(2)
+  %ar = f32[16,64]{1,0} all-reduce(%a), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%add
+  %pid = s32[] partition-id()
+  %sl = f32[2,64]{1,0} fusion(%ar, %pid), kind=kLoop, calls=%fused_slice
+  %combined = (f32[4]{0}, f32[16,64]{1,0}) all-reduce(%b, %a), channel_id=2, replica_groups=[4,2]<=[2,4]T(1,0), use_global_device_ids=true, to_apply=%add
+  %e0 = f32[4]{0} get-tuple-element(%combined), index=0
+  %e1 = f32[16,64]{1,0} get-tuple-element(%combined), index=1
+  %use = f32[16,64]{1,0} add(%e1, %e1)
+  %loop = (s32[], f32[8,64]{1,0}) while(%w), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %m = f32[4,64]{1,0} all-gather(%sl), channel_id=4, replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=4], device_ids=([4,2]T(1,0)) {'axis_0'}, dimensions={0}, use_global_device_ids=true
+  %cp = f32[2,64]{1,0} collective-permute(%sl), channel_id=5, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  %rs-start = ((f32[16,64]{1,0}), f32[2,64]{1,0}) reduce-scatter-start(%a), channel_id=6, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, dimensions={0}, to_apply=%add
+  ROOT %r = f32[] constant(0)
+}
+"""
+
+
+def by_name():
+    return {c.name: c for c in hlo.parse(MODULE)}
+
+
+def test_all_reduce_followed_only_by_a_slice_is_a_reduce_scatter():
+    c = by_name()["ar"]
+    assert (c.kind, c.spelled_as, c.bytes, c.group_size) == ("reduce-scatter", "all-reduce", 16 * 64 * 4, 8)
+    assert c.sent_bytes == 7 / 8 * c.bytes
+
+
+def test_combined_collective_is_split_and_iota_groups_transposed():
+    found = by_name()
+    small, big = found["combined#0"], found["combined#1"]
+    assert small.shapes == ((4,),) and big.shapes == ((16, 64),)
+    assert small.kind == big.kind == "all-reduce"  # used whole, not sliced
+    assert small.groups == ((0, 4), (1, 5), (2, 6), (3, 7))  # [4,2]<=[2,4]T(1,0)
+    assert big.sent_bytes == 2 * (2 - 1) / 2 * big.bytes
+
+
+def test_loop_trip_count_multiplies_executions():
+    ag = by_name()["ag"]
+    assert (ag.kind, ag.executions, ag.shapes, ag.bytes) == ("all-gather", 3, ((64, 64),), 64 * 64 * 4)
+    assert ag.groups == (tuple(range(8)),)
+
+
+def test_mesh_groups_with_device_ids():
+    m = by_name()["m"]
+    # devices laid out as arange(8).reshape(4, 2).T = [[0,2,4,6],[1,3,5,7]] on a (2, 1, 4) mesh;
+    # the group varies axis_0 (size 2)
+    assert m.groups == ((0, 1), (2, 3), (4, 5), (6, 7))
+
+
+def test_permute_pairs_and_async_reduce_scatter():
+    found = by_name()
+    assert found["cp"].groups == ((0, 1), (1, 2), (2, 3), (3, 0))
+    assert found["cp"].sent_bytes == 2 * 64 * 4
+    rs = found["rs-start"]
+    assert (rs.kind, rs.shapes, rs.bytes) == ("reduce-scatter", ((2, 64),), 16 * 64 * 4)
+    assert rs.groups == ((0, 1, 2, 3), (4, 5, 6, 7))
+
+
+def test_attribute_names_mesh_axes():
+    found = hlo.attribute(hlo.parse(MODULE), ("data", "tensor"), (2, 4))
+    axes = {c.name: c.axes for c in found}
+    assert axes["ar"] == ("data", "tensor")
+    assert axes["combined#0"] == ("data",)  # {0,4}: same tensor index, other data index
+    assert axes["rs-start"] == ("tensor",)
+    summary = {s["kind"]: s for s in hlo.summary(found)}
+    assert summary["all-gather"]["count"] == 3 + 1
