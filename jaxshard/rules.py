@@ -123,11 +123,16 @@ class ShardingRules:
 
     # ---- at rest --------------------------------------------------------------------------
     def state_axes(self, kind: StateKind) -> tuple[str, ...]:
-        """Mesh axes that shard state of ``kind`` beyond the model-parallel axes."""
-        axes = [str(MeshAxis.FSDP)]
-        if self.strategy.zero >= kind.value:
-            axes.append(str(MeshAxis.DATA))
-        return self._active(tuple(MeshAxis(a) for a in axes))
+        """Mesh axes that shard state of ``kind`` beyond the model-parallel axes, major first.
+
+        ``fsdp`` comes before ``data``: a ZeRO shard over (fsdp, data) is then a slice of the
+        device's own fsdp shard of the params, so updating it moves nothing (data-major order
+        would make every update a collective-permute of the gradients).
+        """
+        axes = [a for a in (MeshAxis.FSDP,) if self.sizes[a] > 1]
+        if self.strategy.zero >= kind.value and self.sizes[MeshAxis.DATA] > 1:
+            axes.append(MeshAxis.DATA)
+        return tuple(str(a) for a in axes)
 
     def param_spec(self, axes: LogicalAxes, shape: tuple[int, ...],
                    kind: StateKind = StateKind.PARAMS) -> PartitionSpec:
@@ -136,11 +141,11 @@ class ShardingRules:
         state = self.state_axes(kind)
         if state and math.prod(shape) >= self.strategy.fsdp_min_size:
             # Shard on one dim: `embed` if it divides, else the largest dim that does. If
-            # none divides by all state axes, drop the outer (slower) ones until one does.
-            for k in range(len(state)):
-                dim = self._state_dim(axes, shape, entries, self.size(state[k:]))
+            # none divides by all state axes, drop the ZeRO `data` axis, then `fsdp`.
+            for k in range(len(state), 0, -1):
+                dim = self._state_dim(axes, shape, entries, self.size(state[:k]))
                 if dim is not None:
-                    entries[dim] = entries[dim] + state[k:]
+                    entries[dim] = entries[dim] + state[:k]
                     break
         return _spec(entries)
 

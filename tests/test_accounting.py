@@ -101,7 +101,7 @@ def test_saved_activation_estimate_matches_autodiff_residuals(model_name, remat)
     assert abs(traced - estimate) <= 0.15 * traced, (traced, estimate)
 
 
-@pytest.mark.parametrize("name", ["ddp", "zero2", "fsdp", "tp+sp", "hsdp", "fsdp+tp+cp"])
+@pytest.mark.parametrize("name", ["ddp", "zero2", "fsdp", "tp+sp", "hsdp", "hsdp+zero1", "fsdp+tp+cp"])
 def test_verifier_finds_nothing_wrong_with_a_correct_strategy(name):
     model = TransformerLM(get_preset("tiny"))
     program, compiled = compile_step(model, name, {**STRATEGIES, **MORE})

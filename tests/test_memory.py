@@ -62,7 +62,7 @@ def test_ddp_replicates_everything():
 
 @pytest.mark.parametrize("mesh, zero, params_div, opt_div, opt_axes", [
     ("data=2,fsdp=4", 0, 4, 4, ("fsdp",)),  # HSDP: sharded in groups of 4, replicated across 2
-    ("data=2,fsdp=4", 1, 4, 8, ("data", "fsdp")),  # + ZeRO-1 over data: optimizer state 8 ways
+    ("data=2,fsdp=4", 1, 4, 8, ("fsdp", "data")),  # + ZeRO-1 over data: optimizer state 8 ways
     ("data=8", 3, 8, 8, ("data",)),  # ZeRO-3 over data = FSDP
 ])
 def test_hybrid_and_zero3_fractions(mesh, zero, params_div, opt_div, opt_axes):

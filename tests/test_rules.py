@@ -60,7 +60,7 @@ STRATEGIES = {
     "zero3": ("data=8", 3, ("data",), ("data",), ("data",)),
     "fsdp": ("fsdp=8", 0, ("fsdp",), ("fsdp",), ("fsdp",)),
     "hsdp": ("data=2,fsdp=4", 0, ("fsdp",), ("fsdp",), ("fsdp",)),
-    "hsdp+zero1": ("data=2,fsdp=4", 1, ("fsdp",), ("fsdp",), ("data", "fsdp")),
+    "hsdp+zero1": ("data=2,fsdp=4", 1, ("fsdp",), ("fsdp",), ("fsdp", "data")),
 }
 
 
@@ -144,7 +144,7 @@ def test_uneven_dims_fall_back_to_another_dim_or_fewer_axes():
     got = flat(rules_for("hsdp+zero1").param_specs(model.param_axes(), model.abstract_params(),
                                                    StateKind.OPT_STATE))
     assert got["blocks/attn/bq"] == P(None, "fsdp", None)  # (2, 4, 9)
-    assert got["blocks/ffn/w_in"] == P(None, None, ("data", "fsdp"))
+    assert got["blocks/ffn/w_in"] == P(None, None, ("fsdp", "data"))
 
 
 @pytest.mark.parametrize("strategy, batch_spec", [
