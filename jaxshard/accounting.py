@@ -24,6 +24,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
+from jaxshard import hlo
 from jaxshard.axes import Dim
 from jaxshard.remat import Remat
 from jaxshard.rules import ShardingRules, StateKind, spec_axes
@@ -199,12 +200,7 @@ class Transfer:
 
     @property
     def sent_bytes(self) -> float:
-        n = self.group
-        if self.kind == "collective-permute":
-            return float(self.total)
-        if n <= 1:
-            return 0.0
-        return (2 * (n - 1) / n if self.kind == "all-reduce" else (n - 1) / n) * self.total
+        return hlo.ring_sent_bytes(self.kind, self.total, self.group)
 
 
 @dataclass(frozen=True)

@@ -51,16 +51,20 @@ class Collective:
     @property
     def sent_bytes(self) -> float:
         """Bytes one device sends per execution under the ring algorithm."""
-        n = self.group_size
-        if self.kind == "collective-permute":
-            return float(self.bytes)
-        if n <= 1:
-            return 0.0
-        factor = 2 * (n - 1) / n if self.kind == "all-reduce" else (n - 1) / n
-        return factor * self.bytes
+        return ring_sent_bytes(self.kind, self.bytes, self.group_size)
 
     def dims(self) -> set[int]:
         return {d for shape in self.shapes + self.operand_shapes for d in shape}
+
+
+def ring_sent_bytes(kind: str, nbytes: float, group: int) -> float:
+    """Bytes one device sends for a collective on a ``group``-device ring, ``nbytes`` being the
+    full buffer: 2(n-1)/n for an all-reduce, (n-1)/n for the others, all of it for a permute."""
+    if kind == "collective-permute":
+        return float(nbytes)
+    if group <= 1:
+        return 0.0
+    return (2 if kind == "all-reduce" else 1) * (group - 1) / group * nbytes
 
 
 def _arrays(text: str) -> list[tuple[str, tuple[int, ...]]]:
