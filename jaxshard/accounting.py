@@ -346,6 +346,9 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
             "CP: pass key and value chunks around the ring (forward and backward)")
         allowances.append("CP: XLA keeps one of the backward ring's transfers outside the layer loop.")
     allowances.append("Scalars (loss, gradient norm) are all-reduced too: a few bytes, not listed.")
+    if c != F32:
+        allowances.append("On CPU the embedding lookup runs in float32 (XLA:CPU cannot promote its "
+                          "bf16 gradient reduction), so that reduction moves twice the bytes listed.")
     if rules.batch_axes and len(rules.batch_axes) > 1:
         allowances.append("HSDP: XLA may reduce a small gradient over data x fsdp at once and slice "
                           "it, instead of a reduce-scatter over fsdp and an all-reduce over data.")

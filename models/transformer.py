@@ -41,6 +41,7 @@ class TransformerLM:
         self.cfg = cfg
         self.remat = remat_lib.Remat(remat)
         self.unroll = unroll
+        self._abstract = None
         self._embedder_def, emb = nnx.split(nnx.eval_shape(lambda: Embedder(cfg, nnx.Rngs(0))), nnx.Param)
         self._block_def, blk = nnx.split(nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0))), nnx.Param)
         self.embedder_axes = _logical_axes(emb)
@@ -66,7 +67,10 @@ class TransformerLM:
         return axes
 
     def abstract_params(self) -> Params:
-        return jax.eval_shape(self.init, jax.random.key(0))
+        """Shapes and dtypes of the params (computed once: planners ask often)."""
+        if self._abstract is None:
+            self._abstract = jax.eval_shape(self.init, jax.random.key(0))
+        return self._abstract
 
     def n_params(self) -> int:
         """Counted from shapes alone: works for models far larger than memory."""

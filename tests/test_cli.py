@@ -142,3 +142,19 @@ def test_inspect_compiles_and_verifies_without_training():
 def test_inspect_bad_input_is_one_line():
     result = run_script("inspect.py", "--mesh", "data=3", "--cpu-devices", "8")
     assert_one_line_error(result, "needs 3 devices but 8 are available")
+
+
+def test_plan_ranks_explains_and_confirms_by_compiling():
+    result = run_script("plan.py", "--model", "llama-tiny", "--devices", "8", "--device", "h100",
+                        "--batch", "16", "--seq-len", "128", "--top", "3")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "strategy" in out and "GB/device" in out and "Chosen:" in out
+    assert "Confirmed by compiling" in out and "every collective kind within 5%" in out
+
+
+def test_plan_bad_input_is_one_line():
+    assert_one_line_error(run_script("plan.py", "--model", "llama-1b", "--devices", "64", "--device", "tpu9"),
+                          "unknown device 'tpu9'")
+    assert_one_line_error(run_script("plan.py", "--model", "llama-1b", "--devices", "64",
+                                     "--device-memory", "80GB"), "without --device, give --peak-tflops")

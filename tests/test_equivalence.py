@@ -54,10 +54,12 @@ def test_uneven_dims_train_like_one_device():
     assert state.params["blocks"]["ffn"]["w_in"].sharding.spec == jax.sharding.PartitionSpec(None, None, "fsdp")
 
 
-def test_bfloat16_compute_keeps_float32_master_params():
+@pytest.mark.parametrize("mesh, sp", [("data=8", False), ("fsdp=8", False), ("data=2,tensor=4", True),
+                                      ("data=2,sequence=4", False)])
+def test_bfloat16_compute_keeps_float32_master_params(mesh, sp):
     model = TransformerLM(get_preset("tiny"))
     ref_losses, _ = reference("tiny", 1)
-    losses, state, _ = train(model, "fsdp=8", dtype="bfloat16")
+    losses, state, _ = train(model, mesh, dtype="bfloat16", sequence_parallel=sp)
     assert all(x.dtype == np.float32 for x in jax.tree.leaves(state.params))
     assert all(x.dtype in (np.float32, np.int32) for x in jax.tree.leaves(state.opt_state))
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)  # bf16 rounding, not a different model

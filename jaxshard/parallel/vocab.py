@@ -54,6 +54,12 @@ def embed_lookup(table_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array:
     out_spec = rules.activation_spec(
         (Dim.BATCH, Dim.RESIDUAL_LENGTH if scatter else Dim.LENGTH, None), (*tokens_BL.shape, None))
 
+    dtype = table_VD.dtype
+    if jax.default_backend() == "cpu" and dtype != jnp.float32:
+        # XLA:CPU cannot promote this bf16 reduction of the table gradient (AllReducePromotion
+        # fails on the region Shardy leaves): on CPU the lookup runs in float32.
+        table_VD = table_VD.astype(jnp.float32)
+
     def local(table_vD, tokens):
         if not axes:
             return jnp.take(table_vD, tokens, axis=0)
@@ -64,7 +70,7 @@ def embed_lookup(table_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array:
         return jax.lax.psum(x, axes)
 
     return jax.shard_map(local, mesh=rules.mesh, in_specs=(P(axes or None, None), tokens_spec),
-                         out_specs=out_spec, axis_names=manual)(table_VD, tokens_BL)
+                         out_specs=out_spec, axis_names=manual)(table_VD, tokens_BL).astype(dtype)
 
 
 def cross_entropy(logits_BLV: jax.Array, targets_BL: jax.Array, vocab_size: int) -> jax.Array:

@@ -1,0 +1,288 @@
+"""Rank meshes and strategies for a model on a cluster, from the accounting alone.
+
+For every way to split the devices into ``data`` x ``fsdp`` x ``tensor`` (tensor within a
+host), ZeRO stage, sequence parallelism and remat policy, the planner predicts per-device
+memory (:func:`jaxshard.accounting.memory`) and step time = compute time + communication time
+(no overlap assumed: a conservative bound), each collective priced at the bandwidth of the
+link it crosses -- within a host, or across hosts for an axis whose groups span hosts (mesh
+axes nest outermost first, so the outermost axes cross hosts). Plans that do not fit are
+marked; among those that do, the fastest wins and, within 5% (finer than the time model can
+tell), the simpler one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+from jax.sharding import AbstractMesh, AxisType
+
+from jaxshard import accounting
+from jaxshard.axes import MESH_AXES
+from jaxshard.errors import ConfigError
+from jaxshard.remat import Remat
+from jaxshard.rules import ShardingRules, Strategy
+
+GB = 1e9
+TIE = 0.05  # plans within 5% of each other's step time: the time model is no finer; simpler wins
+
+
+@dataclass(frozen=True)
+class Device:
+    """An accelerator: dense peak FLOP/s and the bandwidth one device gets per direction."""
+
+    name: str
+    memory: float  # bytes
+    bf16_tflops: float
+    fp32_tflops: float  # TF32 tensor cores where the device has them
+    intra_host_gbs: float  # NVLink (or PCIe) GB/s per device, one direction
+    inter_host_gbs: float  # network GB/s per device (e.g. 400 Gb/s NDR = 50 GB/s)
+    per_host: int
+
+    def peak(self, compute_dtype: str) -> float:
+        return 1e12 * (self.bf16_tflops if compute_dtype != "float32" else self.fp32_tflops)
+
+
+# Dense (no sparsity) datasheet peaks; typical 8-GPU HGX/DGX hosts.
+KNOWN_DEVICES = {
+    "h100": Device("h100", 80 * GB, 989, 494, 450, 50, 8),
+    "h200": Device("h200", 141 * GB, 989, 494, 450, 50, 8),
+    "a100-80gb": Device("a100-80gb", 80 * GB, 312, 156, 300, 25, 8),
+    "a100-40gb": Device("a100-40gb", 40 * GB, 312, 156, 300, 25, 8),
+    "v100": Device("v100", 32 * GB, 125, 15.7, 150, 12.5, 8),
+}
+
+
+def device_spec(name: str | None, *, memory: float | None = None, peak_tflops: float | None = None,
+                intra_gbs: float | None = None, inter_gbs: float | None = None,
+                per_host: int | None = None) -> Device:
+    """A known device, with any of its numbers overridden; or one described wholly by flags."""
+    if name is not None:
+        key = name.lower()
+        if key not in KNOWN_DEVICES:
+            raise ConfigError(f"unknown device '{name}'; known: {', '.join(KNOWN_DEVICES)} "
+                              "(or give --peak-tflops, --intra-bw and --inter-bw instead of --device)")
+        base = KNOWN_DEVICES[key]
+    else:
+        missing = [f for f, v in (("--peak-tflops", peak_tflops), ("--intra-bw", intra_gbs),
+                                  ("--inter-bw", inter_gbs), ("--device-memory", memory)) if v is None]
+        if missing:
+            raise ConfigError(f"without --device, give {', '.join(missing)} (no silent defaults); "
+                              f"known devices: {', '.join(KNOWN_DEVICES)}")
+        base = Device("custom", memory, peak_tflops, peak_tflops, intra_gbs, inter_gbs, per_host or 8)
+    return Device(base.name, memory or base.memory, peak_tflops or base.bf16_tflops,
+                  peak_tflops or base.fp32_tflops, intra_gbs or base.intra_host_gbs,
+                  inter_gbs or base.inter_host_gbs, per_host or base.per_host)
+
+
+def parse_bytes(text: str) -> float:
+    """'80GB', '80 GiB', '1.5e9' -> bytes."""
+    m = re.fullmatch(r"\s*([\d.]+(?:e\d+)?)\s*([kmgt]i?b?)?\s*", text.lower())
+    if m is None:
+        raise ConfigError(f"cannot read a size from '{text}' (e.g. 80GB)")
+    unit = (m[2] or "b").rstrip("b") or "b"
+    scale = {"b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
+             "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}[unit]
+    return float(m[1]) * scale
+
+
+@dataclass
+class Plan:
+    mesh: dict[str, int]  # nesting order, outermost first
+    strategy: Strategy
+    remat: Remat
+    name: str
+    memory: accounting.Memory
+    fits: bool
+    compute_s: float
+    comm_s: float
+    inter_host_bytes: float  # sent per device per step across hosts
+    host_axes: tuple[str, ...]  # axes whose groups span hosts
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+    @property
+    def mesh_flag(self) -> str:
+        return ",".join(f"{a}={s}" for a, s in self.mesh.items() if s > 1) or "data=1"
+
+    @property
+    def complexity(self) -> int:
+        """Fewer kinds of sharding first: DDP < ZeRO < FSDP < HSDP < + TP < + SP, + remat."""
+        data, fsdp, tensor = (self.mesh.get(a, 1) for a in ("data", "fsdp", "tensor"))
+        rank = self.strategy.zero + (4 if fsdp > 1 else 0) + (1 if data > 1 and fsdp > 1 else 0)
+        rank += (6 if tensor > 1 else 0) + (1 if self.strategy.sequence_parallel else 0)
+        return 2 * rank + (self.remat is not Remat.NONE)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _abstract_mesh(mesh: dict[str, int]) -> AbstractMesh:
+    full = dict(mesh)
+    for a in MESH_AXES:
+        full.setdefault(str(a), 1)
+    return AbstractMesh(tuple(full.values()), tuple(full), axis_types=(AxisType.Auto,) * len(full))
+
+
+def host_spanning_axes(mesh: dict[str, int], per_host: int) -> tuple[str, ...]:
+    """Axes whose groups include devices of different hosts (devices fill hosts in order)."""
+    spanning, stride = [], 1
+    for axis, size in reversed(list(mesh.items())):
+        if size > 1 and stride * size > per_host:
+            spanning.append(axis)
+        stride *= size
+    return tuple(reversed(spanning))
+
+
+def candidates(model: Any, devices: int, per_host: int, batch_size: int) -> list[tuple[dict, Strategy, Remat]]:
+    out = []
+    cfg = model.cfg
+    for tensor in _divisors(min(devices, per_host)):
+        if cfg.n_heads % tensor or cfg.d_mlp % tensor or cfg.padded_vocab % tensor:
+            continue
+        if tensor > 1 and cfg.n_kv_heads % tensor and tensor % cfg.n_kv_heads:
+            continue
+        rest = devices // tensor
+        if devices % tensor:
+            continue
+        for data in _divisors(rest):
+            fsdp = rest // data
+            if batch_size % (data * fsdp):
+                continue
+            orders = [("data", "fsdp")] if data == 1 or fsdp == 1 else [("data", "fsdp"), ("fsdp", "data")]
+            zeros = (0, 1, 2, 3) if data > 1 and fsdp == 1 else (0, 1) if data > 1 else (0,)
+            for order, zero, sp, remat in itertools.product(
+                    orders, zeros, (False, True) if tensor > 1 else (False,), (Remat.NONE, Remat.FULL)):
+                sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+                mesh = {a: sizes[a] for a in (*order, "tensor")}
+                out.append((mesh, Strategy(zero=zero, sequence_parallel=sp), remat))
+    return out
+
+
+def evaluate(model: Any, mesh: dict[str, int], strategy: Strategy, remat: Remat, device: Device,
+             batch_size: int, seq_len: int, compute_dtype: str = "bfloat16",
+             mfu: float = 0.5, usable: float = 0.9) -> Plan:
+    rules = ShardingRules(_abstract_mesh(mesh), strategy)
+    mem = accounting.memory(model, rules, batch_size, seq_len, compute_dtype=compute_dtype, remat=remat)
+    comm = accounting.communication(model, rules, batch_size, seq_len, compute_dtype=compute_dtype, remat=remat)
+    fl = accounting.flops(model.cfg, rules, batch_size, seq_len, remat=remat, model=model)
+    spanning = host_spanning_axes(mesh, device.per_host)
+    comm_s = inter = 0.0
+    for t in comm.transfers:
+        across = bool(set(t.axes) & set(spanning))
+        bw = (device.inter_host_gbs if across else device.intra_host_gbs) * GB
+        comm_s += t.sent_bytes / bw
+        inter += t.sent_bytes if across else 0.0
+    return Plan(mesh=mesh, strategy=strategy, remat=remat, name=rules.name, memory=mem,
+                fits=mem.peak <= usable * device.memory,
+                compute_s=fl.per_device / (device.peak(compute_dtype) * mfu), comm_s=comm_s,
+                inter_host_bytes=inter, host_axes=spanning)
+
+
+def _with_remat(model: Any, remat: Remat) -> Any:
+    if model.remat is remat:
+        return model
+    other = type(model)(model.cfg, remat=remat)
+    other._abstract = model.abstract_params()  # same params, shapes known
+    return other
+
+
+def plan(model: Any, devices: int, device: Device, batch_size: int, seq_len: int, *,
+         hosts: int = 1, compute_dtype: str = "bfloat16", mfu: float = 0.5) -> list[Plan]:
+    """Every candidate, fitting ones first, fastest first (within 5%: simplest first)."""
+    if devices < 1 or hosts < 1 or devices % hosts:
+        raise ConfigError(f"--devices {devices} must be a positive multiple of --hosts {hosts}")
+    per_host = devices // hosts
+    device = Device(device.name, device.memory, device.bf16_tflops, device.fp32_tflops,
+                    device.intra_host_gbs, device.inter_host_gbs, per_host)
+    variants = {r: _with_remat(model, r) for r in Remat}
+    found = [evaluate(variants[remat], mesh, strategy, remat, device, batch_size, seq_len, compute_dtype, mfu)
+             for mesh, strategy, remat in candidates(model, devices, per_host, batch_size)]
+    if not found:
+        raise ConfigError(f"no mesh splits --batch {batch_size} over {devices} devices; "
+                          "use a batch divisible by the device count")
+    fastest = min((p.step_s for p in found if p.fits), default=None)
+
+    def key(p: Plan):
+        bucket = math.floor(math.log(p.step_s / fastest, 1 + TIE)) if fastest and p.fits else 0
+        return (not p.fits, bucket, p.complexity, p.step_s) if p.fits else (True, 0, p.memory.peak, 0)
+
+    return sorted(found, key=key)
+
+
+def explain(model: Any, plans: list[Plan], device: Device, hosts: int, compute_dtype: str) -> list[str]:
+    """The classic guidance, checked against the numbers of this model and cluster."""
+    n = model.n_params()
+    state = 16 * n  # float32 params, gradients and two Adam moments per parameter
+    c = accounting.dtype_bytes(compute_dtype)
+    layer = c * sum(math.prod(x.shape[1:]) for x in jax.tree.leaves(model.abstract_params()["blocks"]))
+    lines = [f"Model state: {n:,} params x 16 B (float32 params, grads, Adam m and v) = "
+             f"{state / GB:,.1f} GB; the classic mixed-precision count 2+2+12 B gives the same 16 B."]
+    if state <= 0.9 * device.memory:
+        lines.append(f"It fits one {device.name} ({device.memory / GB:.0f} GB): data parallelism (DDP) "
+                     "needs no sharding, and ZeRO/FSDP only pay more communication.")
+    else:
+        lines.append(f"It does not fit one {device.name} ({device.memory / GB:.0f} GB): shard the "
+                     "optimizer state, gradients and params (ZeRO-1/2/3, FSDP) across data-parallel devices.")
+    if 2 * layer > 0.5 * device.memory:
+        lines.append(f"One layer's weights ({layer / GB:,.2f} GB in {compute_dtype}) are too big to "
+                     "gather whole (FSDP holds the layer in use and the next): split layers with "
+                     "tensor parallelism within a host.")
+    if hosts > 1:
+        lines.append(f"{hosts} hosts: links between hosts ({device.inter_host_gbs:g} GB/s per device) are "
+                     f"~{device.intra_host_gbs / device.inter_host_gbs:.0f}x slower than within one "
+                     f"({device.intra_host_gbs:g} GB/s): keep data parallelism on the axis that crosses "
+                     "hosts (it sends each gradient once per step) and FSDP/TP inside a host.")
+    top = next((p for p in plans if p.fits), None)
+    if top is None:
+        lines.append("No plan fits: more devices, more memory, a smaller batch per device or a "
+                     "smaller model.")
+    else:
+        lines.append(f"Chosen: {top.name} on {top.mesh_flag}" + (f", remat {top.remat.value}" if top.remat is not Remat.NONE else "")
+                     + f": {top.memory.peak / GB:,.1f} GB per device, {top.step_s * 1e3:,.1f} ms per step "
+                     f"(compute {top.compute_s * 1e3:,.1f} + communication {top.comm_s * 1e3:,.1f}); "
+                     + (f"crossing hosts: {', '.join(top.host_axes)}." if top.host_axes else "all within one host."))
+    return lines
+
+
+def format_plans(plans: list[Plan], device: Device) -> str:
+    lines = [f"{'#':>3} {'strategy':<20} {'--mesh':<28} {'remat':<6} {'GB/device':>10} "
+             f"{'step ms':>9} {'compute':>8} {'comm':>8} {'across hosts':>14}  fits"]
+    for i, p in enumerate(plans, 1):
+        lines.append(f"{i:>3} {p.name:<20} {p.mesh_flag:<28} {p.remat.value:<6} "
+                     f"{p.memory.peak / GB:>10,.1f} {p.step_s * 1e3:>9,.1f} {p.compute_s * 1e3:>8,.1f} "
+                     f"{p.comm_s * 1e3:>8,.1f} {','.join(p.host_axes) or '-':>14}  {'yes' if p.fits else 'NO'}")
+    return "\n".join(lines)
+
+
+def confirm(model: Any, p: Plan, batch_size: int, seq_len: int) -> str:
+    """Compile ``p``'s training step for ``model`` on as many (fake CPU) devices and compare.
+
+    In float32: XLA:CPU computes bfloat16 all-reduces in float32, so a bf16 step compiled on
+    CPU would move twice the bytes a GPU would; float32 compares like with like."""
+    compute_dtype = "float32"
+    from jaxshard import inspect
+    from jaxshard.mesh import MeshSpec, build_mesh
+    from jaxshard.optim import OptimConfig
+    from jaxshard.train_step import StepConfig, build_program
+
+    spec = MeshSpec(tuple((a, s) for a, s in p.mesh.items()))
+    rules = ShardingRules(build_mesh(spec), p.strategy)
+    model = type(model)(model.cfg, remat=p.remat)
+    program = build_program(model, rules, OptimConfig(), StepConfig(compute_dtype=compute_dtype))
+    compiled = program.lower_step(batch_size, seq_len).compile()
+    v = inspect.verify(model, program, compiled, batch_size, seq_len, compute_dtype=compute_dtype)
+    head = (f"Confirmed by compiling {p.name} on --mesh {p.mesh_flag} ({rules.mesh.devices.size} fake "
+            f"CPU devices, float32): argument bytes per device predicted {v.memory[2][1]:,}, "
+            f"XLA {v.memory[2][2]:,}")
+    rows = [f"  {k:<16} predicted {pr:>16,} B   compiled {m:>16,} B" for k, pr, m in v.by_kind]
+    verdict = [f"  FLAG: {f}" for f in v.flags] or ["  every collective kind within 5% of the prediction"]
+    return "\n".join([head, *rows, *verdict])

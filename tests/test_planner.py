@@ -1,0 +1,72 @@
+"""The planner follows the classic guidance because the numbers say so."""
+
+import pytest
+
+from jaxshard import planner
+from jaxshard.errors import ConfigError
+from models import TransformerLM, get_preset
+
+H100 = planner.device_spec("h100")
+
+
+def top(plans):
+    return next(p for p in plans if p.fits)
+
+
+def test_a_model_that_fits_one_device_gets_ddp():
+    model = TransformerLM(get_preset("gpt2-small"))
+    plans = planner.plan(model, 8, H100, 64, 1024)
+    assert top(plans).name == "ddp" and top(plans).mesh_flag == "data=8"
+    assert "It fits one h100" in " ".join(planner.explain(model, plans, H100, 1, "bfloat16"))
+
+
+def test_a_model_that_does_not_fit_gets_zero_or_fsdp():
+    model = TransformerLM(get_preset("llama-8b"))  # 8B x 16 B = 128 GB > 80 GB
+    plans = planner.plan(model, 8, H100, 16, 2048)
+    assert all(not p.fits for p in plans if p.name == "ddp")
+    best = top(plans)
+    assert best.strategy.zero > 0 or best.mesh.get("fsdp", 1) > 1, best.name
+    assert best.memory.peak <= 0.9 * H100.memory
+    assert "does not fit one h100" in " ".join(planner.explain(model, plans, H100, 1, "bfloat16"))
+
+
+def test_tensor_parallelism_when_one_layer_does_not_fit():
+    model = TransformerLM(get_preset("llama-70b"))  # a layer is 1.7 GB in bf16
+    small = planner.device_spec("h100", memory=planner.parse_bytes("6GB"))
+    plans = planner.plan(model, 512, small, 64, 512, hosts=64)
+    assert not [p for p in plans if p.fits and p.mesh["tensor"] == 1]  # sharding alone is not enough
+    best = top(plans)
+    assert best.mesh["tensor"] > 1 and "tensor" not in best.host_axes  # TP stays within a host
+    assert "tensor parallelism" in " ".join(planner.explain(model, plans, small, 64, "bfloat16"))
+
+
+def test_data_parallelism_on_the_slow_axis_across_hosts():
+    model = TransformerLM(get_preset("llama-1b"))
+    plans = planner.plan(model, 64, H100, 256, 2048, hosts=8)
+    best = top(plans)
+    assert best.host_axes == ("data",), (best.name, best.mesh, best.host_axes)
+    # the same split with fsdp crossing hosts instead is slower
+    order = [(k, best.mesh[k]) for k in ("fsdp", "data", "tensor")]
+    flipped = next(p for p in plans if list(p.mesh.items()) == order
+                   and p.strategy == best.strategy and p.remat is best.remat)
+    assert flipped.host_axes[0] == "fsdp" and flipped.step_s > best.step_s
+    assert plans.index(flipped) > plans.index(best)
+
+
+def test_host_spanning_axes():
+    assert planner.host_spanning_axes({"data": 8, "fsdp": 8, "tensor": 1}, 8) == ("data",)
+    assert planner.host_spanning_axes({"fsdp": 64, "tensor": 1}, 8) == ("fsdp",)
+    assert planner.host_spanning_axes({"data": 2, "fsdp": 4, "tensor": 8}, 8) == ("data", "fsdp")
+    assert planner.host_spanning_axes({"data": 8, "tensor": 8}, 64) == ()
+
+
+def test_devices_and_sizes_are_never_guessed():
+    with pytest.raises(ConfigError, match="unknown device 'tpu9'; known: h100"):
+        planner.device_spec("tpu9")
+    with pytest.raises(ConfigError, match="without --device, give --peak-tflops, --intra-bw"):
+        planner.device_spec(None, memory=80e9)
+    custom = planner.device_spec(None, memory=16e9, peak_tflops=100, intra_gbs=64, inter_gbs=12.5)
+    assert (custom.memory, custom.bf16_tflops, custom.inter_host_gbs) == (16e9, 100, 12.5)
+    assert planner.parse_bytes("80GB") == 80e9 and planner.parse_bytes("1 GiB") == 2**30
+    with pytest.raises(ConfigError, match="cannot read a size"):
+        planner.parse_bytes("lots")
