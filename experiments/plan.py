@@ -50,13 +50,13 @@ def main(argv: list[str] | None = None) -> int:
 
         runtime.configure(runtime.RuntimeConfig(cpu_devices=a.devices if confirm else None,
                                                 platform="cpu" if confirm else None))
-        from jaxshard import planner
+        from jaxshard import devices, planner
         from models import TransformerLM, get_preset
 
         if not 0 < a.mfu <= 1:
             raise ConfigError(f"--mfu must be in (0, 1], got {a.mfu}")
-        device = planner.device_spec(
-            a.device, memory=planner.parse_bytes(a.device_memory) if a.device_memory else None,
+        device = devices.device_spec(
+            a.device, memory=devices.parse_bytes(a.device_memory) if a.device_memory else None,
             peak_tflops=a.peak_tflops, intra_gbs=a.intra_bw, inter_gbs=a.inter_bw)
         model = TransformerLM(get_preset(a.model))
         batch = a.batch or a.devices

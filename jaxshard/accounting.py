@@ -285,10 +285,16 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
                 continue
             allowances.append("Tied embeddings: XLA reduces the table gradients of the lookup and of "
                               "the vocabulary projection separately (one table-sized reduction more).")
+        # XLA reduces over the batch axes and over the model-parallel ones (sequence, and tensor
+        # under SP) in separate collectives.
+        shard = used // rules.size(_axes_in_order(rules, scatter))
+        batch_axes = set(rules.batch_axes)
         add("reduce-scatter", scatter, used, per_micro,
             f"{p.path}: gradient reduce-scatter into its ZeRO-2/3 shard")
-        add("all-reduce", reduce_axes - scatter, used // rules.size(_axes_in_order(rules, scatter)),
-            per_micro, f"{p.path}: gradient all-reduce")
+        add("all-reduce", (reduce_axes & batch_axes) - scatter, shard, per_micro,
+            f"{p.path}: gradient all-reduce over the batch")
+        add("all-reduce", reduce_axes - batch_axes - scatter, shard, per_micro,
+            f"{p.path}: gradient all-reduce over the sequence / tensor split")
 
     L_local = seq_len // _seq_split(rules)
     B_local = batch_size // rules.size(rules.batch_axes) // grad_accum

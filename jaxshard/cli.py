@@ -38,6 +38,8 @@ class TrainConfig:
     metrics: str | None
     report: str | None
     progress: bool
+    device: str | None  # known accelerator name, for MFU (None: detect from the backend)
+    peak_tflops: float | None  # dense peak per device, for MFU (overrides the device table)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "eval_batches"):
@@ -100,6 +102,11 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-batches", type=int, default=4)
 
     g = p.add_argument_group("outputs and runtime")
+    g.add_argument("--device", default=None,
+                   help="accelerator for MFU: h100, h200, a100-80gb, a100-40gb, v100 (default: "
+                        "detected on GPUs; none on CPU)")
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="dense peak TFLOP/s per device for MFU (overrides --device)")
     g.add_argument("--metrics", default=None, help="JSON lines, one per step")
     g.add_argument("--report", default=None, help="JSON summary written at the end")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -144,7 +151,8 @@ def train_config(a: argparse.Namespace) -> TrainConfig:
         steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, dropout=a.dropout,
         vocab_multiple=a.vocab_multiple,
         remat=Remat(a.remat), eval_every=a.eval_every, eval_batches=a.eval_batches,
-        metrics=a.metrics, report=a.report, progress=not a.no_progress)
+        metrics=a.metrics, report=a.report, progress=not a.no_progress, device=a.device,
+        peak_tflops=a.peak_tflops)
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from jaxshard import data as data_lib
-from jaxshard import hlo, inspect
+from jaxshard import accounting, devices, hlo, inspect
 from jaxshard.cli import TrainConfig
 from jaxshard.errors import ConfigError, DataError, TrainingError
 from jaxshard.mesh import axis_sizes, build_mesh
@@ -54,6 +54,19 @@ def train(cfg: TrainConfig, model: Any) -> dict[str, Any]:
     _log(f"compiled in {compile_s:.1f}s | per device: params {held['params']:,} B, "
          f"optimizer state {held['opt_state']:,} B")
 
+    flops = accounting.flops(model.cfg, rules, B, L, remat=model.remat)
+    peak, peak_source = devices.peak_flops(cfg.device, cfg.peak_tflops, cfg.step.compute_dtype,
+                                           jax.devices()[0])
+    n_dev = jax.device_count()
+    _log(f"model FLOPs per step {flops.model:.3e} ({flops.formula}); MFU peak: {peak_source}")
+
+    def throughput(dt: float) -> dict[str, float]:
+        out = {"tokens_per_s": B * L / dt, "tflops_per_device": flops.model / n_dev / dt / 1e12}
+        if peak:
+            out["mfu"] = flops.model / n_dev / dt / peak
+            out["hfu"] = flops.hardware / n_dev / dt / peak
+        return out
+
     rows = data_lib.process_rows(program.batch_sharding, B, L)
     train_data = data_lib.Batches(corpus.train, L, B, cfg.step.seed, rows)
     val_data = data_lib.Batches(corpus.val, L, B, cfg.step.seed, rows, shuffle=False)
@@ -63,7 +76,6 @@ def train(cfg: TrainConfig, model: Any) -> dict[str, Any]:
                   for i in range(cfg.eval_batches)]
         return float(np.mean(jax.device_get(losses)))
 
-    tokens_per_step = B * L
     records, val_loss = [], None
     writer = MetricsLog(cfg.metrics if jax.process_index() == 0 else None)
     bar = progress(cfg.steps, cfg.progress and jax.process_index() == 0)
@@ -74,7 +86,7 @@ def train(cfg: TrainConfig, model: Any) -> dict[str, Any]:
             state, m = compiled(state, batch)
             m = {k: float(v) for k, v in jax.device_get(m).items()}
             dt = time.perf_counter() - t
-            record = {"step": i + 1, **m, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt}
+            record = {"step": i + 1, **m, "step_time_s": dt, **throughput(dt)}
             last = i + 1 == cfg.steps
             if math.isfinite(m["loss"]) and (last or (cfg.eval_every and (i + 1) % cfg.eval_every == 0)):
                 val_loss = record["val_loss"] = validate()
@@ -83,10 +95,18 @@ def train(cfg: TrainConfig, model: Any) -> dict[str, Any]:
             if not math.isfinite(m["loss"]):
                 raise TrainingError(f"loss is {m['loss']} at step {i + 1}; lower --lr or check the "
                                     "data (no report written)")
-            bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)
+            speed = (f"{record['mfu']:.1%}" if "mfu" in record
+                     else f"{record['tflops_per_device'] * 1e3:,.2f} GFLOP/s/dev")
+            bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
+                            **{"mfu" if "mfu" in record else "speed": speed}, refresh=False)
             bar.update()
 
     timed = [r["step_time_s"] for r in records[1:]] or [records[0]["step_time_s"]]
+    median = throughput(float(np.median(timed)))
+    comm = accounting.communication(model, rules, B, L, compute_dtype=cfg.step.compute_dtype,
+                                    remat=model.remat, grad_accum=cfg.step.grad_accum)
+    predicted_memory = accounting.memory(model, rules, B, L, compute_dtype=cfg.step.compute_dtype,
+                                         remat=model.remat, grad_accum=cfg.step.grad_accum)
     report = {
         "model": model.cfg.name,
         "mesh": axis_sizes(mesh),
@@ -104,16 +124,26 @@ def train(cfg: TrainConfig, model: Any) -> dict[str, Any]:
         "per_device_bytes": held,
         "xla_memory": inspect.xla_memory(compiled),
         "collectives": hlo.summary(inspect.compiled_collectives(compiled, mesh)),
+        "predicted": {"argument_bytes": predicted_memory.argument,
+                      "activation_bytes": predicted_memory.activations,
+                      "collectives": [{"kind": k, "bytes": b} for k, b in sorted(comm.by_kind().items())]},
         "compile_time_s": compile_s,
         "step_time_s_median": float(np.median(timed)),
-        "tokens_per_s": tokens_per_step / float(np.median(timed)),
+        "tokens_per_s": median["tokens_per_s"],
+        "flops_per_step": {"model": flops.model, "hardware": flops.hardware, "formula": flops.formula},
+        "tflops_per_device": median["tflops_per_device"],
+        "mfu": median.get("mfu"),
+        "hfu": median.get("hfu"),
+        "peak_flops_source": peak_source,
         "first_loss": records[0]["loss"],
         "final_loss": records[-1]["loss"],
         "final_val_loss": val_loss,
         "data": corpus.name,
     }
+    speed = f"MFU {report['mfu']:.1%}" if report["mfu"] is not None else \
+        f"{report['tflops_per_device'] * 1e3:,.2f} GFLOP/s per device"
     _log(f"done: loss {report['first_loss']:.3f} -> {report['final_loss']:.3f}, val {val_loss:.3f}, "
-         f"{report['tokens_per_s']:,.0f} tokens/s")
+         f"{report['tokens_per_s']:,.0f} tokens/s, {speed}")
     if cfg.report and jax.process_index() == 0:
         write_json_atomic(cfg.report, report)
     return report

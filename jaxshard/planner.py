@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,72 +21,13 @@ import jax
 from jax.sharding import AbstractMesh, AxisType
 
 from jaxshard import accounting
+from jaxshard.devices import GB, Device
 from jaxshard.axes import MESH_AXES
 from jaxshard.errors import ConfigError
 from jaxshard.remat import Remat
 from jaxshard.rules import ShardingRules, Strategy
 
-GB = 1e9
 TIE = 0.05  # plans within 5% of each other's step time: the time model is no finer; simpler wins
-
-
-@dataclass(frozen=True)
-class Device:
-    """An accelerator: dense peak FLOP/s and the bandwidth one device gets per direction."""
-
-    name: str
-    memory: float  # bytes
-    bf16_tflops: float
-    fp32_tflops: float  # TF32 tensor cores where the device has them
-    intra_host_gbs: float  # NVLink (or PCIe) GB/s per device, one direction
-    inter_host_gbs: float  # network GB/s per device (e.g. 400 Gb/s NDR = 50 GB/s)
-    per_host: int
-
-    def peak(self, compute_dtype: str) -> float:
-        return 1e12 * (self.bf16_tflops if compute_dtype != "float32" else self.fp32_tflops)
-
-
-# Dense (no sparsity) datasheet peaks; typical 8-GPU HGX/DGX hosts.
-KNOWN_DEVICES = {
-    "h100": Device("h100", 80 * GB, 989, 494, 450, 50, 8),
-    "h200": Device("h200", 141 * GB, 989, 494, 450, 50, 8),
-    "a100-80gb": Device("a100-80gb", 80 * GB, 312, 156, 300, 25, 8),
-    "a100-40gb": Device("a100-40gb", 40 * GB, 312, 156, 300, 25, 8),
-    "v100": Device("v100", 32 * GB, 125, 15.7, 150, 12.5, 8),
-}
-
-
-def device_spec(name: str | None, *, memory: float | None = None, peak_tflops: float | None = None,
-                intra_gbs: float | None = None, inter_gbs: float | None = None,
-                per_host: int | None = None) -> Device:
-    """A known device, with any of its numbers overridden; or one described wholly by flags."""
-    if name is not None:
-        key = name.lower()
-        if key not in KNOWN_DEVICES:
-            raise ConfigError(f"unknown device '{name}'; known: {', '.join(KNOWN_DEVICES)} "
-                              "(or give --peak-tflops, --intra-bw and --inter-bw instead of --device)")
-        base = KNOWN_DEVICES[key]
-    else:
-        missing = [f for f, v in (("--peak-tflops", peak_tflops), ("--intra-bw", intra_gbs),
-                                  ("--inter-bw", inter_gbs), ("--device-memory", memory)) if v is None]
-        if missing:
-            raise ConfigError(f"without --device, give {', '.join(missing)} (no silent defaults); "
-                              f"known devices: {', '.join(KNOWN_DEVICES)}")
-        base = Device("custom", memory, peak_tflops, peak_tflops, intra_gbs, inter_gbs, per_host or 8)
-    return Device(base.name, memory or base.memory, peak_tflops or base.bf16_tflops,
-                  peak_tflops or base.fp32_tflops, intra_gbs or base.intra_host_gbs,
-                  inter_gbs or base.inter_host_gbs, per_host or base.per_host)
-
-
-def parse_bytes(text: str) -> float:
-    """'80GB', '80 GiB', '1.5e9' -> bytes."""
-    m = re.fullmatch(r"\s*([\d.]+(?:e\d+)?)\s*([kmgt]i?b?)?\s*", text.lower())
-    if m is None:
-        raise ConfigError(f"cannot read a size from '{text}' (e.g. 80GB)")
-    unit = (m[2] or "b").rstrip("b") or "b"
-    scale = {"b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
-             "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}[unit]
-    return float(m[1]) * scale
 
 
 @dataclass

@@ -26,6 +26,7 @@ MORE = {
     "hsdp": ("data=2,fsdp=4", 0, False),
     "hsdp+zero1": ("data=2,fsdp=4", 1, False),
     "cp": ("sequence=4", 0, False),
+    "ddp+cp": ("data=2,sequence=4", 0, False),
     "hsdp+tp+sp": ("data=2,fsdp=2,tensor=2", 0, True),
     "fsdp+tp+cp": ("fsdp=2,tensor=2,sequence=2", 0, False),
 }
@@ -101,7 +102,8 @@ def test_saved_activation_estimate_matches_autodiff_residuals(model_name, remat)
     assert abs(traced - estimate) <= 0.15 * traced, (traced, estimate)
 
 
-@pytest.mark.parametrize("name", ["ddp", "zero2", "fsdp", "tp+sp", "hsdp", "hsdp+zero1", "fsdp+tp+cp"])
+@pytest.mark.parametrize("name", ["ddp", "zero2", "fsdp", "tp+sp", "hsdp", "hsdp+zero1", "ddp+cp",
+                                  "fsdp+tp+cp"])
 def test_verifier_finds_nothing_wrong_with_a_correct_strategy(name):
     model = TransformerLM(get_preset("tiny"))
     program, compiled = compile_step(model, name, {**STRATEGIES, **MORE})

@@ -89,6 +89,19 @@ def test_train_writes_metrics_and_report(tmp_path):
     assert {"all-gather", "all-reduce"} <= set(kinds)  # FSDP gathers params; grads are reduced
     assert all(c["count"] >= 1 and c["bytes"] > 0 for c in rep["collectives"])
     assert rep["final_loss"] == records[-1]["loss"]
+    # throughput: achieved model FLOP/s per device, and no MFU on CPU without a peak
+    assert rep["tflops_per_device"] > 0 and rep["mfu"] is None and "tflops_per_device" in records[0]
+    assert rep["predicted"]["argument_bytes"] == rep["xla_memory"]["argument"]
+
+
+def test_mfu_with_a_given_peak(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    result = train("--mesh", "data=8", "--cpu-devices", "8", "--steps", "3", "--batch-size", "8",
+                   "--seq-len", "32", "--peak-tflops", "0.01", "--metrics", str(metrics))
+    assert result.returncode == 0, result.stderr
+    last = json.loads(metrics.read_text().splitlines()[-1])
+    assert last["mfu"] == pytest.approx(last["tflops_per_device"] / 0.01)
+    assert last["hfu"] >= last["mfu"] > 0
 
 
 def test_microbatch_not_divisible_by_batch_axes():
@@ -158,3 +171,33 @@ def test_plan_bad_input_is_one_line():
                           "unknown device 'tpu9'")
     assert_one_line_error(run_script("plan.py", "--model", "llama-1b", "--devices", "64",
                                      "--device-memory", "80GB"), "without --device, give --peak-tflops")
+
+
+def test_compare_strategies_one_page(tmp_path):
+    page = tmp_path / "page.md"
+    result = run_script("compare_strategies.py", "--model", "tiny", "--seq-len", "32", "--out", str(page))
+    assert result.returncode == 0, result.stdout + result.stderr
+    text = page.read_text()
+    for name in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3/FSDP", "TP", "TP+SP"):
+        assert f"| {name} |" in text
+    assert "reduce-scatter over fsdp" in text and "all-reduce over tensor" in text
+    assert "Verifier" not in text  # every strategy as predicted
+
+
+def test_bench_writes_table_json_and_plots(tmp_path):
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--models", "tiny",
+           "--strategies", "single,ddp,fsdp,tp+sp", "--warmup", "1", "--steps", "2", "--seq-len", "32",
+           "--out", str(tmp_path)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert [r["strategy"] for r in data["strategies"]] == ["single", "ddp", "fsdp", "ddp+tp+sp"]
+    assert [r["devices"] for r in data["scaling"]] == [1, 2, 4, 8]
+    for r in data["strategies"]:
+        assert r["timed_steps"] == 2 and r["step_s"]["min"] <= r["step_s"]["median"] <= r["step_s"]["max"]
+        assert r["tokens_per_s"] > 0
+    fsdp = data["strategies"][2]
+    assert fsdp["per_device_bytes"]["params"] * 8 == data["strategies"][0]["per_device_bytes"]["params"]
+    assert abs(fsdp["collective_bytes"] - fsdp["collective_bytes_predicted"]) <= 0.05 * fsdp["collective_bytes_predicted"]
+    assert "| tiny | fsdp | `fsdp=8` |" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "memory_comm.png").stat().st_size > 10_000 and (tmp_path / "scaling.png").exists()

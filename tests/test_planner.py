@@ -2,11 +2,11 @@
 
 import pytest
 
-from jaxshard import planner
+from jaxshard import devices, planner
 from jaxshard.errors import ConfigError
 from models import TransformerLM, get_preset
 
-H100 = planner.device_spec("h100")
+H100 = devices.device_spec("h100")
 
 
 def top(plans):
@@ -32,7 +32,7 @@ def test_a_model_that_does_not_fit_gets_zero_or_fsdp():
 
 def test_tensor_parallelism_when_one_layer_does_not_fit():
     model = TransformerLM(get_preset("llama-70b"))  # a layer is 1.7 GB in bf16
-    small = planner.device_spec("h100", memory=planner.parse_bytes("6GB"))
+    small = devices.device_spec("h100", memory=devices.parse_bytes("6GB"))
     plans = planner.plan(model, 512, small, 64, 512, hosts=64)
     assert not [p for p in plans if p.fits and p.mesh["tensor"] == 1]  # sharding alone is not enough
     best = top(plans)
@@ -62,11 +62,27 @@ def test_host_spanning_axes():
 
 def test_devices_and_sizes_are_never_guessed():
     with pytest.raises(ConfigError, match="unknown device 'tpu9'; known: h100"):
-        planner.device_spec("tpu9")
+        devices.device_spec("tpu9")
     with pytest.raises(ConfigError, match="without --device, give --peak-tflops, --intra-bw"):
-        planner.device_spec(None, memory=80e9)
-    custom = planner.device_spec(None, memory=16e9, peak_tflops=100, intra_gbs=64, inter_gbs=12.5)
+        devices.device_spec(None, memory=80e9)
+    custom = devices.device_spec(None, memory=16e9, peak_tflops=100, intra_gbs=64, inter_gbs=12.5)
     assert (custom.memory, custom.bf16_tflops, custom.inter_host_gbs) == (16e9, 100, 12.5)
-    assert planner.parse_bytes("80GB") == 80e9 and planner.parse_bytes("1 GiB") == 2**30
+    assert devices.parse_bytes("80GB") == 80e9 and devices.parse_bytes("1 GiB") == 2**30
     with pytest.raises(ConfigError, match="cannot read a size"):
-        planner.parse_bytes("lots")
+        devices.parse_bytes("lots")
+
+
+class FakeDevice:
+    def __init__(self, platform, device_kind):
+        self.platform, self.device_kind = platform, device_kind
+
+
+def test_peak_flops_for_mfu_comes_from_flags_or_a_recognised_gpu_never_a_guess():
+    assert devices.peak_flops(None, 123.0, "bfloat16") == (123e12, "--peak-tflops")
+    assert devices.peak_flops("a100-80gb", None, "bfloat16")[0] == 312e12
+    assert devices.peak_flops("h100", None, "float32")[0] == 494e12  # TF32
+    peak, source = devices.peak_flops(None, None, "bfloat16", FakeDevice("gpu", "NVIDIA H100 80GB HBM3"))
+    assert peak == 989e12 and "detected h100" in source
+    assert devices.peak_flops(None, None, "bfloat16", FakeDevice("cpu", "cpu"))[0] is None
+    assert devices.peak_flops(None, None, "bfloat16", FakeDevice("gpu", "NVIDIA RTX 9090"))[0] is None
+    assert devices.detect_device("NVIDIA A100-SXM4-40GB").name == "a100-40gb"

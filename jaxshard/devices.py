@@ -1,0 +1,96 @@
+"""Accelerators the planner and MFU know: dense peaks, memory and link bandwidths."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from jaxshard.errors import ConfigError
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Device:
+    """An accelerator: dense peak FLOP/s and the bandwidth one device gets per direction."""
+
+    name: str
+    memory: float  # bytes
+    bf16_tflops: float
+    fp32_tflops: float  # TF32 tensor cores where the device has them
+    intra_host_gbs: float  # NVLink (or PCIe) GB/s per device, one direction
+    inter_host_gbs: float  # network GB/s per device (e.g. 400 Gb/s NDR = 50 GB/s)
+    per_host: int
+
+    def peak(self, compute_dtype: str) -> float:
+        return 1e12 * (self.bf16_tflops if compute_dtype != "float32" else self.fp32_tflops)
+
+
+# Dense (no sparsity) datasheet peaks; typical 8-GPU HGX/DGX hosts.
+KNOWN_DEVICES = {
+    "h100": Device("h100", 80 * GB, 989, 494, 450, 50, 8),
+    "h200": Device("h200", 141 * GB, 989, 494, 450, 50, 8),
+    "a100-80gb": Device("a100-80gb", 80 * GB, 312, 156, 300, 25, 8),
+    "a100-40gb": Device("a100-40gb", 40 * GB, 312, 156, 300, 25, 8),
+    "v100": Device("v100", 32 * GB, 125, 15.7, 150, 12.5, 8),
+}
+
+
+def device_spec(name: str | None, *, memory: float | None = None, peak_tflops: float | None = None,
+                intra_gbs: float | None = None, inter_gbs: float | None = None,
+                per_host: int | None = None) -> Device:
+    """A known device, with any of its numbers overridden; or one described wholly by flags."""
+    if name is not None:
+        key = name.lower()
+        if key not in KNOWN_DEVICES:
+            raise ConfigError(f"unknown device '{name}'; known: {', '.join(KNOWN_DEVICES)} "
+                              "(or give --peak-tflops, --intra-bw and --inter-bw instead of --device)")
+        base = KNOWN_DEVICES[key]
+    else:
+        missing = [f for f, v in (("--peak-tflops", peak_tflops), ("--intra-bw", intra_gbs),
+                                  ("--inter-bw", inter_gbs), ("--device-memory", memory)) if v is None]
+        if missing:
+            raise ConfigError(f"without --device, give {', '.join(missing)} (no silent defaults); "
+                              f"known devices: {', '.join(KNOWN_DEVICES)}")
+        base = Device("custom", memory, peak_tflops, peak_tflops, intra_gbs, inter_gbs, per_host or 8)
+    return Device(base.name, memory or base.memory, peak_tflops or base.bf16_tflops,
+                  peak_tflops or base.fp32_tflops, intra_gbs or base.intra_host_gbs,
+                  inter_gbs or base.inter_host_gbs, per_host or base.per_host)
+
+
+def detect_device(device_kind: str, memory_bytes: float | None = None) -> Device | None:
+    """The known device a backend's ``device_kind`` names ('NVIDIA H100 80GB HBM3'), if any."""
+    kind = device_kind.lower()
+    for key in ("h200", "h100", "v100"):
+        if key in kind:
+            return KNOWN_DEVICES[key]
+    if "a100" in kind:
+        big = "80gb" in kind or (memory_bytes or 0) > 50 * GB
+        return KNOWN_DEVICES["a100-80gb" if big else "a100-40gb"]
+    return None
+
+
+def parse_bytes(text: str) -> float:
+    """'80GB', '80 GiB', '1.5e9' -> bytes."""
+    m = re.fullmatch(r"\s*([\d.]+(?:e\d+)?)\s*([kmgt]i?b?)?\s*", text.lower())
+    if m is None:
+        raise ConfigError(f"cannot read a size from '{text}' (e.g. 80GB)")
+    unit = (m[2] or "b").rstrip("b") or "b"
+    scale = {"b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
+             "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}[unit]
+    return float(m[1]) * scale
+
+
+def peak_flops(device: str | None, peak_tflops: float | None, compute_dtype: str,
+               backend_device: object | None = None) -> tuple[float | None, str]:
+    """Dense peak FLOP/s of one device for MFU, and where the number came from. Never a guess:
+    an explicit --peak-tflops, a named --device, a recognised GPU, or nothing."""
+    if peak_tflops is not None:
+        return peak_tflops * 1e12, "--peak-tflops"
+    if device is not None:
+        spec = device_spec(device)
+        return spec.peak(compute_dtype), f"--device {spec.name}"
+    kind = getattr(backend_device, "device_kind", "")
+    if getattr(backend_device, "platform", "") == "gpu" and (found := detect_device(kind)):
+        return found.peak(compute_dtype), f"detected {found.name} ({kind})"
+    return None, "unknown (give --peak-tflops or --device for MFU)"
