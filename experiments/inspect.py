@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         from jaxshard.train_step import build_program, check_batch
 
         model = build_model(cfg, unroll=not args.no_unroll)
-        rules = ShardingRules(build_mesh(cfg.mesh), cfg.strategy)
+        rules = ShardingRules(build_mesh(cfg.mesh, dcn=cfg.dcn_mesh), cfg.strategy)
         check_batch(rules, cfg.batch_size, cfg.seq_len, cfg.step.grad_accum)
         program = build_program(model, rules, cfg.optim, cfg.step)
         print(f"model {model.cfg.name}: {model.n_params():,} params | mesh {axis_sizes(rules.mesh)} | "

@@ -11,13 +11,14 @@ import sys
 # The repository root instead of this folder, whose inspect.py would shadow the standard library's.
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from jaxshard import cli, runtime  # noqa: E402
+from jaxshard import cli, distributed, runtime  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
     with cli.one_line_errors():
         cfg = cli.parse_train(argv)
         runtime.configure(cfg.runtime)  # before anything touches a device
+        distributed.initialize(cfg.distributed, cfg.runtime.platform)
 
         from experiments.common import build_model
         from jaxshard import loop

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec
 
 from jaxshard import hlo
 from jaxshard.axes import Dim
+from jaxshard.pytree import named_leaves
 from jaxshard.remat import Remat
 from jaxshard.rules import ShardingRules, StateKind, spec_axes
 
@@ -67,14 +68,13 @@ class ParamInfo:
 
 
 def param_infos(model: Any, rules: ShardingRules) -> list[ParamInfo]:
-    axes_tree = model.param_axes()
-    flat_axes = jax.tree_util.tree_flatten_with_path(axes_tree, is_leaf=lambda x: isinstance(x, tuple))[0]
+    named_axes = named_leaves(model.param_axes(), is_leaf=lambda x: isinstance(x, tuple))
     shapes = jax.tree.leaves(model.abstract_params())
     out = []
-    for (path, ax), x in zip(flat_axes, shapes):
+    for (path, ax), x in zip(named_axes, shapes):
         shape = tuple(x.shape)
         out.append(ParamInfo(
-            path="/".join(str(getattr(k, "key", k)) for k in path), axes=ax, shape=shape,
+            path=path, axes=ax, shape=shape,
             params=rules.param_spec(ax, shape, StateKind.PARAMS),
             grads=rules.param_spec(ax, shape, StateKind.GRADS),
             opt_state=rules.param_spec(ax, shape, StateKind.OPT_STATE),

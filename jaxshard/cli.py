@@ -8,7 +8,9 @@ import sys
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
+from jaxshard.checkpoint import CheckpointConfig
 from jaxshard.data import DataConfig
+from jaxshard.distributed import DistributedConfig
 from jaxshard.errors import ConfigError, JaxshardError
 from jaxshard.mesh import MeshSpec
 from jaxshard.optim import OptimConfig
@@ -22,6 +24,7 @@ from jaxshard.train_step import COMPUTE_DTYPES, StepConfig
 class TrainConfig:
     model: str
     mesh: MeshSpec
+    dcn_mesh: MeshSpec | None  # hosts' layout for a hybrid mesh
     strategy: Strategy
     optim: OptimConfig
     step: StepConfig
@@ -40,6 +43,9 @@ class TrainConfig:
     progress: bool
     device: str | None  # known accelerator name, for MFU (None: detect from the backend)
     peak_tflops: float | None  # dense peak per device, for MFU (overrides the device table)
+    distributed: DistributedConfig
+    checkpoint: CheckpointConfig
+    export: str | None  # final params as .npz
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "eval_batches"):
@@ -60,6 +66,9 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--mesh", default="data=-1",
                    help="AXIS=SIZE,... over data, fsdp, stage, expert, sequence, tensor; "
                         "outermost first; one -1 fills the remaining devices")
+    g.add_argument("--dcn-mesh", default=None,
+                   help="hybrid mesh: how the hosts are laid out (e.g. data=4); --mesh then lays "
+                        "out each host's devices, and each axis is the product of the two")
     g.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
                    help="ZeRO stage over the data axis: 1 shards optimizer state, 2 also grads, "
                         "3 also params (the fsdp axis always shards all three)")
@@ -115,6 +124,21 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--platform", default=None, help="cpu, gpu or tpu (default: JAX's choice)")
     g.add_argument("--compile-cache", default=str(DEFAULT_CACHE),
                    help="persistent XLA compilation cache directory; '' disables")
+
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--checkpoint-dir", default=None, help="where sharded checkpoints go")
+    g.add_argument("--save-every", type=int, default=0, help="steps between saves (0: at the end only)")
+    g.add_argument("--keep", type=int, default=3, help="most recent checkpoints kept")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from the latest complete checkpoint in --checkpoint-dir, on any mesh")
+    g.add_argument("--export", default=None, help="write the final params to this .npz (plain numpy)")
+
+    g = p.add_argument_group("multi-process (one process per host; see the README)")
+    g.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
+    g.add_argument("--num-processes", type=int, default=None)
+    g.add_argument("--process-id", type=int, default=None)
+    g.add_argument("--init-timeout", type=float, default=120.0,
+                   help="seconds to wait for every process to join")
     return p
 
 
@@ -138,6 +162,7 @@ def train_config(a: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         model=a.model,
         mesh=MeshSpec.parse(a.mesh),
+        dcn_mesh=MeshSpec.parse(a.dcn_mesh) if a.dcn_mesh else None,
         strategy=Strategy(zero=a.zero, fsdp_min_size=a.fsdp_min_size,
                           sequence_parallel=a.sequence_parallel),
         optim=OptimConfig(lr=a.lr, warmup_steps=a.warmup_steps,
@@ -152,7 +177,11 @@ def train_config(a: argparse.Namespace) -> TrainConfig:
         vocab_multiple=a.vocab_multiple,
         remat=Remat(a.remat), eval_every=a.eval_every, eval_batches=a.eval_batches,
         metrics=a.metrics, report=a.report, progress=not a.no_progress, device=a.device,
-        peak_tflops=a.peak_tflops)
+        peak_tflops=a.peak_tflops,
+        distributed=DistributedConfig.from_env(a.coordinator, a.num_processes, a.process_id, a.init_timeout),
+        checkpoint=CheckpointConfig(directory=a.checkpoint_dir, save_every=a.save_every, keep=a.keep,
+                                    resume=a.resume),
+        export=a.export)
 
 
 @contextlib.contextmanager

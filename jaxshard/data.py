@@ -89,13 +89,15 @@ def _file_tokens(path: Path) -> tuple[np.ndarray, str, int]:
 
 
 class Batches:
-    """Batches of ``[rows, seq_len]`` inputs and next-token targets for one process."""
+    """Batches of inputs and next-token targets: this process's block ``[rows, cols]`` of each
+    global ``[global_batch, seq_len]`` batch."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int,
-                 rows: slice | None = None, shuffle: bool = True):
+                 rows: slice | None = None, shuffle: bool = True, cols: slice | None = None):
         self.tokens, self.seq_len, self.global_batch = tokens, seq_len, global_batch
         self.seed, self.shuffle = seed, shuffle
         self.rows = rows or slice(0, global_batch)
+        self.cols = cols or slice(0, seq_len)
         self.n_windows = (len(tokens) - 1) // seq_len
         if self.n_windows < 1:
             raise DataError(f"corpus has {len(tokens)} tokens, fewer than --seq-len + 1 = {seq_len + 1}")
@@ -112,25 +114,29 @@ class Batches:
         epoch, index = np.divmod(samples, self.n_windows)
         return np.array([self._order(int(e))[i] for e, i in zip(epoch, index)]) * self.seq_len
 
-    def batch(self, step: int) -> dict[str, np.ndarray]:
-        """This process's rows of global batch ``step``."""
+    def batch_at(self, offset: int) -> dict[str, np.ndarray]:
+        """This process's block of the global batch whose first sample is ``offset`` (the run's
+        global sample offset: step x global batch, checkpointed for an exact resume)."""
         rows = np.arange(self.rows.start, self.rows.stop)
-        starts = self.window_starts(step * self.global_batch + rows)
+        starts = self.window_starts(offset + rows)
         win = np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts]).astype(np.int32)
-        return {"inputs": win[:, :-1], "targets": win[:, 1:]}
+        return {"inputs": win[:, :-1][:, self.cols], "targets": win[:, 1:][:, self.cols]}
 
 
-def process_rows(sharding, global_batch: int, seq_len: int) -> slice:
-    """The contiguous rows of the global batch that this process's devices hold."""
+def process_block(sharding, global_batch: int, seq_len: int) -> tuple[slice, slice]:
+    """The contiguous rows and columns of the global batch that this process's devices hold."""
     index_map = sharding.addressable_devices_indices_map((global_batch, seq_len))
-    starts = [idx[0].start or 0 for idx in index_map.values()]
-    stops = [global_batch if idx[0].stop is None else idx[0].stop for idx in index_map.values()]
-    rows = slice(min(starts), max(stops))
-    held = sum(b - a for a, b in {(a, b) for a, b in zip(starts, stops)})
-    if held != rows.stop - rows.start:
-        raise DataError("this process's batch rows are not contiguous; use a mesh whose batch "
-                        "axes are outermost across processes")
-    return rows
+    return tuple(_span([idx[d] for idx in index_map.values()], n)
+                 for d, n in ((0, global_batch), (1, seq_len)))
+
+
+def _span(slices, n: int) -> slice:
+    bounds = {(s.start or 0, n if s.stop is None else s.stop) for s in slices}
+    span = slice(min(a for a, _ in bounds), max(b for _, b in bounds))
+    if sum(b - a for a, b in bounds) != span.stop - span.start:
+        raise DataError("this process's part of the batch is not contiguous; put the batch and "
+                        "sequence axes outermost in --mesh when they cross processes")
+    return span
 
 
 def to_global(batch: dict[str, np.ndarray], sharding, global_batch: int) -> dict:

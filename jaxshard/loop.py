@@ -1,22 +1,27 @@
-"""The training loop behind ``experiments/train.py``: compile, init, train, evaluate, report."""
+"""The training loop behind ``experiments/train.py``: compile, init or resume, train, evaluate,
+checkpoint, report."""
 
 from __future__ import annotations
 
 import math
+import os
+import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
-from jaxshard import data as data_lib
 from jaxshard import accounting, devices, hlo, inspect
+from jaxshard import data as data_lib
+from jaxshard.checkpoint import Checkpointer, export_params, param_shapes
 from jaxshard.cli import TrainConfig
 from jaxshard.errors import ConfigError, DataError, TrainingError
 from jaxshard.mesh import axis_sizes, build_mesh
 from jaxshard.metrics import MetricsLog, progress, write_json_atomic
 from jaxshard.rules import ShardingRules
-from jaxshard.train_step import build_program, check_batch
+from jaxshard.train_step import Program, build_program, check_batch
 
 
 def _log(msg: str) -> None:
@@ -33,22 +38,68 @@ def _check_model_fits_data(model: Any, corpus: data_lib.Corpus, seq_len: int) ->
                           f"{model.cfg.max_seq_len}")
 
 
+def _fault(kind: str, step: int) -> None:
+    """Fault injection for the crash tests: JAXSHARD_FAULT=kill-after-save:STEP kills this
+    process (SIGKILL) while that step's checkpoint is being written; exit:PROCESS:STEP makes
+    process PROCESS exit with status 17 at that step."""
+    spec = os.environ.get("JAXSHARD_FAULT", "").split(":")
+    if kind == "save" and spec[0] == "kill-after-save" and int(spec[1]) == step:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "step" and spec[0] == "exit" and int(spec[1]) == jax.process_index() and int(spec[2]) == step:
+        os._exit(17)
+
+
+def _start(cfg: TrainConfig, program: Program, model: Any, ckpt: Checkpointer | None):
+    """The initial state, its step and global sample offset: fresh, or the latest checkpoint."""
+    if ckpt is not None and cfg.checkpoint.resume and ckpt.latest_step() is not None:
+        state, meta = ckpt.restore(program.layout.abstract, param_shapes(model.abstract_params()))
+        if meta["seed"] != cfg.step.seed:
+            raise ConfigError(f"the checkpoint was trained with --seed {meta['seed']}; resume with it "
+                              f"(got --seed {cfg.step.seed})")
+        _log(f"resumed from {ckpt.directory}/{meta['step']} (trained on mesh {meta['mesh']}, "
+             f"{meta['samples_seen']:,} samples seen)")
+        return state, int(meta["step"]), int(meta["samples_seen"])
+    if cfg.checkpoint.resume:
+        _log(f"no complete checkpoint in {cfg.checkpoint.directory}: starting from step 0")
+    return program.init(cfg.step.seed), 0, 0
+
+
+def _keep_metrics_until(path: str | None, step: int) -> None:
+    """On resume, drop the lines of steps after the checkpoint (they will be run again)."""
+    if path is None or not Path(path).exists() or jax.process_index() != 0:
+        return
+    import json
+
+    lines = [line for line in Path(path).read_text().splitlines()
+             if line.strip() and json.loads(line).get("step", 0) <= step]
+    Path(path).write_text("".join(line + "\n" for line in lines))
+
+
 def train(cfg: TrainConfig, model: Any) -> dict[str, Any]:
     """Train ``model`` as ``cfg`` says; returns (and writes, with ``--report``) the report."""
     B, L = cfg.batch_size, cfg.seq_len
-    mesh = build_mesh(cfg.mesh)
+    mesh = build_mesh(cfg.mesh, dcn=cfg.dcn_mesh)
     rules = ShardingRules(mesh, cfg.strategy)
     check_batch(rules, B, L, cfg.step.grad_accum)
     corpus = data_lib.load_corpus(cfg.data)
     _check_model_fits_data(model, corpus, L)
+    if cfg.export and not cfg.export.endswith(".npz"):
+        raise ConfigError(f"--export must name a .npz file, got {cfg.export}")
+    ckpt = Checkpointer(cfg.checkpoint) if cfg.checkpoint.directory else None
 
     program = build_program(model, rules, cfg.optim, cfg.step)
     _log(f"model {model.cfg.name}: {model.n_params():,} params | mesh {axis_sizes(mesh)} | "
-         f"strategy {rules.name} | {jax.device_count()} {jax.default_backend()} devices")
+         f"strategy {rules.name} | {jax.device_count()} {jax.default_backend()} devices"
+         + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""))
     t0 = time.perf_counter()
     compiled = program.lower_step(B, L).compile()
     compile_s = time.perf_counter() - t0
-    state = program.init(cfg.step.seed)
+    state, start, samples = _start(cfg, program, model, ckpt)
+    if start >= cfg.steps:
+        _log(f"the checkpoint is at step {start}, already --steps {cfg.steps}: nothing to do")
+        if ckpt is not None:
+            ckpt.close()
+        return {}
     held = {"params": inspect.max_bytes_per_device(state.params),
             "opt_state": inspect.max_bytes_per_device(state.opt_state)}
     _log(f"compiled in {compile_s:.1f}s | per device: params {held['params']:,} B, "
@@ -67,25 +118,36 @@ def train(cfg: TrainConfig, model: Any) -> dict[str, Any]:
             out["hfu"] = flops.hardware / n_dev / dt / peak
         return out
 
-    rows = data_lib.process_rows(program.batch_sharding, B, L)
-    train_data = data_lib.Batches(corpus.train, L, B, cfg.step.seed, rows)
-    val_data = data_lib.Batches(corpus.val, L, B, cfg.step.seed, rows, shuffle=False)
+    rows, cols = data_lib.process_block(program.batch_sharding, B, L)
+    train_data = data_lib.Batches(corpus.train, L, B, cfg.step.seed, rows, cols=cols)
+    val_data = data_lib.Batches(corpus.val, L, B, cfg.step.seed, rows, shuffle=False, cols=cols)
 
     def validate() -> float:
-        losses = [program.eval(state.params, data_lib.to_global(val_data.batch(i), program.batch_sharding, B))
+        losses = [program.eval(state.params, data_lib.to_global(val_data.batch_at(i * B), program.batch_sharding, B))
                   for i in range(cfg.eval_batches)]
         return float(np.mean(jax.device_get(losses)))
 
+    def save(step: int) -> None:
+        ckpt.save(step, state, {"step": step, "samples_seen": samples, "seed": cfg.step.seed,
+                                "batch_size": B, "seq_len": L, "model": model.cfg.name,
+                                "mesh": axis_sizes(mesh), "strategy": rules.name,
+                                "param_shapes": param_shapes(model.abstract_params())})
+        _fault("save", step)
+
+    _keep_metrics_until(cfg.metrics, start)
     records, val_loss = [], None
-    writer = MetricsLog(cfg.metrics if jax.process_index() == 0 else None)
+    writer = MetricsLog(cfg.metrics if jax.process_index() == 0 else None, append=start > 0)
     bar = progress(cfg.steps, cfg.progress and jax.process_index() == 0)
+    bar.update(start)
     with writer, bar:
-        for i in range(cfg.steps):
+        for i in range(start, cfg.steps):
+            _fault("step", i + 1)
             t = time.perf_counter()
-            batch = data_lib.to_global(train_data.batch(i), program.batch_sharding, B)
+            batch = data_lib.to_global(train_data.batch_at(samples), program.batch_sharding, B)
             state, m = compiled(state, batch)
             m = {k: float(v) for k, v in jax.device_get(m).items()}
             dt = time.perf_counter() - t
+            samples += B
             record = {"step": i + 1, **m, "step_time_s": dt, **throughput(dt)}
             last = i + 1 == cfg.steps
             if math.isfinite(m["loss"]) and (last or (cfg.eval_every and (i + 1) % cfg.eval_every == 0)):
@@ -95,21 +157,35 @@ def train(cfg: TrainConfig, model: Any) -> dict[str, Any]:
             if not math.isfinite(m["loss"]):
                 raise TrainingError(f"loss is {m['loss']} at step {i + 1}; lower --lr or check the "
                                     "data (no report written)")
+            if ckpt is not None and (last or (cfg.checkpoint.save_every and (i + 1) % cfg.checkpoint.save_every == 0)):
+                save(i + 1)
             speed = (f"{record['mfu']:.1%}" if "mfu" in record
                      else f"{record['tflops_per_device'] * 1e3:,.2f} GFLOP/s/dev")
             bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
                             **{"mfu" if "mfu" in record else "speed": speed}, refresh=False)
             bar.update()
+    if ckpt is not None:
+        ckpt.close()  # waits for the last save to be complete
+    if cfg.export:
+        _log(f"exported params to {export_params(state.params, cfg.export)}")
+    report = _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compile_s,
+                     throughput, flops, peak_source)
+    if cfg.report and jax.process_index() == 0:
+        write_json_atomic(cfg.report, report)
+    return report
 
+
+def _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compile_s, throughput,
+            flops, peak_source) -> dict[str, Any]:
+    B, L = cfg.batch_size, cfg.seq_len
     timed = [r["step_time_s"] for r in records[1:]] or [records[0]["step_time_s"]]
     median = throughput(float(np.median(timed)))
-    comm = accounting.communication(model, rules, B, L, compute_dtype=cfg.step.compute_dtype,
-                                    remat=model.remat, grad_accum=cfg.step.grad_accum)
-    predicted_memory = accounting.memory(model, rules, B, L, compute_dtype=cfg.step.compute_dtype,
-                                         remat=model.remat, grad_accum=cfg.step.grad_accum)
+    kwargs = {"compute_dtype": cfg.step.compute_dtype, "remat": model.remat, "grad_accum": cfg.step.grad_accum}
+    comm = accounting.communication(model, rules, B, L, **kwargs)
+    predicted_memory = accounting.memory(model, rules, B, L, **kwargs)
     report = {
         "model": model.cfg.name,
-        "mesh": axis_sizes(mesh),
+        "mesh": axis_sizes(rules.mesh),
         "strategy": rules.name,
         "zero": cfg.strategy.zero,
         "backend": jax.default_backend(),
@@ -117,13 +193,14 @@ def train(cfg: TrainConfig, model: Any) -> dict[str, Any]:
         "n_processes": jax.process_count(),
         "n_params": model.n_params(),
         "steps": cfg.steps,
+        "first_step": records[0]["step"],
         "batch_size": B,
         "seq_len": L,
         "grad_accum": cfg.step.grad_accum,
         "compute_dtype": cfg.step.compute_dtype,
         "per_device_bytes": held,
         "xla_memory": inspect.xla_memory(compiled),
-        "collectives": hlo.summary(inspect.compiled_collectives(compiled, mesh)),
+        "collectives": hlo.summary(inspect.compiled_collectives(compiled, rules.mesh)),
         "predicted": {"argument_bytes": predicted_memory.argument,
                       "activation_bytes": predicted_memory.activations,
                       "collectives": [{"kind": k, "bytes": b} for k, b in sorted(comm.by_kind().items())]},
@@ -144,6 +221,4 @@ def train(cfg: TrainConfig, model: Any) -> dict[str, Any]:
         f"{report['tflops_per_device'] * 1e3:,.2f} GFLOP/s per device"
     _log(f"done: loss {report['first_loss']:.3f} -> {report['final_loss']:.3f}, val {val_loss:.3f}, "
          f"{report['tokens_per_s']:,.0f} tokens/s, {speed}")
-    if cfg.report and jax.process_index() == 0:
-        write_json_atomic(cfg.report, report)
     return report

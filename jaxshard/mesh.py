@@ -85,16 +85,26 @@ class MeshSpec:
         return sizes
 
 
-def build_mesh(spec: MeshSpec | str, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
-    """The mesh for ``spec`` over ``devices`` (default: all devices of the default backend)."""
+def build_mesh(spec: MeshSpec | str, devices: Sequence[jax.Device] | None = None,
+               dcn: MeshSpec | str | None = None) -> jax.sharding.Mesh:
+    """The mesh for ``spec`` over ``devices`` (default: all devices of the default backend).
+
+    With ``dcn`` (``--dcn-mesh``), a hybrid mesh: ``spec`` lays out the devices within each
+    host (or TPU slice) and ``dcn`` the hosts, so each axis's size is the product of the two
+    and only the ``dcn`` axes cross the slow network between hosts.
+    """
     import jax
     import numpy as np
     from jax.experimental import mesh_utils
 
     if isinstance(spec, str):
         spec = MeshSpec.parse(spec)
+    if isinstance(dcn, str):
+        dcn = MeshSpec.parse(dcn)
     all_devices = jax.devices()
     devices = list(all_devices if devices is None else devices)
+    if dcn is not None and any(size != 1 for _, size in dcn.axes):
+        return _hybrid_mesh(spec, dcn, devices)
     sizes = spec.resolve(len(devices))
     shape = tuple(sizes.values())
     if len(devices) == len(all_devices) and len(devices) > 1:
@@ -104,6 +114,29 @@ def build_mesh(spec: MeshSpec | str, devices: Sequence[jax.Device] | None = None
         grid = np.asarray(devices, dtype=object).reshape(shape)
     axis_types = (jax.sharding.AxisType.Auto,) * len(shape)
     return jax.sharding.Mesh(grid, tuple(str(a) for a in sizes), axis_types=axis_types)
+
+
+def _hybrid_mesh(spec: MeshSpec, dcn: MeshSpec, devices: list) -> jax.sharding.Mesh:
+    import jax
+    from jax.experimental import mesh_utils
+
+    # TPU slices are the units of the slow network; on GPUs and CPUs, processes (hosts).
+    by_slice = devices[0].platform == "tpu" and getattr(devices[0], "slice_index", None) is not None
+    granules = len({getattr(d, "slice_index" if by_slice else "process_index") for d in devices})
+    unit = "TPU slices" if by_slice else "processes"
+    try:
+        outer = dcn.resolve(granules)
+    except MeshError:
+        need = math.prod(s for _, s in dcn.axes if s != -1)
+        raise MeshError(f"--dcn-mesh {dcn} lays out {need}{'x' if len(dcn.axes) > 1 else ''} {unit} "
+                        f"but the job has {granules} (launch one process per host)") from None
+    inner = spec.resolve(len(devices) // granules)
+    # Axes that cross hosts outermost: a process then holds a contiguous block of the batch.
+    names = [a for a in outer if outer[a] > 1] + [a for a in inner if outer[a] == 1]
+    grid = mesh_utils.create_hybrid_device_mesh(
+        [inner[a] for a in names], [outer[a] for a in names], devices, process_is_granule=not by_slice)
+    axis_types = (jax.sharding.AxisType.Auto,) * len(names)
+    return jax.sharding.Mesh(grid, tuple(str(a) for a in names), axis_types=axis_types)
 
 
 def axis_sizes(mesh: jax.sharding.Mesh) -> dict[str, int]:

@@ -16,11 +16,11 @@ class MetricsLog:
     """Appends one JSON object per step to ``path`` (nothing when path is None), flushed each
     line so a crashed run keeps every step it finished."""
 
-    def __init__(self, path: str | os.PathLike | None):
+    def __init__(self, path: str | os.PathLike | None, append: bool = False):
         self._file: IO[str] | None = None
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "w", encoding="utf-8")
+            self._file = open(path, "a" if append else "w", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:

@@ -47,11 +47,11 @@ def test_bad_data_fails_clearly(tmp_path):
 def test_batches_are_shifted_windows_in_a_seeded_order():
     tokens = np.arange(10_000) % 251
     b = data.Batches(tokens, seq_len=8, global_batch=4, seed=0)
-    first = b.batch(0)
+    first = b.batch_at(0)
     assert first["inputs"].shape == (4, 8) and first["inputs"].dtype == np.int32
     np.testing.assert_array_equal(first["targets"][:, :-1], first["inputs"][:, 1:])
-    np.testing.assert_array_equal(data.Batches(tokens, 8, 4, seed=0).batch(3)["inputs"], b.batch(3)["inputs"])
-    assert not np.array_equal(data.Batches(tokens, 8, 4, seed=1).batch(0)["inputs"], first["inputs"])
+    np.testing.assert_array_equal(data.Batches(tokens, 8, 4, seed=0).batch_at(12)["inputs"], b.batch_at(12)["inputs"])
+    assert not np.array_equal(data.Batches(tokens, 8, 4, seed=1).batch_at(0)["inputs"], first["inputs"])
 
 
 def test_an_epoch_visits_every_window_once():
@@ -63,20 +63,21 @@ def test_an_epoch_visits_every_window_once():
     assert not np.array_equal(b.window_starts(np.arange(12)), b.window_starts(np.arange(12, 24)))
 
 
-def test_a_process_reads_only_its_rows_of_the_global_batch():
+def test_a_process_reads_only_its_block_of_the_global_batch():
     tokens = np.arange(5_000) % 199
     full = data.Batches(tokens, seq_len=16, global_batch=8, seed=0)
-    part = data.Batches(tokens, seq_len=16, global_batch=8, seed=0, rows=slice(4, 8))
-    for step in (0, 5):
-        np.testing.assert_array_equal(part.batch(step)["inputs"], full.batch(step)["inputs"][4:8])
+    part = data.Batches(tokens, seq_len=16, global_batch=8, seed=0, rows=slice(4, 8), cols=slice(8, 16))
+    for offset in (0, 40):
+        np.testing.assert_array_equal(part.batch_at(offset)["inputs"], full.batch_at(offset)["inputs"][4:8, 8:])
+        np.testing.assert_array_equal(part.batch_at(offset)["targets"], full.batch_at(offset)["targets"][4:8, 8:])
 
 
 def test_global_batch_assembled_from_process_rows():
     rules = ShardingRules(build_mesh("data=2,fsdp=4"))
     sharding = rules.batch_sharding()
-    assert data.process_rows(sharding, 16, 32) == slice(0, 16)  # one process holds every row
+    assert data.process_block(sharding, 16, 32) == (slice(0, 16), slice(0, 32))  # one process: all
     b = data.Batches(np.arange(20_000) % 256, seq_len=32, global_batch=16, seed=0)
-    local = b.batch(0)
+    local = b.batch_at(0)
     arr = data.to_global(local, sharding, 16)["inputs"]
     assert arr.shape == (16, 32) and arr.sharding == sharding
     np.testing.assert_array_equal(np.asarray(arr), local["inputs"])

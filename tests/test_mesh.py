@@ -57,3 +57,11 @@ def test_build_mesh_on_a_subset_of_devices():
     assert mesh.devices.size == 1
     with pytest.raises(MeshError, match="needs 2 devices but 1 are available"):
         build_mesh("data=2", jax.devices()[:1])
+
+
+def test_hybrid_mesh_needs_one_process_per_dcn_position():
+    # one process here: a --dcn-mesh over two hosts cannot be laid out
+    with pytest.raises(MeshError, match=r"--dcn-mesh data=2 lays out 2 processes but the job has 1"):
+        build_mesh("fsdp=4", dcn="data=2")
+    mesh = build_mesh("fsdp=8", dcn="data=1")  # a trivial one is the plain mesh
+    assert axis_sizes(mesh)["fsdp"] == 8

@@ -1,0 +1,137 @@
+"""Sharded checkpoints with orbax: async saves, keep-N, restore onto any mesh, exact resume.
+
+A checkpoint holds the train state (params, optimizer state, step) and a small JSON record:
+the step, the **global sample offset** of the data stream (so the data order resumes exactly,
+whatever the mesh or the number of processes), the seed (dropout keys derive from seed and
+step), and the params' shapes (to refuse another model with one clear line). Restore reads
+each array straight into its sharding on the current mesh; orbax finalises a step by renaming
+its folder, so a step killed mid-write is never listed and the previous one is used.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from jaxshard.errors import ConfigError, JaxshardError
+from jaxshard.pytree import named_leaves
+
+
+class CheckpointError(JaxshardError):
+    """A checkpoint that cannot be used: missing, unreadable, or of another model."""
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointConfig:
+    directory: str | None = None
+    save_every: int = 0  # steps between saves; 0: only the final step
+    keep: int = 3  # most recent checkpoints kept
+    resume: bool = False  # continue from the latest complete checkpoint, if any
+
+    def __post_init__(self) -> None:
+        if (self.save_every or self.resume) and not self.directory:
+            raise ConfigError("--save-every and --resume need --checkpoint-dir")
+        if self.save_every < 0:
+            raise ConfigError(f"--save-every must be >= 0, got {self.save_every}")
+        if self.keep < 1:
+            raise ConfigError(f"--keep must be >= 1, got {self.keep}")
+
+
+def param_shapes(params: Any) -> dict[str, list[int]]:
+    return {name: list(x.shape) for name, x in named_leaves(params)}
+
+
+class Checkpointer:
+    """Saves and restores one run's train state in ``cfg.directory``."""
+
+    def __init__(self, cfg: CheckpointConfig):
+        import orbax.checkpoint as ocp
+
+        self._ocp = ocp
+        self.cfg = cfg
+        self.directory = Path(cfg.directory).expanduser().resolve()  # orbax wants absolute paths
+        if self.directory.exists() and not self.directory.is_dir():
+            raise CheckpointError(f"--checkpoint-dir {self.directory} is a file, not a folder")
+        options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=True,
+                                               create=True)
+        try:
+            self.manager = ocp.CheckpointManager(self.directory, options=options)
+        except Exception as e:  # noqa: BLE001 -- orbax raises many kinds; the user needs one line
+            raise CheckpointError(f"cannot use --checkpoint-dir {self.directory}: {_first_line(e)}") from None
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
+        """Start an asynchronous save (training goes on while it is written)."""
+        ocp = self._ocp
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                        meta=ocp.args.JsonSave(meta)))
+
+    def restore(self, abstract_state: Any, expected_shapes: dict[str, list[int]],
+                step: int | None = None) -> tuple[Any, dict[str, Any]]:
+        """The state of ``step`` (default: the latest complete one) in ``abstract_state``'s
+        shardings, and its record."""
+        ocp = self._ocp
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"no complete checkpoint in {self.directory}")
+        where = f"checkpoint {self.directory}/{step}"
+        try:
+            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{where} is unreadable: {_first_line(e)}") from None
+        saved = meta.get("param_shapes") if isinstance(meta, dict) else None
+        if saved != expected_shapes:
+            raise CheckpointError(f"{where} holds another model: {_shape_difference(saved, expected_shapes)}")
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state)))
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{where} cannot be restored: {_first_line(e)}") from None
+        return restored["state"], meta
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def _shape_difference(saved: dict | None, expected: dict) -> str:
+    if not isinstance(saved, dict):
+        return "it has no record of its params' shapes"
+    for name in sorted(set(saved) | set(expected)):
+        if saved.get(name) != expected.get(name):
+            return (f"param {name} is {tuple(saved[name]) if name in saved else 'absent'} there, "
+                    f"{tuple(expected[name]) if name in expected else 'absent'} here")
+    return "shapes differ"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+def export_params(params: Any, path: str | os.PathLike) -> Path:
+    """Write the params as a plain ``.npz`` (one array per '/'-joined name), loadable with numpy
+    alone. Every process gathers; process 0 writes (via a temporary file, then a rename)."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    path = Path(path)
+    if path.suffix != ".npz":
+        raise ConfigError(f"--export must name a .npz file, got {path}")
+    named = named_leaves(params)
+    arrays = multihost_utils.process_allgather([x for _, x in named], tiled=True)
+    if jax.process_index() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez(tmp, **{name: np.asarray(a) for (name, _), a in zip(named, arrays)})
+        os.replace(tmp, path)
+    return path

@@ -1,0 +1,195 @@
+"""Starting several processes as one JAX job (``jax.distributed``): NCCL on GPUs, gloo on CPU.
+
+Flags ``--coordinator HOST:PORT --num-processes N --process-id I`` (or the environment
+variables ``JAXSHARD_COORDINATOR``, ``JAXSHARD_NUM_PROCESSES``, ``JAXSHARD_PROCESS_ID``); with
+none of them under SLURM or Open MPI, JAX's own cluster detection. A process that waits for a
+peer that never comes would otherwise hang, then abort inside XLA; here a rendezvous over
+plain TCP on the coordinator's port runs first, with a bounded timeout, and fails with one
+line naming the missing process(es) or the unreachable coordinator.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass
+
+from jaxshard.errors import JaxshardError
+
+_HELLO = "jaxshard-rendezvous"
+
+
+class DistributedError(JaxshardError):
+    """A multi-process job that cannot start."""
+
+
+@dataclass(frozen=True, slots=True)
+class DistributedConfig:
+    coordinator: str | None = None  # HOST:PORT of process 0
+    num_processes: int | None = None
+    process_id: int | None = None
+    timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        given = [v is not None for v in (self.coordinator, self.num_processes, self.process_id)]
+        if any(given) and not all(given):
+            raise DistributedError("--coordinator, --num-processes and --process-id go together "
+                                   "(or set none of them)")
+        if self.coordinator is not None:
+            host_port(self.coordinator)
+            if self.num_processes < 1:
+                raise DistributedError(f"--num-processes must be >= 1, got {self.num_processes}")
+            if not 0 <= self.process_id < self.num_processes:
+                raise DistributedError(f"--process-id must be in [0, {self.num_processes}), "
+                                       f"got {self.process_id}")
+        if self.timeout_s <= 0:
+            raise DistributedError(f"--init-timeout must be > 0, got {self.timeout_s}")
+
+    @property
+    def multi_process(self) -> bool:
+        return (self.num_processes or 1) > 1
+
+    @classmethod
+    def from_env(cls, coordinator=None, num_processes=None, process_id=None, timeout_s=120.0):
+        """Flags win; else the JAXSHARD_* environment variables."""
+        env = os.environ
+        coordinator = coordinator or env.get("JAXSHARD_COORDINATOR")
+        if num_processes is None and "JAXSHARD_NUM_PROCESSES" in env:
+            num_processes = _int(env["JAXSHARD_NUM_PROCESSES"], "JAXSHARD_NUM_PROCESSES")
+        if process_id is None and "JAXSHARD_PROCESS_ID" in env:
+            process_id = _int(env["JAXSHARD_PROCESS_ID"], "JAXSHARD_PROCESS_ID")
+        return cls(coordinator, num_processes, process_id, timeout_s)
+
+
+def _int(text: str, name: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise DistributedError(f"{name} must be an integer, got '{text}'") from None
+
+
+def host_port(address: str) -> tuple[str, int]:
+    m = re.fullmatch(r"\[?([\w.\-:]+?)\]?:(\d+)", address.strip())
+    if m is None or not 0 < int(m[2]) < 65536:
+        raise DistributedError(f"--coordinator must be HOST:PORT (e.g. 10.0.0.1:1234), got '{address}'")
+    return m[1], int(m[2])
+
+
+def cluster_detected() -> str | None:
+    """The scheduler JAX can read the job's layout from, if any."""
+    if "SLURM_JOB_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        return "SLURM"
+    if "OMPI_COMM_WORLD_SIZE" in os.environ and int(os.environ["OMPI_COMM_WORLD_SIZE"]) > 1:
+        return "Open MPI"
+    return None
+
+
+def initialize(cfg: DistributedConfig, platform: str | None = None) -> None:
+    """Join the job described by ``cfg`` (or detected); a no-op for one process.
+
+    Call before any other JAX computation (with the other runtime settings).
+    """
+    import jax
+
+    detected = None if cfg.coordinator else cluster_detected()
+    if not cfg.multi_process and detected is None:
+        return
+    if (platform or os.environ.get("JAX_PLATFORMS", "")).startswith("cpu"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if detected:
+        jax.distributed.initialize(initialization_timeout=int(cfg.timeout_s))
+        return
+    rendezvous(cfg)
+    jax.distributed.initialize(coordinator_address=cfg.coordinator, num_processes=cfg.num_processes,
+                               process_id=cfg.process_id, initialization_timeout=int(cfg.timeout_s))
+
+
+def rendezvous(cfg: DistributedConfig) -> None:
+    """Every process checks in with process 0 over TCP before JAX starts its own service there.
+
+    Process 0 listens on the coordinator's port until all others have said hello (or the timeout
+    passes: it then names who is missing), answers 'go' and closes the port for JAX to take.
+    """
+    host, port = host_port(cfg.coordinator)
+    n, me = cfg.num_processes, cfg.process_id
+    deadline = time.monotonic() + cfg.timeout_s
+    if me == 0:
+        _await_peers(port, n, deadline, cfg)
+    else:
+        _check_in(host, port, n, me, deadline, cfg)
+
+
+def _await_peers(port: int, n: int, deadline: float, cfg: DistributedConfig) -> None:
+    arrived: dict[int, socket.socket] = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            server.bind(("", port))
+        except OSError as e:
+            raise DistributedError(f"process 0 cannot listen on port {port} of --coordinator "
+                                   f"{cfg.coordinator}: {e.strerror}") from None
+        server.listen(n)
+        try:
+            while len(arrived) < n - 1:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(range(1, n)) - set(arrived))
+                    raise DistributedError(
+                        f"process(es) {', '.join(map(str, missing))} of {n} did not reach the "
+                        f"coordinator {cfg.coordinator} within {cfg.timeout_s:g} s")
+                server.settimeout(left)
+                try:
+                    conn, _ = server.accept()
+                except TimeoutError:
+                    continue
+                conn.settimeout(max(1.0, deadline - time.monotonic()))
+                try:
+                    hello = conn.makefile().readline().split()
+                except OSError:
+                    conn.close()
+                    continue
+                if len(hello) != 3 or hello[0] != _HELLO:
+                    conn.close()
+                    continue
+                if int(hello[1]) != n:
+                    conn.close()
+                    raise DistributedError(f"a process expects {hello[1]} processes but process 0 "
+                                           f"expects {n}: give every process the same --num-processes")
+                arrived[int(hello[2])] = conn
+            for conn in arrived.values():
+                conn.sendall(b"go\n")
+        finally:
+            for conn in arrived.values():
+                conn.close()
+
+
+def _check_in(host: str, port: int, n: int, me: int, deadline: float, cfg: DistributedConfig) -> None:
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DistributedError(f"process {me} cannot reach the coordinator {cfg.coordinator} "
+                                   f"within {cfg.timeout_s:g} s (is process 0 running there?)")
+        try:
+            conn = socket.create_connection((host, port), timeout=min(left, 5.0))
+        except socket.gaierror:
+            raise DistributedError(f"cannot resolve the coordinator host in {cfg.coordinator}") from None
+        except OSError:  # refused or unreachable: process 0 may not be listening yet
+            time.sleep(0.2)
+            continue
+        with conn:
+            try:
+                conn.sendall(f"{_HELLO} {n} {me}\n".encode())
+                conn.settimeout(max(1.0, deadline - time.monotonic()))
+                reply = conn.makefile().readline().strip()
+            except TimeoutError:
+                raise DistributedError(
+                    f"the coordinator {cfg.coordinator} accepted process {me} but did not release "
+                    f"it within {cfg.timeout_s:g} s: another process is missing") from None
+            except OSError:
+                reply = ""
+        if reply == "go":
+            return
+        raise DistributedError(f"the coordinator {cfg.coordinator} turned process {me} away "
+                               "(see process 0's error)")

@@ -1,0 +1,118 @@
+"""Run N processes of a jaxshard job on this machine, as N hosts would, each with its own CPU devices.
+
+    python scripts/launch_local.py --processes 2 --devices-per-process 4 -- \\
+        --model tiny --mesh data=2,fsdp=4 --steps 20
+
+Every process runs experiments/train.py (or --script) with the flags after ``--`` plus
+``--coordinator 127.0.0.1:PORT --num-processes N --process-id I --cpu-devices D --platform
+cpu`` on a free port. Output is streamed with a ``[pI]`` prefix. If one process fails, the
+others are stopped and the launcher exits with that status, naming the process; past
+--timeout all are stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stream(proc: subprocess.Popen, prefix: str, out) -> None:
+    for line in proc.stdout:
+        out.write(f"{prefix} {line}")
+        out.flush()
+
+
+def _stop(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    end = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"status {code}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    own, rest = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--processes", type=int, required=True)
+    p.add_argument("--devices-per-process", type=int, default=4)
+    p.add_argument("--script", default=os.path.join(ROOT, "experiments", "train.py"))
+    p.add_argument("--timeout", type=float, default=3600, help="seconds before every process is stopped")
+    p.add_argument("--init-timeout", type=float, default=60, help="seconds for all processes to join")
+    a = p.parse_args(own)
+    if a.processes < 1 or a.devices_per_process < 1:
+        print("error: --processes and --devices-per-process must be >= 1", file=sys.stderr)
+        return 2
+    port = free_port()
+    procs = []
+    for i in range(a.processes):
+        cmd = [sys.executable, "-u", a.script, *rest, "--coordinator", f"127.0.0.1:{port}",
+               "--num-processes", str(a.processes), "--process-id", str(i),
+               "--cpu-devices", str(a.devices_per_process), "--platform", "cpu",
+               "--init-timeout", str(a.init_timeout)]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, cwd=ROOT, bufsize=1))
+    threads = [threading.Thread(target=_stream, args=(proc, f"[p{i}]", sys.stdout), daemon=True)
+               for i, proc in enumerate(procs)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + a.timeout
+    failed = None
+    try:
+        while True:
+            codes = [proc.poll() for proc in procs]
+            failed = next(((i, c) for i, c in enumerate(codes) if c not in (None, 0)), None)
+            if failed or all(c == 0 for c in codes):
+                break
+            if time.monotonic() > deadline:
+                running = [str(i) for i, c in enumerate(codes) if c is None]
+                _stop(procs)
+                print(f"error: timed out after {a.timeout:g} s; process(es) {', '.join(running)} "
+                      "still running were stopped", file=sys.stderr)
+                return 124
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        _stop(procs)
+        return 130
+    if failed:
+        _stop(procs)
+    for t in threads:
+        t.join(timeout=2)
+    if failed:
+        i, code = failed
+        print(f"error: process {i} of {a.processes} exited with {_describe(code)}; stopped the others",
+              file=sys.stderr)
+        return code if code > 0 else 128 - code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Multi-process training and checkpoints, through the command line, each run under a timeout.
+
+Processes are real (gloo collectives between them); the 'cluster' is this machine.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = os.environ.get("JAXSHARD_TEST_CACHE", str(ROOT / ".cache" / "xla-tests"))
+COMMON = ["--model", "tiny", "--batch-size", "16", "--seq-len", "64", "--no-progress",
+          "--eval-every", "0", "--compile-cache", CACHE]
+RTOL = 1e-6
+
+
+def run(args, timeout=240, env=None, devices=8):
+    cmd = [sys.executable, str(ROOT / "experiments" / "train.py"), *COMMON, "--platform", "cpu",
+           "--cpu-devices", str(devices), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, **(env or {})})
+
+
+def launch(args, processes=2, timeout=240, env=None):
+    cmd = [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--processes", str(processes),
+           "--devices-per-process", "4", "--timeout", str(timeout - 20), "--init-timeout", "60",
+           "--", *COMMON, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, **(env or {})})
+
+
+def losses(path):
+    return {r["step"]: r["loss"] for r in map(json.loads, Path(path).read_text().splitlines())}
+
+
+def assert_close(a: dict, b: dict, steps):
+    for s in steps:
+        assert abs(a[s] - b[s]) <= RTOL * abs(b[s]), (s, a[s], b[s])
+
+
+def assert_params_close(a_path, b_path):
+    a, b = np.load(a_path), np.load(b_path)
+    assert set(a) == set(b)
+    for k in b:
+        assert np.linalg.norm(a[k] - b[k]) <= RTOL * np.linalg.norm(b[k]), k
+
+
+@pytest.mark.parametrize("mesh, hosts_mesh", [
+    ("fsdp=8", ["--mesh", "fsdp=8"]),
+    ("data=2,fsdp=2,tensor=2", ["--mesh", "data=2,fsdp=2,tensor=2"]),
+    ("data=2,fsdp=4", ["--mesh", "fsdp=4", "--dcn-mesh", "data=2"]),  # HSDP: data across hosts
+])
+def test_two_processes_train_like_one(tmp_path, mesh, hosts_mesh):
+    one = run(["--mesh", mesh, "--steps", "5", "--metrics", str(tmp_path / "one.jsonl"),
+               "--export", str(tmp_path / "one.npz")])
+    assert one.returncode == 0, one.stderr
+    two = launch([*hosts_mesh, "--steps", "5", "--metrics", str(tmp_path / "two.jsonl"),
+                  "--export", str(tmp_path / "two.npz"), "--checkpoint-dir", str(tmp_path / "ck"),
+                  "--save-every", "3"])
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr
+    assert "[p1]" in two.stdout and "in 2 processes" in two.stdout
+    assert_close(losses(tmp_path / "two.jsonl"), losses(tmp_path / "one.jsonl"), range(1, 6))
+    assert_params_close(tmp_path / "two.npz", tmp_path / "one.npz")  # plain numpy, no jaxshard
+    # A checkpoint written by 2 processes resumes in 1 process on another mesh.
+    shutil.rmtree(tmp_path / "ck" / "5")
+    resumed = run(["--mesh", "data=4,fsdp=2", "--steps", "5", "--checkpoint-dir", str(tmp_path / "ck"),
+                   "--resume", "--metrics", str(tmp_path / "two.jsonl")])
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout
+    assert_close(losses(tmp_path / "two.jsonl"), losses(tmp_path / "one.jsonl"), range(1, 6))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Ten steps on data=2,fsdp=2,tensor=2 with a checkpoint every five."""
+    d = tmp_path_factory.mktemp("uninterrupted")
+    r = run(["--mesh", "data=2,fsdp=2,tensor=2", "--steps", "10", "--save-every", "5", "--keep", "5",
+             "--checkpoint-dir", str(d / "ck"), "--metrics", str(d / "m.jsonl")])
+    assert r.returncode == 0, r.stderr
+    return d, losses(d / "m.jsonl")
+
+
+@pytest.mark.parametrize("mesh, devices", [("fsdp=8", 8), ("data=4,fsdp=2", 8), ("data=1", 1)])
+def test_resume_on_another_mesh_continues_exactly(tmp_path, uninterrupted, mesh, devices):
+    source, want = uninterrupted
+    ck = tmp_path / "ck"
+    shutil.copytree(source / "ck", ck)
+    shutil.rmtree(ck / "10")  # resume from step 5
+    r = run(["--mesh", mesh, "--steps", "10", "--checkpoint-dir", str(ck), "--resume",
+             "--metrics", str(tmp_path / "m.jsonl")], devices=devices)
+    assert r.returncode == 0, r.stderr
+    assert "resumed from" in r.stdout and "80 samples seen" in r.stdout  # 5 steps x 16: the data position
+    got = losses(tmp_path / "m.jsonl")
+    assert sorted(got) == list(range(6, 11))
+    assert_close(got, want, range(6, 11))
+
+
+def test_killed_during_training_resumes_from_the_last_checkpoint(tmp_path, uninterrupted):
+    _, want = uninterrupted
+    metrics = tmp_path / "m.jsonl"
+    args = ["--mesh", "data=2,fsdp=2,tensor=2", "--steps", "10", "--save-every", "3",
+            "--checkpoint-dir", str(tmp_path / "ck"), "--metrics", str(metrics)]
+    cmd = [sys.executable, str(ROOT / "experiments" / "train.py"), *COMMON, "--platform", "cpu",
+           "--cpu-devices", "8", *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and (not metrics.exists() or len(losses(metrics)) < 7):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    assert 7 <= len(losses(metrics)) < 10
+    r = run(args + ["--resume"])
+    assert r.returncode == 0, r.stderr
+    got = losses(metrics)
+    assert sorted(got) == list(range(1, 11))  # the steps after the checkpoint were run again, once
+    assert_close(got, want, range(1, 11))
+
+
+def test_killed_during_an_async_save_never_uses_the_half_written_step(tmp_path, uninterrupted):
+    _, want = uninterrupted
+    args = ["--mesh", "data=2,fsdp=2,tensor=2", "--steps", "10", "--save-every", "3",
+            "--checkpoint-dir", str(tmp_path / "ck"), "--metrics", str(tmp_path / "m.jsonl")]
+    killed = run(args, env={"JAXSHARD_FAULT": "kill-after-save:6"})
+    assert killed.returncode == -signal.SIGKILL
+    complete = sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.isdigit())
+    assert complete == ["3"]  # step 6 was being written: never listed as a checkpoint
+    r = run(args + ["--resume"])
+    assert r.returncode == 0, r.stderr
+    assert "resumed from" in r.stdout and f"{tmp_path / 'ck'}/3" in r.stdout
+    assert_close(losses(tmp_path / "m.jsonl"), want, range(1, 11))
+
+
+def test_a_checkpoint_of_another_model_or_a_corrupt_one_is_one_line(tmp_path, uninterrupted):
+    source, _ = uninterrupted
+    ck = tmp_path / "ck"
+    shutil.copytree(source / "ck", ck)
+    other = run(["--mesh", "data=8", "--steps", "12", "--checkpoint-dir", str(ck), "--resume",
+                 "--model", "tiny-llama"])
+    assert other.returncode == 2 and other.stderr.count("\n") == 1, other.stderr
+    assert "holds another model: param" in other.stderr
+    for f in (ck / "10").rglob("*"):
+        if f.is_file() and "state" in f.parts:
+            f.write_bytes(b"garbage")
+    corrupt = run(["--mesh", "data=8", "--steps", "12", "--checkpoint-dir", str(ck), "--resume"])
+    assert corrupt.returncode == 2 and corrupt.stderr.count("\n") == 1, corrupt.stderr
+    assert f"checkpoint {ck}/10" in corrupt.stderr
+
+
+def test_a_worker_that_dies_stops_the_job_naming_it(tmp_path):
+    t = time.monotonic()
+    r = launch(["--mesh", "fsdp=8", "--steps", "8"], env={"JAXSHARD_FAULT": "exit:1:3"}, timeout=200)
+    assert r.returncode == 17
+    assert "error: process 1 of 2 exited with status 17; stopped the others" in r.stderr
+    assert time.monotonic() - t < 180
+
+
+def test_a_worker_that_never_starts_is_named():
+    r = run(["--mesh", "fsdp=4", "--steps", "2", "--coordinator", "127.0.0.1:45877", "--num-processes", "3",
+             "--process-id", "0", "--init-timeout", "3"], devices=4, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip() == ("error: process(es) 1, 2 of 3 did not reach the coordinator "
+                                "127.0.0.1:45877 within 3 s")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--coordinator", "127.0.0.1:45879", "--num-processes", "2", "--process-id", "1", "--init-timeout", "2"],
+     "process 1 cannot reach the coordinator 127.0.0.1:45879 within 2 s"),
+    (["--coordinator", "localhost", "--num-processes", "2", "--process-id", "1"],
+     "--coordinator must be HOST:PORT"),
+    (["--coordinator", "127.0.0.1:1234", "--num-processes", "2"], "go together"),
+    (["--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "2"],
+     "--process-id must be in [0, 2)"),
+])
+def test_bad_or_unreachable_coordinator_is_one_line(flags, message):
+    r = run(["--mesh", "fsdp=4", "--steps", "2", *flags], devices=4, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert message in r.stderr
