@@ -101,6 +101,8 @@ def initialize(cfg: DistributedConfig, platform: str | None = None) -> None:
     if detected:
         jax.distributed.initialize(initialization_timeout=int(cfg.timeout_s))
         return
+    if os.environ.get("JAXSHARD_FAULT") == f"never-start:{cfg.process_id}":
+        time.sleep(10 * cfg.timeout_s)  # fault injection for the tests: a host that never comes up
     rendezvous(cfg)
     jax.distributed.initialize(coordinator_address=cfg.coordinator, num_processes=cfg.num_processes,
                                process_id=cfg.process_id, initialization_timeout=int(cfg.timeout_s))

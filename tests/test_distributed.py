@@ -162,6 +162,18 @@ def test_a_worker_that_dies_stops_the_job_naming_it(tmp_path):
     assert time.monotonic() - t < 180
 
 
+def test_the_launcher_names_a_worker_that_never_starts():
+    cmd = [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--processes", "2",
+           "--devices-per-process", "4", "--timeout", "100", "--init-timeout", "4", "--", *COMMON,
+           "--mesh", "fsdp=8", "--steps", "2"]
+    t = time.monotonic()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env={**os.environ, "JAXSHARD_FAULT": "never-start:1"})
+    assert r.returncode == 2 and time.monotonic() - t < 60
+    assert "[p0] error: process(es) 1 of 2 did not reach the coordinator" in r.stdout
+    assert "error: process 0 of 2 exited with status 2; stopped the others" in r.stderr
+
+
 def test_a_worker_that_never_starts_is_named():
     r = run(["--mesh", "fsdp=4", "--steps", "2", "--coordinator", "127.0.0.1:45877", "--num-processes", "3",
              "--process-id", "0", "--init-timeout", "3"], devices=4, timeout=60)
