@@ -33,7 +33,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--intra-bw", type=float, default=None, help="GB/s per device within a host")
     p.add_argument("--inter-bw", type=float, default=None, help="GB/s per device between hosts")
     p.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: 1 per device)")
-    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--seq-len", type=int, default=None, help="default: the model's max, at most 2048")
+    p.add_argument("--vocab-multiple", type=int, default=None,
+                   help="pad the vocab to a multiple of N (so tensor parallelism can split it)")
     p.add_argument("--compute-dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--mfu", type=float, default=0.5, help="assumed fraction of peak the matmuls reach")
     p.add_argument("--top", type=int, default=10, help="plans to list")
@@ -58,8 +60,12 @@ def main(argv: list[str] | None = None) -> int:
         device = devices.device_spec(
             a.device, memory=devices.parse_bytes(a.device_memory) if a.device_memory else None,
             peak_tflops=a.peak_tflops, intra_gbs=a.intra_bw, inter_gbs=a.inter_bw)
-        model = TransformerLM(get_preset(a.model))
-        batch = a.batch or a.devices
+        model_cfg = get_preset(a.model)
+        if a.vocab_multiple is not None:
+            model_cfg = model_cfg.replace(vocab_multiple=a.vocab_multiple)
+        model = TransformerLM(model_cfg)
+        batch = a.devices if a.batch is None else a.batch
+        a.seq_len = min(2048, model_cfg.max_seq_len) if a.seq_len is None else a.seq_len
         plans = planner.plan(model, a.devices, device, batch, a.seq_len, hosts=a.hosts,
                              compute_dtype=a.compute_dtype, mfu=a.mfu)
         print(f"{a.model}: {model.n_params():,} params on {a.devices} x {device.name} "

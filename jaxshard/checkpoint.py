@@ -10,7 +10,9 @@ its folder, so a step killed mid-write is never listed and the previous one is u
 
 from __future__ import annotations
 
+import contextlib
 import os
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,8 +71,11 @@ class Checkpointer:
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
         """Start an asynchronous save (training goes on while it is written)."""
         ocp = self._ocp
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                        meta=ocp.args.JsonSave(meta)))
+        started = self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                                  meta=ocp.args.JsonSave(meta)))
+        if not started:
+            raise CheckpointError(f"orbax declined to save step {step} in {self.directory} "
+                                  f"(it already holds step {self.latest_step()})")
 
     def restore(self, abstract_state: Any, expected_shapes: dict[str, list[int]],
                 step: int | None = None) -> tuple[Any, dict[str, Any]]:
@@ -94,9 +99,6 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"{where} cannot be restored: {_first_line(e)}") from None
         return restored["state"], meta
-
-    def wait(self) -> None:
-        self.manager.wait_until_finished()
 
     def close(self) -> None:
         self.manager.wait_until_finished()
@@ -124,14 +126,29 @@ def export_params(params: Any, path: str | os.PathLike) -> Path:
     import numpy as np
     from jax.experimental import multihost_utils
 
+    path = check_export_path(path)
+    writer = path.with_name(path.name + ".tmp.npz")
+    if jax.process_index() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    # One parameter at a time: a host holds at most the largest one, never the whole model.
+    with zipfile.ZipFile(writer, "w", allowZip64=True) if jax.process_index() == 0 else _nowhere() as zf:
+        for name, x in named_leaves(params):
+            full = np.asarray(multihost_utils.process_allgather(x, tiled=True))  # every process
+            if zf is not None:
+                with zf.open(name + ".npy", "w", force_zip64=True) as f:
+                    np.lib.format.write_array(f, full, allow_pickle=False)
+    if jax.process_index() == 0:
+        os.replace(writer, path)
+    return path
+
+
+def check_export_path(path: str | os.PathLike) -> Path:
     path = Path(path)
     if path.suffix != ".npz":
         raise ConfigError(f"--export must name a .npz file, got {path}")
-    named = named_leaves(params)
-    arrays = multihost_utils.process_allgather([x for _, x in named], tiled=True)
-    if jax.process_index() == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp.npz")
-        np.savez(tmp, **{name: np.asarray(a) for (name, _), a in zip(named, arrays)})
-        os.replace(tmp, path)
     return path
+
+
+@contextlib.contextmanager
+def _nowhere():
+    yield None

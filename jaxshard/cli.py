@@ -10,6 +10,7 @@ from typing import Iterator, Sequence
 
 from jaxshard.checkpoint import CheckpointConfig
 from jaxshard.data import DataConfig
+from jaxshard.devices import KNOWN_DEVICES
 from jaxshard.distributed import DistributedConfig
 from jaxshard.errors import ConfigError, JaxshardError
 from jaxshard.mesh import MeshSpec
@@ -54,6 +55,11 @@ class TrainConfig:
                 raise ConfigError(f"{flag} must be >= 1, got {getattr(self, name)}")
         if self.eval_every < 0:
             raise ConfigError(f"--eval-every must be >= 0, got {self.eval_every}")
+        if self.device is not None and self.device.lower() not in KNOWN_DEVICES:
+            raise ConfigError(f"unknown --device '{self.device}'; known: {', '.join(KNOWN_DEVICES)} "
+                              "(or give --peak-tflops)")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ConfigError(f"--peak-tflops must be > 0, got {self.peak_tflops}")
 
 
 def train_parser() -> argparse.ArgumentParser:
@@ -166,7 +172,8 @@ def train_config(a: argparse.Namespace) -> TrainConfig:
         strategy=Strategy(zero=a.zero, fsdp_min_size=a.fsdp_min_size,
                           sequence_parallel=a.sequence_parallel),
         optim=OptimConfig(lr=a.lr, warmup_steps=a.warmup_steps,
-                          total_steps=a.decay_steps or max(a.steps, 1), min_lr_ratio=a.min_lr_ratio,
+                          total_steps=max(a.steps, 1) if a.decay_steps is None else a.decay_steps,
+                          min_lr_ratio=a.min_lr_ratio,
                           b1=a.beta1, b2=a.beta2, weight_decay=a.weight_decay,
                           grad_clip=a.grad_clip),
         step=StepConfig(grad_accum=a.grad_accum, compute_dtype=a.compute_dtype, seed=a.seed),

@@ -93,14 +93,17 @@ class Batches:
     global ``[global_batch, seq_len]`` batch."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int,
-                 rows: slice | None = None, shuffle: bool = True, cols: slice | None = None):
+                 rows: slice | None = None, shuffle: bool = True, cols: slice | None = None,
+                 what: str = "corpus"):
         self.tokens, self.seq_len, self.global_batch = tokens, seq_len, global_batch
         self.seed, self.shuffle = seed, shuffle
         self.rows = rows or slice(0, global_batch)
         self.cols = cols or slice(0, seq_len)
         self.n_windows = (len(tokens) - 1) // seq_len
         if self.n_windows < 1:
-            raise DataError(f"corpus has {len(tokens)} tokens, fewer than --seq-len + 1 = {seq_len + 1}")
+            raise DataError(f"the {what} has {len(tokens)} tokens, fewer than --seq-len + 1 = "
+                            f"{seq_len + 1}" + ("; raise --val-fraction or use more data"
+                                                if what == "validation split" else ""))
         self._orders: dict[int, np.ndarray] = {}
 
     def _order(self, epoch: int) -> np.ndarray:
@@ -139,11 +142,11 @@ def _span(slices, n: int) -> slice:
     return span
 
 
-def to_global(batch: dict[str, np.ndarray], sharding, global_batch: int) -> dict:
+def to_global(batch: dict[str, np.ndarray], sharding, global_shape: tuple[int, int]) -> dict:
+    """Global ``[batch, seq_len]`` arrays from this process's block of them."""
     import jax
 
-    return {k: jax.make_array_from_process_local_data(sharding, v, (global_batch, *v.shape[1:]))
-            for k, v in batch.items()}
+    return {k: jax.make_array_from_process_local_data(sharding, v, global_shape) for k, v in batch.items()}
 
 
 def write_bin(path: str | os.PathLike, tokens: np.ndarray) -> None:

@@ -72,13 +72,13 @@ def detect_device(device_kind: str, memory_bytes: float | None = None) -> Device
 
 def parse_bytes(text: str) -> float:
     """'80GB', '80 GiB', '1.5e9' -> bytes."""
-    m = re.fullmatch(r"\s*([\d.]+(?:e\d+)?)\s*([kmgt]i?b?)?\s*", text.lower())
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)(e\d+)?\s*([kmgt]i?b?|b)?\s*", text.lower())
     if m is None:
         raise ConfigError(f"cannot read a size from '{text}' (e.g. 80GB)")
-    unit = (m[2] or "b").rstrip("b") or "b"
+    unit = (m[3] or "b").rstrip("b") or "b"
     scale = {"b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
              "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}[unit]
-    return float(m[1]) * scale
+    return float(m[1] + (m[2] or "")) * scale
 
 
 def peak_flops(device: str | None, peak_tflops: float | None, compute_dtype: str,

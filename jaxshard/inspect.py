@@ -154,7 +154,7 @@ def format_verification(v: Verification) -> str:
         ratio = f"{m / p:.3f}" if p else "-"
         lines.append(f"  {kind:<33} {p:>14,} {m:>15,}   x{ratio}")
     pf, xf = v.flops
-    note = "" if v.unrolled else " (XLA counts a loop body once: compare with --unroll)"
+    note = "" if v.unrolled else " (XLA counts a loop body once: run without --no-unroll to compare)"
     lines.append("")
     lines.append(f"FLOPs per device per step: predicted {pf:,.0f}, XLA {xf or 0:,.0f}{note}")
     lines.append("")

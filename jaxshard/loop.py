@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxshard import accounting, devices, hlo, inspect
 from jaxshard import data as data_lib
-from jaxshard.checkpoint import Checkpointer, export_params, param_shapes
+from jaxshard.checkpoint import Checkpointer, check_export_path, export_params, param_shapes
 from jaxshard.cli import TrainConfig
 from jaxshard.errors import ConfigError, DataError, TrainingError
 from jaxshard.mesh import axis_sizes, build_mesh
@@ -59,6 +59,9 @@ def _start(cfg: TrainConfig, program: Program, model: Any, ckpt: Checkpointer | 
         _log(f"resumed from {ckpt.directory}/{meta['step']} (trained on mesh {meta['mesh']}, "
              f"{meta['samples_seen']:,} samples seen)")
         return state, int(meta["step"]), int(meta["samples_seen"])
+    if ckpt is not None and ckpt.latest_step() is not None:
+        raise ConfigError(f"--checkpoint-dir {ckpt.directory} already holds step {ckpt.latest_step()}: "
+                          "pass --resume to continue it, or use an empty folder")
     if cfg.checkpoint.resume:
         _log(f"no complete checkpoint in {cfg.checkpoint.directory}: starting from step 0")
     return program.init(cfg.step.seed), 0, 0
@@ -83,22 +86,31 @@ def train(cfg: TrainConfig, model: Any) -> dict[str, Any]:
     check_batch(rules, B, L, cfg.step.grad_accum)
     corpus = data_lib.load_corpus(cfg.data)
     _check_model_fits_data(model, corpus, L)
-    if cfg.export and not cfg.export.endswith(".npz"):
-        raise ConfigError(f"--export must name a .npz file, got {cfg.export}")
-    ckpt = Checkpointer(cfg.checkpoint) if cfg.checkpoint.directory else None
+    if cfg.export:
+        check_export_path(cfg.export)
 
     program = build_program(model, rules, cfg.optim, cfg.step)
+    ckpt = Checkpointer(cfg.checkpoint) if cfg.checkpoint.directory else None
+    try:
+        return _train(cfg, model, rules, corpus, program, ckpt)
+    finally:
+        if ckpt is not None:
+            ckpt.close()  # waits for the last save to be complete
+
+
+def _train(cfg: TrainConfig, model: Any, rules: ShardingRules, corpus: data_lib.Corpus,
+           program: Program, ckpt: Checkpointer | None) -> dict[str, Any]:
+    B, L = cfg.batch_size, cfg.seq_len
+    mesh = rules.mesh
     _log(f"model {model.cfg.name}: {model.n_params():,} params | mesh {axis_sizes(mesh)} | "
          f"strategy {rules.name} | {jax.device_count()} {jax.default_backend()} devices"
          + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""))
+    state, start, samples = _start(cfg, program, model, ckpt)
     t0 = time.perf_counter()
     compiled = program.lower_step(B, L).compile()
     compile_s = time.perf_counter() - t0
-    state, start, samples = _start(cfg, program, model, ckpt)
     if start >= cfg.steps:
         _log(f"the checkpoint is at step {start}, already --steps {cfg.steps}: nothing to do")
-        if ckpt is not None:
-            ckpt.close()
         return {}
     held = {"params": inspect.max_bytes_per_device(state.params),
             "opt_state": inspect.max_bytes_per_device(state.opt_state)}
@@ -119,11 +131,12 @@ def train(cfg: TrainConfig, model: Any) -> dict[str, Any]:
         return out
 
     rows, cols = data_lib.process_block(program.batch_sharding, B, L)
-    train_data = data_lib.Batches(corpus.train, L, B, cfg.step.seed, rows, cols=cols)
-    val_data = data_lib.Batches(corpus.val, L, B, cfg.step.seed, rows, shuffle=False, cols=cols)
+    train_data = data_lib.Batches(corpus.train, L, B, cfg.step.seed, rows, cols=cols, what="training split")
+    val_data = data_lib.Batches(corpus.val, L, B, cfg.step.seed, rows, shuffle=False, cols=cols,
+                                what="validation split")
 
     def validate() -> float:
-        losses = [program.eval(state.params, data_lib.to_global(val_data.batch_at(i * B), program.batch_sharding, B))
+        losses = [program.eval(state.params, data_lib.to_global(val_data.batch_at(i * B), program.batch_sharding, (B, L)))
                   for i in range(cfg.eval_batches)]
         return float(np.mean(jax.device_get(losses)))
 
@@ -143,7 +156,7 @@ def train(cfg: TrainConfig, model: Any) -> dict[str, Any]:
         for i in range(start, cfg.steps):
             _fault("step", i + 1)
             t = time.perf_counter()
-            batch = data_lib.to_global(train_data.batch_at(samples), program.batch_sharding, B)
+            batch = data_lib.to_global(train_data.batch_at(samples), program.batch_sharding, (B, L))
             state, m = compiled(state, batch)
             m = {k: float(v) for k, v in jax.device_get(m).items()}
             dt = time.perf_counter() - t
@@ -164,8 +177,6 @@ def train(cfg: TrainConfig, model: Any) -> dict[str, Any]:
             bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
                             **{"mfu" if "mfu" in record else "speed": speed}, refresh=False)
             bar.update()
-    if ckpt is not None:
-        ckpt.close()  # waits for the last save to be complete
     if cfg.export:
         _log(f"exported params to {export_params(state.params, cfg.export)}")
     report = _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compile_s,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -42,7 +42,6 @@ class Plan:
     comm_s: float
     inter_host_bytes: float  # sent per device per step across hosts
     host_axes: tuple[str, ...]  # axes whose groups span hosts
-    notes: list[str] = field(default_factory=list)
 
     @property
     def step_s(self) -> float:
@@ -91,8 +90,6 @@ def candidates(model: Any, devices: int, per_host: int, batch_size: int) -> list
         if tensor > 1 and cfg.n_kv_heads % tensor and tensor % cfg.n_kv_heads:
             continue
         rest = devices // tensor
-        if devices % tensor:
-            continue
         for data in _divisors(rest):
             fsdp = rest // data
             if batch_size % (data * fsdp):
@@ -140,6 +137,11 @@ def plan(model: Any, devices: int, device: Device, batch_size: int, seq_len: int
     """Every candidate, fitting ones first, fastest first (within 5%: simplest first)."""
     if devices < 1 or hosts < 1 or devices % hosts:
         raise ConfigError(f"--devices {devices} must be a positive multiple of --hosts {hosts}")
+    if batch_size < 1 or seq_len < 1:
+        raise ConfigError(f"--batch and --seq-len must be >= 1, got {batch_size} and {seq_len}")
+    if seq_len > model.cfg.max_seq_len:
+        raise ConfigError(f"--seq-len {seq_len} exceeds model {model.cfg.name}'s max_seq_len "
+                          f"{model.cfg.max_seq_len}")
     per_host = devices // hosts
     device = Device(device.name, device.memory, device.bf16_tflops, device.fp32_tflops,
                     device.intra_host_gbs, device.inter_host_gbs, per_host)

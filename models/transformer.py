@@ -19,6 +19,7 @@ from flax import nnx
 
 from jaxshard import remat as remat_lib
 from jaxshard.axes import Dim
+from jaxshard.errors import ConfigError
 from jaxshard.parallel.vocab import cross_entropy
 from jaxshard.rules import for_compute
 from models.config import ModelConfig, Positions
@@ -112,7 +113,8 @@ class TransformerLM:
         """(sum of token cross-entropies, number of tokens): callers divide once globally, so
         microbatches and shards add up to the full-batch mean exactly."""
         if inputs_BL.shape[1] > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {inputs_BL.shape[1]} exceeds max_seq_len {self.cfg.max_seq_len}")
+            raise ConfigError(f"--seq-len {inputs_BL.shape[1]} exceeds model {self.cfg.name}'s "
+                              f"max_seq_len {self.cfg.max_seq_len}")
         k_embed, k_blocks = jax.random.split(key) if key is not None else (None, None)
         # One embedder for both ends (not embed() then head()): a tied table is gathered once
         # and its two gradients are summed before they are reduced.

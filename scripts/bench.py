@@ -54,19 +54,36 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def rules_for(model, mesh_spec: str, zero: int, sp: bool, batch: int, seq: int):
+    """The rules of one configuration, checked (one clear line if it cannot run)."""
+    import jax
+
+    from jaxshard.errors import ConfigError
+    from jaxshard.mesh import MeshSpec, build_mesh
+    from jaxshard.rules import ShardingRules, Strategy
+    from jaxshard.train_step import check_batch
+
+    n = math.prod(s for _, s in MeshSpec.parse(mesh_spec).axes)
+    rules = ShardingRules(build_mesh(mesh_spec, jax.devices()[:n]), Strategy(zero=zero, sequence_parallel=sp))
+    check_batch(rules, batch, seq, 1)
+    rules.check_model(model.param_axes(), model.abstract_params())
+    if seq > model.cfg.max_seq_len:
+        raise ConfigError(f"--seq-len {seq} exceeds model {model.cfg.name}'s max_seq_len {model.cfg.max_seq_len}")
+    return rules
+
+
 def bench_one(model, mesh_spec: str, zero: int, sp: bool, batch: int, seq: int, warmup: int,
               steps: int) -> dict:
     import jax
     import numpy as np
 
     from jaxshard import accounting, hlo, inspect
-    from jaxshard.mesh import MeshSpec, axis_sizes, build_mesh
+    from jaxshard.mesh import axis_sizes
     from jaxshard.optim import OptimConfig
-    from jaxshard.rules import ShardingRules, Strategy
     from jaxshard.train_step import StepConfig, build_program
 
-    n = math.prod(s for _, s in MeshSpec.parse(mesh_spec).axes)
-    rules = ShardingRules(build_mesh(mesh_spec, jax.devices()[:n]), Strategy(zero=zero, sequence_parallel=sp))
+    rules = rules_for(model, mesh_spec, zero, sp, batch, seq)
+    n = rules.mesh.devices.size
     program = build_program(model, rules, OptimConfig(), StepConfig())
     t0 = time.perf_counter()
     compiled = program.lower_step(batch, seq).compile()
@@ -173,11 +190,11 @@ def plots(results: list[dict], scaling: list[dict], out: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
-    runtime.configure(runtime.RuntimeConfig(cpu_devices=a.cpu_devices))
     from jaxshard.cli import one_line_errors
     from jaxshard.errors import ConfigError
 
     with one_line_errors():
+        runtime.configure(runtime.RuntimeConfig(cpu_devices=a.cpu_devices))
         import jax
         from tqdm import tqdm
 
@@ -193,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         jobs = [("strategy", m, *STRATEGIES[s]) for m in models for s in names]
         if not a.no_scaling:
             jobs += [("scaling", m, mesh, 0, False) for m in models for mesh in SCALING]
+        for _, model, mesh, zero, sp in jobs:  # every configuration can run, before any does
+            rules_for(model, mesh, zero, sp, a.batch_size, a.seq_len)
         os.makedirs(a.out, exist_ok=True)
         results, scaling, t0 = [], [], time.perf_counter()
         with tqdm(jobs, desc="bench", unit="config", file=sys.stderr) as bar:

@@ -50,6 +50,11 @@ def test_missing_data_file(tmp_path):
 def test_bad_values():
     assert_one_line_error(train("--steps", "0", "--cpu-devices", "1"), "--steps must be >= 1")
     assert_one_line_error(train("--model", "gpt5", "--cpu-devices", "1"), "unknown model 'gpt5'")
+    assert_one_line_error(train("--decay-steps", "0", "--cpu-devices", "1"), "--decay-steps must be >= 1")
+    assert_one_line_error(train("--device", "h1000", "--cpu-devices", "1"), "unknown --device 'h1000'")
+    assert_one_line_error(train("--seq-len", "512", "--cpu-devices", "1"),
+                          "--seq-len 512 exceeds model tiny's max_seq_len 256")
+    assert_one_line_error(train("--export", "params.txt", "--cpu-devices", "1"), "--export must name a .npz")
 
 
 def test_nan_loss_stops_with_one_line_and_no_report(tmp_path):
@@ -164,6 +169,17 @@ def test_plan_ranks_explains_and_confirms_by_compiling():
     out = result.stdout
     assert "strategy" in out and "GB/device" in out and "Chosen:" in out
     assert "Confirmed by compiling" in out and "every collective kind within 5%" in out
+
+
+def test_tools_reject_bad_input_with_one_line():
+    assert_one_line_error(run_script("inspect.py", "--seq-len", "512", "--cpu-devices", "1"),
+                          "--seq-len 512 exceeds model tiny's max_seq_len 256")
+    assert_one_line_error(run_script("../scripts/bench.py", "--models", "tiny", "--batch-size", "12"),
+                          "--batch-size 12 is not divisible by the batch-sharding axes")
+    assert_one_line_error(run_script("plan.py", "--model", "tiny", "--devices", "8", "--device", "h100",
+                                     "--batch", "-64"), "--batch and --seq-len must be >= 1")
+    assert_one_line_error(run_script("plan.py", "--model", "tiny", "--devices", "8", "--device", "h100",
+                                     "--device-memory", ".."), "cannot read a size from '..'")
 
 
 def test_plan_bad_input_is_one_line():

@@ -40,7 +40,7 @@ def test_bad_data_fails_clearly(tmp_path):
     (tmp_path / "tiny.txt").write_bytes(b"ab")
     with pytest.raises(DataError, match="too few to train on"):
         data.load_corpus(data.DataConfig(path=str(tmp_path / "tiny.txt")))
-    with pytest.raises(DataError, match="fewer than --seq-len"):
+    with pytest.raises(DataError, match="the corpus has 10 tokens, fewer than --seq-len"):
         data.Batches(np.arange(10), seq_len=16, global_batch=2, seed=0)
 
 
@@ -78,7 +78,7 @@ def test_global_batch_assembled_from_process_rows():
     assert data.process_block(sharding, 16, 32) == (slice(0, 16), slice(0, 32))  # one process: all
     b = data.Batches(np.arange(20_000) % 256, seq_len=32, global_batch=16, seed=0)
     local = b.batch_at(0)
-    arr = data.to_global(local, sharding, 16)["inputs"]
+    arr = data.to_global(local, sharding, (16, 32))["inputs"]
     assert arr.shape == (16, 32) and arr.sharding == sharding
     np.testing.assert_array_equal(np.asarray(arr), local["inputs"])
     assert {s.data.shape for s in arr.addressable_shards} == {(2, 32)}

@@ -57,6 +57,7 @@ def assert_params_close(a_path, b_path):
     ("fsdp=8", ["--mesh", "fsdp=8"]),
     ("data=2,fsdp=2,tensor=2", ["--mesh", "data=2,fsdp=2,tensor=2"]),
     ("data=2,fsdp=4", ["--mesh", "fsdp=4", "--dcn-mesh", "data=2"]),  # HSDP: data across hosts
+    ("sequence=2,data=4", ["--mesh", "sequence=2,data=4"]),  # each process holds half the columns
 ])
 def test_two_processes_train_like_one(tmp_path, mesh, hosts_mesh):
     one = run(["--mesh", mesh, "--steps", "5", "--metrics", str(tmp_path / "one.jsonl"),
@@ -142,6 +143,9 @@ def test_a_checkpoint_of_another_model_or_a_corrupt_one_is_one_line(tmp_path, un
     source, _ = uninterrupted
     ck = tmp_path / "ck"
     shutil.copytree(source / "ck", ck)
+    fresh = run(["--mesh", "data=8", "--steps", "12", "--checkpoint-dir", str(ck)])  # no --resume
+    assert fresh.returncode == 2 and fresh.stderr.count("\n") == 1, fresh.stderr
+    assert f"--checkpoint-dir {ck} already holds step 10: pass --resume" in fresh.stderr
     other = run(["--mesh", "data=8", "--steps", "12", "--checkpoint-dir", str(ck), "--resume",
                  "--model", "tiny-llama"])
     assert other.returncode == 2 and other.stderr.count("\n") == 1, other.stderr

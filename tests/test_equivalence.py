@@ -9,7 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from harness import RTOL, assert_matches_reference, assert_params_close, reference, train
+from harness import RTOL, assert_live_shardings, assert_matches_reference, assert_params_close, reference, train
+from jaxshard.remat import Remat
 from models import ModelConfig, TransformerLM, get_preset
 
 STRATEGIES = {
@@ -35,6 +36,16 @@ def test_gradient_accumulation_equals_the_full_batch():
         full, accumulated = reference(name, 1), reference(name, 2)
         np.testing.assert_allclose(accumulated[0], full[0], rtol=RTOL)
         assert_params_close(accumulated[1], full[1])
+
+
+@pytest.mark.parametrize("mesh, zero, remat", [("data=8", 3, Remat.NONE), ("data=2,fsdp=4", 1, Remat.NONE),
+                                              ("fsdp=8", 0, Remat.FULL)])
+def test_zero3_hsdp_zero1_and_fsdp_with_remat_match_one_device(mesh, zero, remat):
+    ref_losses, ref_params = reference("tiny")
+    losses, state, program = train(TransformerLM(get_preset("tiny"), remat=remat), mesh, zero=zero)
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    assert_params_close(state.params, ref_params)
+    assert_live_shardings(state, program)
 
 
 def test_dropout_is_sharding_invariant():

@@ -140,5 +140,5 @@ def test_sequence_longer_than_learned_positions_is_rejected():
     model = TransformerLM(get_preset("tiny").replace(max_seq_len=8))
     params = model.init(jax.random.key(0))
     tokens = np.zeros((1, 9), np.int32)
-    with pytest.raises(ValueError, match="exceeds max_seq_len 8"):
+    with pytest.raises(ConfigError, match="--seq-len 9 exceeds model tiny's max_seq_len 8"):
         model.loss(params, tokens, tokens)
