@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Run the test suite on 8 fake CPU devices (bootstraps .venv on first use).
-#   bash scripts/test.sh              all tests
-#   bash scripts/test.sh -k fsdp      pytest arguments pass through
+#   bash scripts/test.sh              all tests, in parallel workers (pytest-xdist)
+#   bash scripts/test.sh -k fsdp      pytest arguments pass through (and override, e.g. -n 0)
+# Compiling dominates the suite and XLA compiles on one thread, so one worker per core (at most
+# 4; JAXSHARD_TEST_WORKERS overrides) nearly halves it on 2 cores.
 source "$(dirname "${BASH_SOURCE[0]}")/bootstrap.sh"
-exec "$PY" -m pytest "${@:--q}"
+cores=$(nproc 2>/dev/null || echo 2)
+workers=${JAXSHARD_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}
+exec "$PY" -m pytest -n "$workers" --dist worksteal "${@:--q}"
