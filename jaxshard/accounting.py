@@ -164,7 +164,7 @@ def activation_bytes(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: i
     """
     t = rules.size(rules.activation_mesh_axes(Dim.ACT_HEADS))
     sp = rules.size(rules.activation_mesh_axes(Dim.RESIDUAL_LENGTH)) // _seq_split(rules)
-    tokens = (batch_size // rules.size(rules.batch_axes)) * (seq_len // _seq_split(rules))
+    tokens = _local_tokens(rules, batch_size, seq_len)
     D, N, K, H, F, L = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_mlp, seq_len
     kv_t = t if K % t == 0 else 1
     projections = 2 * N * H / t + 2 * K * H / kv_t
@@ -221,10 +221,6 @@ class Communication:
         return out
 
 
-def _axes_in_order(rules: ShardingRules, axes) -> tuple[str, ...]:
-    return tuple(a for a in rules.mesh.axis_names if a in set(axes) and rules.sizes[a] > 1)
-
-
 def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
                   compute_dtype: str = "float32", remat: Remat = Remat.NONE,
                   grad_accum: int = 1) -> Communication:
@@ -235,7 +231,7 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
     allowances: list[str] = []
 
     def add(kind, axes, nbytes, executions, what, group=None):
-        axes = _axes_in_order(rules, axes)
+        axes = rules.active_axes(axes)
         if axes and nbytes and executions:
             out.append(Transfer(kind, axes, int(nbytes), executions, what, group or rules.size(axes)))
 
@@ -247,7 +243,7 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
     # Parameters: gathered where a layer uses them, gradients reduced into their at-rest layout.
     for p in param_infos(model, rules):
         model_axes = spec_axes(p.compute)
-        used = dtype_bytes(compute_dtype) * shard_elems(p.shape, p.compute, sizes)
+        used = c * shard_elems(p.shape, p.compute, sizes)
         per_micro = grad_accum
         if p.in_layers:  # the scan gathers and reduces one layer at a time
             used //= p.shape[0]
@@ -267,7 +263,7 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
         if p.axes and p.axes[0] == Dim.POSITION:
             # A slice of the first L rows: only those rows have a gradient. They are disjoint
             # across the sequence shards, so those gather rather than sum.
-            rows = dtype_bytes(compute_dtype) * seq_len * shard_elems(p.shape[1:], PartitionSpec(*p.compute[1:]), sizes)
+            rows = c * seq_len * shard_elems(p.shape[1:], PartitionSpec(*p.compute[1:]), sizes)
             seq_axes = reduce_axes - set(rules.batch_axes)
             batch_scatter = scatter & set(rules.batch_axes)
             add("reduce-scatter", batch_scatter, rows, per_micro, f"{p.path}: gradient of the used rows")
@@ -275,19 +271,18 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
                 f"{p.path}: gradient of the used rows")
             add("all-gather", seq_axes, rows, per_micro, f"{p.path}: gradient rows held by sequence shards")
             continue
-        parts = [(scatter, reduce_axes - scatter, "")]
         if p.axes and p.axes[0] == Dim.VOCAB:
             # The lookup kernel sums its share of the table gradient over all the batch and
             # sequence axes at once; a tied table's projection share is reduced separately.
-            lookup = ("reduce-scatter" if scatter else "all-reduce", reduce_axes)
-            add(lookup[0], lookup[1], used, per_micro, f"{p.path}: gradient of the lookup")
+            add("reduce-scatter" if scatter else "all-reduce", reduce_axes, used, per_micro,
+                f"{p.path}: gradient of the lookup")
             if not cfg.tie_embeddings:
                 continue
             allowances.append("Tied embeddings: XLA reduces the table gradients of the lookup and of "
                               "the vocabulary projection separately (one table-sized reduction more).")
         # XLA reduces over the batch axes and over the model-parallel ones (sequence, and tensor
         # under SP) in separate collectives.
-        shard = used // rules.size(_axes_in_order(rules, scatter))
+        shard = used // rules.size(rules.active_axes(scatter))
         batch_axes = set(rules.batch_axes)
         add("reduce-scatter", scatter, used, per_micro,
             f"{p.path}: gradient reduce-scatter into its ZeRO-2/3 shard")

@@ -131,7 +131,7 @@ def export_params(params: Any, path: str | os.PathLike) -> Path:
     if jax.process_index() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
     # One parameter at a time: a host holds at most the largest one, never the whole model.
-    with zipfile.ZipFile(writer, "w", allowZip64=True) if jax.process_index() == 0 else _nowhere() as zf:
+    with zipfile.ZipFile(writer, "w", allowZip64=True) if jax.process_index() == 0 else contextlib.nullcontext() as zf:
         for name, x in named_leaves(params):
             full = np.asarray(multihost_utils.process_allgather(x, tiled=True))  # every process
             if zf is not None:
@@ -148,7 +148,3 @@ def check_export_path(path: str | os.PathLike) -> Path:
         raise ConfigError(f"--export must name a .npz file, got {path}")
     return path
 
-
-@contextlib.contextmanager
-def _nowhere():
-    yield None

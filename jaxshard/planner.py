@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -143,8 +143,7 @@ def plan(model: Any, devices: int, device: Device, batch_size: int, seq_len: int
         raise ConfigError(f"--seq-len {seq_len} exceeds model {model.cfg.name}'s max_seq_len "
                           f"{model.cfg.max_seq_len}")
     per_host = devices // hosts
-    device = Device(device.name, device.memory, device.bf16_tflops, device.fp32_tflops,
-                    device.intra_host_gbs, device.inter_host_gbs, per_host)
+    device = replace(device, per_host=per_host)
     variants = {r: _with_remat(model, r) for r in Remat}
     found = [evaluate(variants[remat], mesh, strategy, remat, device, batch_size, seq_len, compute_dtype, mfu)
              for mesh, strategy, remat in candidates(model, devices, per_host, batch_size)]
@@ -154,8 +153,9 @@ def plan(model: Any, devices: int, device: Device, batch_size: int, seq_len: int
     fastest = min((p.step_s for p in found if p.fits), default=None)
 
     def key(p: Plan):
-        bucket = math.floor(math.log(p.step_s / fastest, 1 + TIE)) if fastest and p.fits else 0
-        return (not p.fits, bucket, p.complexity, p.step_s) if p.fits else (True, 0, p.memory.peak, 0)
+        if not p.fits:  # the nearest to fitting first
+            return (True, 0, p.memory.peak, 0)
+        return (False, math.floor(math.log(p.step_s / fastest, 1 + TIE)), p.complexity, p.step_s)
 
     return sorted(found, key=key)
 
@@ -216,7 +216,7 @@ def confirm(model: Any, p: Plan, batch_size: int, seq_len: int) -> str:
     from jaxshard.optim import OptimConfig
     from jaxshard.train_step import StepConfig, build_program
 
-    spec = MeshSpec(tuple((a, s) for a, s in p.mesh.items()))
+    spec = MeshSpec(tuple(p.mesh.items()))
     rules = ShardingRules(build_mesh(spec), p.strategy)
     model = type(model)(model.cfg, remat=p.remat)
     program = build_program(model, rules, OptimConfig(), StepConfig(compute_dtype=compute_dtype))

@@ -79,9 +79,9 @@ class ShardingRules:
         self.mesh = mesh
         self.strategy = strategy
         self.sizes = {str(a): int(s) for a, s in mesh.shape.items()}
-        self.batch_axes = self._active(BATCH_AXES)
-        tensor = self._active((MeshAxis.TENSOR,))
-        sequence = self._active((MeshAxis.SEQUENCE,))
+        self.batch_axes = self.active_axes(BATCH_AXES)
+        tensor = self.active_axes((MeshAxis.TENSOR,))
+        sequence = self.active_axes((MeshAxis.SEQUENCE,))
         if strategy.sequence_parallel and not tensor:
             raise ConfigError("--sequence-parallel needs a tensor axis of size > 1 in --mesh")
         # logical param dim -> model-parallel mesh axes (kept in compute, unlike ZeRO/FSDP)
@@ -95,8 +95,8 @@ class ShardingRules:
             Dim.ACT_HEADS: tensor, Dim.ACT_KV_HEADS: tensor, Dim.ACT_MLP: tensor,
             Dim.ACT_VOCAB: tensor}
 
-    def _active(self, axes: tuple[MeshAxis, ...]) -> tuple[str, ...]:
-        """The axes of ``axes`` with size > 1, in mesh nesting order."""
+    def active_axes(self, axes) -> tuple[str, ...]:
+        """The axes of ``axes`` (names or MeshAxis) with size > 1, in mesh nesting order."""
         wanted = {str(a) for a in axes}
         return tuple(a for a in self.mesh.axis_names if a in wanted and self.sizes[a] > 1)
 

@@ -120,6 +120,7 @@ def test_killed_during_training_resumes_from_the_last_checkpoint(tmp_path, unint
     assert 7 <= len(losses(metrics)) < 10
     r = run(args + ["--resume"])
     assert r.returncode == 0, r.stderr
+    assert "resumed from" in r.stdout
     got = losses(metrics)
     assert sorted(got) == list(range(1, 11))  # the steps after the checkpoint were run again, once
     assert_close(got, want, range(1, 11))
@@ -158,7 +159,7 @@ def test_a_checkpoint_of_another_model_or_a_corrupt_one_is_one_line(tmp_path, un
     assert f"checkpoint {ck}/10" in corrupt.stderr
 
 
-def test_a_worker_that_dies_stops_the_job_naming_it(tmp_path):
+def test_a_worker_that_dies_stops_the_job_naming_it():
     t = time.monotonic()
     r = launch(["--mesh", "fsdp=8", "--steps", "8"], env={"JAXSHARD_FAULT": "exit:1:3"}, timeout=200)
     assert r.returncode == 17
