@@ -83,3 +83,11 @@ def test_global_batch_assembled_from_process_rows():
     np.testing.assert_array_equal(np.asarray(arr), local["inputs"])
     assert {s.data.shape for s in arr.addressable_shards} == {(2, 32)}
     assert len(jax.devices()) == 8
+
+
+def test_a_process_block_must_be_contiguous():
+    # this process's devices hold rows 4:8 and 8:16 (one device's rows repeated): one block
+    assert data._span([slice(4, 8), slice(8, None), slice(4, 8)], 16) == slice(4, 16)
+    assert data._span([slice(None, None)], 16) == slice(0, 16)
+    with pytest.raises(DataError, match="not contiguous; put the batch and sequence axes outermost"):
+        data._span([slice(0, 4), slice(8, 12)], 16)  # a gap: rows 4:8 live on another process
