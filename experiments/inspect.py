@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
               f"strategy {rules.name} | batch {cfg.batch_size} x {cfg.seq_len}\n")
         compiled = program.lower_step(cfg.batch_size, cfg.seq_len).compile()
         v = inspect.verify(model, program, compiled, cfg.batch_size, cfg.seq_len,
-                           compute_dtype=cfg.step.compute_dtype, grad_accum=cfg.step.grad_accum)
+                           compute_dtype=cfg.step.compute_dtype, grad_accum=cfg.step.grad_accum,
+                           param_dtype=cfg.step.param_dtype)
         print(inspect.format_verification(v))
         return 1 if args.strict and v.flags else 0
 

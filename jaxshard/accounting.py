@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec
 from jaxshard import hlo
 from jaxshard.axes import Dim
 from jaxshard.pytree import named_leaves
-from jaxshard.remat import Remat
+from jaxshard.remat import Kind, Remat
 from jaxshard.rules import ShardingRules, StateKind, spec_axes
 
 F32 = 4
@@ -114,29 +114,41 @@ class Memory:
 
 
 OPT_COUNTERS = 8  # Adam's and the schedule's int32 step counts
+LOSS_SCALE_BYTES = 12  # float16: the scale, its good-step and skipped-step counters
 
 
 def memory(model: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
-           compute_dtype: str = "float32", remat: Remat = Remat.NONE, grad_accum: int = 1) -> Memory:
+           compute_dtype: str = "float32", remat: Remat = Remat.NONE, grad_accum: int = 1,
+           param_dtype: str = "float32") -> Memory:
+    """2-byte ``param_dtype``: params and gradients in 2 bytes, a float32 master copy in the
+    optimizer state beside the moments (the classic 2 + 2 + 12); float16 also keeps a loss scale."""
     sizes = rules.sizes
     c = dtype_bytes(compute_dtype)
+    pb = dtype_bytes(param_dtype)
+    opt_copies = 2 if pb == F32 else 3  # Adam's two moments (+ the master copy)
+    remat = Remat.parse(remat)
     infos = param_infos(model, rules)
-    params = sum(F32 * shard_elems(p.shape, p.params, sizes) for p in infos)
-    grads = sum(F32 * shard_elems(p.shape, p.grads, sizes) for p in infos)
-    opt = sum(2 * F32 * shard_elems(p.shape, p.opt_state, sizes) for p in infos) + OPT_COUNTERS
+    params = sum(pb * shard_elems(p.shape, p.params, sizes) for p in infos)
+    grads = sum(pb * shard_elems(p.shape, p.grads, sizes) for p in infos)
+    opt = sum(opt_copies * F32 * shard_elems(p.shape, p.opt_state, sizes) for p in infos) + OPT_COUNTERS
+    scale = LOSS_SCALE_BYTES if "float16" in (compute_dtype, param_dtype) else 0
     tokens = _local_tokens(rules, batch_size, seq_len)
     layers = model.cfg.n_layers
     layer_weights = sum(c * shard_elems(p.shape, p.compute, sizes) for p in infos if p.in_layers)
     layer_rest = sum(c * shard_elems(p.shape, p.params, sizes) for p in infos if p.in_layers)
     outer_weights = sum(c * shard_elems(p.shape, p.compute, sizes) for p in infos if not p.in_layers)
-    # Without remat the backward pass keeps every layer's weights as the forward used them
-    # (gathered, under FSDP); with remat it keeps them as stored and re-gathers a layer at a time.
-    saved = outer_weights + (layer_weights if remat is Remat.NONE else layer_rest)
-    copies = bool(rules.state_axes(StateKind.PARAMS)) or c != F32
+    # Under ZeRO-3/FSDP the backward pass keeps every layer's gathered weights only without
+    # reshard-after-forward; with it (the default) it keeps them as stored and gathers a layer
+    # again when it needs it. Otherwise the weights as the forward used them (compute-dtype
+    # copies) without remat, as stored with it.
+    gathers = rules.gathers_params
+    keep = not rules.strategy.reshard_after_forward if gathers else remat.kind is Kind.NONE
+    saved = outer_weights + (layer_weights if keep else layer_rest)
+    copies = gathers or c != F32
     acts = activation_bytes(model.cfg, rules, batch_size // grad_accum, seq_len, c, remat)
-    return Memory(params=params, grads=grads, opt_state=opt, batch=2 * 4 * tokens,
+    return Memory(params=params, grads=grads, opt_state=opt + scale, batch=2 * 4 * tokens,
                   activations=acts, weights_saved=saved, weights_extra=saved if copies else 0,
-                  gathered_layer=layer_weights // layers if rules.state_axes(StateKind.PARAMS) else 0)
+                  gathered_layer=layer_weights // layers if gathers else 0)
 
 
 def _local_tokens(rules: ShardingRules, batch_size: int, seq_len: int) -> int:
@@ -169,14 +181,22 @@ def activation_bytes(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: i
     kv_t = t if K % t == 0 else 1
     projections = 2 * N * H / t + 2 * K * H / kv_t
     mlp_in = 2 if getattr(cfg.mlp, "value", cfg.mlp) == "swiglu" else 1
-    if remat is Remat.FULL:
-        per_token_layer = D / sp
-    elif remat is Remat.DOTS:  # every matmul output: projections, scores, p v, MLP inputs/output
-        per_token_layer = 2 * D / sp + projections + N * L / t + mlp_in * F / t
-    elif remat is Remat.DOTS_NO_BATCH:  # no batched matmuls: not the scores nor p v
-        per_token_layer = 2 * D / sp + projections - N * H / t + mlp_in * F / t
-    else:
-        per_token_layer = 6 * D / sp + projections + 2 * N * L / t + 6 * F / t
+    named = {"qkv": N * H / t + 2 * K * H / kv_t, "attn_out": N * H / t, "attn_proj": D / sp,
+             "mlp_in": mlp_in * F / t, "mlp_hidden": F / t}
+    remat = Remat.parse(remat)
+    match remat.kind:
+        case Kind.FULL | Kind.OFFLOAD:  # offload: the named ones are in host memory
+            per_token_layer = D / sp
+        case Kind.NAMES:  # the layer's input and the named activations
+            per_token_layer = D / sp + sum(named[n] for n in set(remat.names))
+        case Kind.DOTS:  # every matmul output: projections, scores, p v, MLP inputs/output
+            per_token_layer = 2 * D / sp + projections + N * L / t + mlp_in * F / t
+        case Kind.DOTS_NO_BATCH:  # no batched matmuls: not the scores nor p v
+            per_token_layer = 2 * D / sp + projections - N * H / t + mlp_in * F / t
+        case Kind.SELECTIVE:  # no attention scores or probabilities: they are recomputed
+            per_token_layer = 6 * D / sp + projections + 6 * F / t
+        case _:
+            per_token_layer = 6 * D / sp + projections + 2 * N * L / t + 6 * F / t
     logits = F32 * tokens * cfg.padded_vocab / t
     return int(c * per_token_layer * tokens * cfg.n_layers + logits + 4 * D * tokens * c / sp)
 
@@ -223,10 +243,11 @@ class Communication:
 
 def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
                   compute_dtype: str = "float32", remat: Remat = Remat.NONE,
-                  grad_accum: int = 1) -> Communication:
+                  grad_accum: int = 1, param_dtype: str = "float32") -> Communication:
     """The collectives one step needs, per device, with the textbook reason for each."""
     cfg, sizes = model.cfg, rules.sizes
     c = dtype_bytes(compute_dtype)
+    pb = dtype_bytes(param_dtype)
     out: list[Transfer] = []
     allowances: list[str] = []
 
@@ -235,7 +256,10 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
         if axes and nbytes and executions:
             out.append(Transfer(kind, axes, int(nbytes), executions, what, group or rules.size(axes)))
 
-    recompute = remat is not Remat.NONE
+    remat = Remat.parse(remat)
+    recompute = remat.recomputes
+    # FSDP/ZeRO-3 gathers a layer's weights again for its backward pass, unless they are kept.
+    regather = rules.strategy.reshard_after_forward
     tensor = rules.activation_mesh_axes(Dim.ACT_HEADS)
     sp = set(tensor) <= set(rules.activation_mesh_axes(Dim.RESIDUAL_LENGTH)) and bool(tensor)
     split = set(rules.batch_axes) | set(rules.activation_mesh_axes(Dim.LENGTH))
@@ -250,10 +274,10 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
             per_micro *= p.shape[0]
         # ZeRO-1/2: each device updates its optimizer shard, then the params are re-assembled.
         add("all-gather", spec_axes(p.opt_state) - spec_axes(p.params),
-            F32 * shard_elems(p.shape, p.params, sizes), 1,
+            pb * shard_elems(p.shape, p.params, sizes), 1,
             f"{p.path}: ZeRO-1/2 all-gather of the updated params")
         gather_axes = spec_axes(p.params) - model_axes
-        add("all-gather", gather_axes, used, per_micro * (2 if recompute and p.in_layers else 1),
+        add("all-gather", gather_axes, used, per_micro * (2 if regather and p.in_layers else 1),
             f"{p.path}: ZeRO-3/FSDP all-gather of the weights for compute")
         reduce_axes = set(split)
         kv_replicated = Dim.KV_HEADS in p.axes and tensor and cfg.n_kv_heads % rules.size(tensor)
@@ -294,7 +318,7 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
     L_local = seq_len // _seq_split(rules)
     B_local = batch_size // rules.size(rules.batch_axes) // grad_accum
     act = B_local * L_local * cfg.d_model * c
-    n_fwd = 2 if recompute else 1
+    n_fwd = 2 if recompute and remat.kind is not Kind.SELECTIVE else 1  # the layer runs twice
     if tensor:
         T = rules.size(tensor)
         layers, micro = cfg.n_layers, grad_accum
@@ -341,9 +365,11 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
         kv_local = B_local * L_local * cfg.n_kv_heads * cfg.d_head * c
         kv_t = rules.size(tensor) if tensor and cfg.n_kv_heads % rules.size(tensor) == 0 else 1
         # S - 1 hops of k and v per attention (the last step's would be dead); the backward
-        # pass sends the gradients back the same way.
+        # pass sends the gradients back the same way. Under FSDP's reshard-after-forward the
+        # layer runs under a checkpoint policy, and the ring (a shard_map) is then recomputed.
+        ring_fwd = 2 if rules.gathers_params and rules.strategy.reshard_after_forward else n_fwd
         add("collective-permute", seq, kv_local // kv_t,
-            grad_accum * (cfg.n_layers * 2 * (S - 1) * (n_fwd + 1) + 1),
+            grad_accum * (cfg.n_layers * 2 * (S - 1) * (ring_fwd + 1) + 1),
             "CP: pass key and value chunks around the ring (forward and backward)")
         allowances.append("CP: XLA keeps one of the backward ring's transfers outside the layer loop.")
     allowances.append("Scalars (loss, gradient norm) are all-reduced too: a few bytes, not listed.")
@@ -387,7 +413,9 @@ def flops(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
     matmul = 2 * (cfg.n_layers * layer_params + head)
     fwd = matmul + cfg.n_layers * attention
     tokens = batch_size * seq_len
-    recompute = cfg.n_layers * (2 * layer_params + attention) if remat is not Remat.NONE else 0
+    remat = Remat.parse(remat)
+    recompute = 0 if remat.kind is Kind.NONE else cfg.n_layers * (
+        attention if remat.kind is Kind.SELECTIVE else 2 * layer_params + attention)
     model_flops = tokens * (3 * matmul + 3 * cfg.n_layers * attention // 2)
     devices = rules.size(rules.batch_axes) * rules.size(rules.activation_mesh_axes(Dim.LENGTH)) * \
         rules.size(rules.activation_mesh_axes(Dim.ACT_HEADS))

@@ -15,10 +15,10 @@ from jaxshard.distributed import DistributedConfig
 from jaxshard.errors import ConfigError, JaxshardError
 from jaxshard.mesh import MeshSpec
 from jaxshard.optim import OptimConfig
-from jaxshard.remat import Remat
+from jaxshard.remat import NAMES, Remat
 from jaxshard.rules import Strategy
 from jaxshard.runtime import DEFAULT_CACHE, RuntimeConfig
-from jaxshard.train_step import COMPUTE_DTYPES, StepConfig
+from jaxshard.train_step import DTYPES, StepConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +62,14 @@ class TrainConfig:
             raise ConfigError(f"--peak-tflops must be > 0, got {self.peak_tflops}")
 
 
+def _bool(text: str) -> bool:
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Train a transformer LM on a device mesh (DDP, ZeRO-1/2/3, FSDP, HSDP, "
@@ -86,11 +94,25 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--vocab-multiple", type=int, default=None,
                    help="pad the vocab to a multiple of N (e.g. so tensor divides it); "
                         "padding logits are masked out of the loss")
-    g.add_argument("--remat", default=Remat.NONE.value, choices=[r.value for r in Remat],
-                   help="activation checkpointing policy of the layer scan")
+    g.add_argument("--remat", default=str(Remat.NONE),
+                   help="activation checkpointing of the layer scan: none, full, dots, dots_no_batch, "
+                        "selective (recompute the attention core), names:N1,N2 (keep only these "
+                        "activations), offload:N1,N2 (keep them in host memory); names: "
+                        + ", ".join(NAMES))
+    g.add_argument("--reshard-after-forward", type=_bool, default=True, metavar="true|false",
+                   help="ZeRO-3/FSDP: gather each layer's weights again for its backward pass "
+                        "instead of keeping all gathered layers from the forward pass")
     g.add_argument("--dropout", type=float, default=None, help="override the preset's dropout")
-    g.add_argument("--compute-dtype", default="float32", choices=COMPUTE_DTYPES,
-                   help="dtype of matmuls; params and optimizer state stay float32")
+    g.add_argument("--compute-dtype", default=None, choices=DTYPES,
+                   help="dtype of matmuls (norms, softmax and the loss stay float32); default: "
+                        "--param-dtype. float16 adds dynamic loss scaling")
+    g.add_argument("--param-dtype", default="float32", choices=DTYPES,
+                   help="dtype params and gradients are stored and communicated in; a 2-byte one "
+                        "keeps a float32 master copy in the optimizer state (2+2+12 bytes/param)")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="float16: the initial dynamic loss scale (default 32768)")
+    g.add_argument("--loss-scale-period", type=int, default=None,
+                   help="float16: finite steps before the loss scale doubles (default 2000)")
 
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=100)
@@ -164,25 +186,38 @@ def inspect_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _step_config(a: argparse.Namespace) -> StepConfig:
+    compute = a.compute_dtype or a.param_dtype
+    scale = {k: v for k, v in (("loss_scale", a.loss_scale), ("loss_scale_period", a.loss_scale_period))
+             if v is not None}
+    step = StepConfig(grad_accum=a.grad_accum, compute_dtype=compute, seed=a.seed,
+                      param_dtype=a.param_dtype, **scale)
+    if scale and not step.scaled:
+        raise ConfigError("--loss-scale and --loss-scale-period apply to float16 training only "
+                          "(--compute-dtype or --param-dtype float16)")
+    return step
+
+
 def train_config(a: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         model=a.model,
         mesh=MeshSpec.parse(a.mesh),
         dcn_mesh=MeshSpec.parse(a.dcn_mesh) if a.dcn_mesh else None,
         strategy=Strategy(zero=a.zero, fsdp_min_size=a.fsdp_min_size,
-                          sequence_parallel=a.sequence_parallel),
+                          sequence_parallel=a.sequence_parallel,
+                          reshard_after_forward=a.reshard_after_forward),
         optim=OptimConfig(lr=a.lr, warmup_steps=a.warmup_steps,
                           total_steps=max(a.steps, 1) if a.decay_steps is None else a.decay_steps,
                           min_lr_ratio=a.min_lr_ratio,
                           b1=a.beta1, b2=a.beta2, weight_decay=a.weight_decay,
                           grad_clip=a.grad_clip),
-        step=StepConfig(grad_accum=a.grad_accum, compute_dtype=a.compute_dtype, seed=a.seed),
+        step=_step_config(a),
         data=DataConfig(path=a.data, val_fraction=a.val_fraction),
         runtime=RuntimeConfig(cpu_devices=a.cpu_devices, platform=a.platform,
                               compile_cache=a.compile_cache or None),
         steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, dropout=a.dropout,
         vocab_multiple=a.vocab_multiple,
-        remat=Remat(a.remat), eval_every=a.eval_every, eval_batches=a.eval_batches,
+        remat=Remat.parse(a.remat), eval_every=a.eval_every, eval_batches=a.eval_batches,
         metrics=a.metrics, report=a.report, progress=not a.no_progress, device=a.device,
         peak_tflops=a.peak_tflops,
         distributed=DistributedConfig.from_env(a.coordinator, a.num_processes, a.process_id, a.init_timeout),

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
                 "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = (?P<shape>\(.*?\)|\S+) "
                     r"(?P<op>[\w\-]+)\((?P<operands>[^)]*)\)(?P<attrs>.*)$")
@@ -69,11 +69,11 @@ def ring_sent_bytes(kind: str, nbytes: float, group: int) -> float:
 
 def _arrays(text: str) -> list[tuple[str, tuple[int, ...]]]:
     return [(m["dtype"], tuple(int(d) for d in m["dims"].split(",") if d))
-            for m in _ARRAY.finditer(text) if m["dtype"] in _DTYPE_BYTES]
+            for m in _ARRAY.finditer(text) if m["dtype"] in DTYPE_BYTES]
 
 
 def _nbytes(arrays) -> int:
-    return sum(_DTYPE_BYTES[t] * math.prod(s) for t, s in arrays)
+    return sum(DTYPE_BYTES[t] * math.prod(s) for t, s in arrays)
 
 
 def _iota(dims: str, perm: str | None) -> np.ndarray:
@@ -227,3 +227,16 @@ def summary(found: list[Collective]) -> list[dict]:
              "bytes": sum(c.bytes * c.executions for c in cs),
              "sent_bytes": round(sum(c.sent_bytes * c.executions for c in cs))}
             for k, cs in sorted(by_kind.items())]
+
+
+def loop_states(text: str) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """The arrays each while loop of the module carries (its tuple's elements), per device.
+
+    A scanned model's forward loop hands everything the backward loop needs through its state,
+    stacked over the layers: what is kept for the backward pass can be read off these."""
+    out = []
+    for line in text.splitlines():
+        m = _INSTR.match(line)
+        if m and m["op"] == "while":
+            out.append(_arrays(m["shape"]))
+    return out

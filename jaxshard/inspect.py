@@ -57,6 +57,36 @@ def compiled_collectives(compiled: jax.stages.Compiled, mesh: jax.sharding.Mesh)
                          tuple(mesh.devices.shape))
 
 
+_HLO_DTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+def gathered_weights_kept(compiled: jax.stages.Compiled, model: Any, rules: Any,
+                          compute_dtype: str = "float32") -> int:
+    """Bytes per device of ZeRO-3/FSDP-gathered layer weights that the compiled step keeps
+    for the backward pass, read from the compiled (scanned) step's loop states.
+
+    A layer weight gathered in the forward loop and kept reaches the backward loop stacked
+    over the layers, as ``[layers, *gathered shard]``; with reshard-after-forward the loops
+    carry the at-rest shards only and the backward loop gathers again. Counted per distinct
+    shape, at most as many buffers as there are weights of that shape."""
+    want: dict[tuple[str, tuple[int, ...]], int] = defaultdict(int)
+    for p in accounting.param_infos(model, rules):
+        if p.in_layers and p.params != p.compute:
+            shard = tuple(d // math.prod(rules.sizes[a] for a in _axes(e))
+                          for d, e in zip(p.shape, list(p.compute) + [None] * len(p.shape)))
+            want[(_HLO_DTYPE[compute_dtype], shard)] += 1
+    kept = 0
+    for state in hlo.loop_states(compiled.as_text()):
+        found = sum(min(state.count(k), n) * math.prod(k[1]) * hlo.DTYPE_BYTES[k[0]]
+                    for k, n in want.items())
+        kept = max(kept, found)
+    return kept
+
+
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 # ---- the verifier: accounting against the compiled step ------------------------------------
 
 TOLERANCE = 0.05  # relative, per collective kind and for argument bytes
@@ -78,7 +108,8 @@ class Verification:
 
 
 def verify(model: Any, program: Any, compiled: jax.stages.Compiled, batch_size: int, seq_len: int,
-           *, compute_dtype: str = "float32", grad_accum: int = 1, expected: Any = None) -> Verification:
+           *, compute_dtype: str = "float32", grad_accum: int = 1, expected: Any = None,
+           param_dtype: str = "float32") -> Verification:
     """Compare the accounting of ``expected`` rules (default: the program's) with ``compiled``.
 
     Flags a collective kind/axes the strategy does not explain, a kind whose bytes differ from
@@ -87,10 +118,9 @@ def verify(model: Any, program: Any, compiled: jax.stages.Compiled, batch_size: 
     """
     rules = expected or program.rules
     remat = model.remat
-    mem = accounting.memory(model, rules, batch_size, seq_len, compute_dtype=compute_dtype,
-                            remat=remat, grad_accum=grad_accum)
-    comm = accounting.communication(model, rules, batch_size, seq_len, compute_dtype=compute_dtype,
-                                    remat=remat, grad_accum=grad_accum)
+    kwargs = dict(compute_dtype=compute_dtype, remat=remat, grad_accum=grad_accum, param_dtype=param_dtype)
+    mem = accounting.memory(model, rules, batch_size, seq_len, **kwargs)
+    comm = accounting.communication(model, rules, batch_size, seq_len, **kwargs)
     fl = accounting.flops(model.cfg, rules, batch_size, seq_len, remat=remat, model=model)
     found = compiled_collectives(compiled, program.rules.mesh)
     xla = xla_memory(compiled)

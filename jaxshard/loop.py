@@ -161,6 +161,9 @@ def _train(cfg: TrainConfig, model: Any, rules: ShardingRules, corpus: data_lib.
             m = {k: float(v) for k, v in jax.device_get(m).items()}
             dt = time.perf_counter() - t
             samples += B
+            if m.get("skipped") and jax.process_index() == 0:
+                bar.write(f"step {i + 1}: float16 gradients overflowed at loss scale "
+                          f"{m['loss_scale']:g}; step skipped, scale halved")
             record = {"step": i + 1, **m, "step_time_s": dt, **throughput(dt)}
             last = i + 1 == cfg.steps
             if math.isfinite(m["loss"]) and (last or (cfg.eval_every and (i + 1) % cfg.eval_every == 0)):
@@ -191,7 +194,8 @@ def _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compil
     B, L = cfg.batch_size, cfg.seq_len
     timed = [r["step_time_s"] for r in records[1:]] or [records[0]["step_time_s"]]
     median = throughput(float(np.median(timed)))
-    kwargs = {"compute_dtype": cfg.step.compute_dtype, "remat": model.remat, "grad_accum": cfg.step.grad_accum}
+    kwargs = {"compute_dtype": cfg.step.compute_dtype, "remat": model.remat, "grad_accum": cfg.step.grad_accum,
+              "param_dtype": cfg.step.param_dtype}
     comm = accounting.communication(model, rules, B, L, **kwargs)
     predicted_memory = accounting.memory(model, rules, B, L, **kwargs)
     report = {
@@ -209,6 +213,10 @@ def _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compil
         "seq_len": L,
         "grad_accum": cfg.step.grad_accum,
         "compute_dtype": cfg.step.compute_dtype,
+        "param_dtype": cfg.step.param_dtype,
+        "remat": str(model.remat),
+        "reshard_after_forward": cfg.strategy.reshard_after_forward,
+        "skipped_steps": int(records[-1].get("skipped_steps", 0)),
         "per_device_bytes": held,
         "xla_memory": inspect.xla_memory(compiled),
         "collectives": hlo.summary(inspect.compiled_collectives(compiled, rules.mesh)),

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from jaxshard.axes import Dim
@@ -57,6 +58,44 @@ def make(cfg: OptimConfig, param_axes: Any) -> optax.GradientTransformation:
     if cfg.grad_clip == 0:
         return adamw
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
+
+
+class MasterState(NamedTuple):
+    """The optimizer state of 2-byte params: their float32 master copy and the inner state."""
+
+    master: Any
+    inner: Any
+
+
+def _to_float32(x: Any) -> Any:
+    # optax.tree_utils.tree_map_params calls init on placeholders: pass those through.
+    return x.astype(jnp.float32) if hasattr(x, "astype") else x
+
+
+def with_master(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``tx`` applied to a float32 master copy of 2-byte params (the classic 2 + 2 + 12 bytes
+    per parameter: 2-byte params and gradients, float32 master, momentum and variance, the last
+    three in the optimizer state, so ZeRO shards them all). Its "updates" are the new float32
+    master params: :func:`apply` casts them into the params' dtype, never adding a 2-byte delta."""
+
+    def init(params):
+        master = jax.tree.map(_to_float32, params)
+        return MasterState(master, tx.init(master))
+
+    def update(grads, state, params=None):
+        grads = jax.tree.map(_to_float32, grads)
+        updates, inner = tx.update(grads, state.inner, state.master)
+        master = optax.apply_updates(state.master, updates)
+        return master, MasterState(master, inner)
+
+    return optax.GradientTransformation(init, update)
+
+
+def apply(params: Any, updates: Any, opt_state: Any) -> Any:
+    """The new params: ``params + updates``, or the cast master copy under :func:`with_master`."""
+    if isinstance(opt_state, MasterState):
+        return jax.tree.map(lambda m, p: m.astype(p.dtype), updates, params)
+    return optax.apply_updates(params, updates)
 
 
 def state_shardings(tx: optax.GradientTransformation, abstract_state: Any, moment_shardings: Any,

@@ -57,7 +57,7 @@ class Plan:
         data, fsdp, tensor = (self.mesh.get(a, 1) for a in ("data", "fsdp", "tensor"))
         rank = self.strategy.zero + (4 if fsdp > 1 else 0) + (1 if data > 1 and fsdp > 1 else 0)
         rank += (6 if tensor > 1 else 0) + (1 if self.strategy.sequence_parallel else 0)
-        return 2 * rank + (self.remat is not Remat.NONE)
+        return 2 * rank + (self.remat != Remat.NONE)
 
 
 def _divisors(n: int) -> list[int]:
@@ -125,7 +125,7 @@ def evaluate(model: Any, mesh: dict[str, int], strategy: Strategy, remat: Remat,
 
 
 def _with_remat(model: Any, remat: Remat) -> Any:
-    if model.remat is remat:
+    if model.remat == remat:
         return model
     other = type(model)(model.cfg, remat=remat)
     other._abstract = model.abstract_params()  # same params, shapes known
@@ -144,7 +144,7 @@ def plan(model: Any, devices: int, device: Device, batch_size: int, seq_len: int
                           f"{model.cfg.max_seq_len}")
     per_host = devices // hosts
     device = replace(device, per_host=per_host)
-    variants = {r: _with_remat(model, r) for r in Remat}
+    variants = {r: _with_remat(model, r) for r in (Remat.NONE, Remat.FULL)}
     found = [evaluate(variants[remat], mesh, strategy, remat, device, batch_size, seq_len, compute_dtype, mfu)
              for mesh, strategy, remat in candidates(model, devices, per_host, batch_size)]
     if not found:
@@ -188,7 +188,7 @@ def explain(model: Any, plans: list[Plan], device: Device, hosts: int, compute_d
         lines.append("No plan fits: more devices, more memory, a smaller batch per device or a "
                      "smaller model.")
     else:
-        lines.append(f"Chosen: {top.name} on {top.mesh_flag}" + (f", remat {top.remat.value}" if top.remat is not Remat.NONE else "")
+        lines.append(f"Chosen: {top.name} on {top.mesh_flag}" + (f", remat {top.remat}" if top.remat != Remat.NONE else "")
                      + f": {top.memory.peak / GB:,.1f} GB per device, {top.step_s * 1e3:,.1f} ms per step "
                      f"(compute {top.compute_s * 1e3:,.1f} + communication {top.comm_s * 1e3:,.1f}); "
                      + (f"crossing hosts: {', '.join(top.host_axes)}." if top.host_axes else "all within one host."))
@@ -199,7 +199,7 @@ def format_plans(plans: list[Plan], device: Device) -> str:
     lines = [f"{'#':>3} {'strategy':<20} {'--mesh':<28} {'remat':<6} {'GB/device':>10} "
              f"{'step ms':>9} {'compute':>8} {'comm':>8} {'across hosts':>14}  fits"]
     for i, p in enumerate(plans, 1):
-        lines.append(f"{i:>3} {p.name:<20} {p.mesh_flag:<28} {p.remat.value:<6} "
+        lines.append(f"{i:>3} {p.name:<20} {p.mesh_flag:<28} {str(p.remat):<6} "
                      f"{p.memory.peak / GB:>10,.1f} {p.step_s * 1e3:>9,.1f} {p.compute_s * 1e3:>8,.1f} "
                      f"{p.comm_s * 1e3:>8,.1f} {','.join(p.host_axes) or '-':>14}  {'yes' if p.fits else 'NO'}")
     return "\n".join(lines)

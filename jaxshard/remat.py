@@ -1,30 +1,207 @@
-"""Activation checkpointing policies for the layer scan (``--remat``)."""
+"""Activation checkpointing policies for the layer scan (``--remat``), and FSDP's choice of
+keeping or re-gathering a layer's weights for the backward pass (``--reshard-after-forward``).
+
+``--remat`` takes a policy name, or a policy with names after a colon:
+
+* ``none``: keep every activation the backward pass needs;
+* ``full``: keep only each layer's input, recompute the layer in the backward pass;
+* ``dots`` / ``dots_no_batch``: keep matmul outputs (those without batch dims), recompute the rest;
+* ``selective``: Megatron's selective recompute -- keep everything but the attention core
+  (scores, softmax, probabilities times values), which is recomputed from the saved q, k, v;
+* ``names:qkv,attn_proj``: keep only the activations the model tags with these names
+  (:data:`NAMES`), recompute the rest;
+* ``offload:qkv,attn_proj``: like ``names``, but the named activations go to host memory
+  (``pinned_host``) in the forward pass and come back for the backward pass.
+
+FSDP/ZeRO-3 gathers a layer's weights where the layer uses them (``rules.for_compute`` names
+the gathered copy :data:`GATHERED`). With ``reshard_after_forward`` (the default, PyTorch
+FSDP's) no policy saves that copy: the backward pass gathers the layer again, so only the
+layer being computed holds gathered weights. Without it, every policy saves it (one gather
+per layer per step, but all layers' gathered weights alive between forward and backward).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from dataclasses import dataclass
 from enum import StrEnum
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxshard.errors import ConfigError
+from jaxshard.rules import GATHERED, active
+
+# The activations the model tags (checkpoint_name), for ``names:`` and ``offload:`` policies.
+NAMES = {
+    "qkv": "the q, k and v projections",
+    "attn_out": "the attention core's output (the output projection's input)",
+    "attn_proj": "the attention output projection",
+    "mlp_in": "the MLP's input projections (up, and gate for SwiGLU)",
+    "mlp_hidden": "the MLP's activation output (the down projection's input)",
+}
+# (The MLP's own output is not among them: the next layer's input, which the scan keeps anyway,
+# is the sum it feeds, and nothing in this layer's backward pass reads it.)
 
 
-class Remat(StrEnum):
-    NONE = "none"  # keep every activation the backward pass needs
-    FULL = "full"  # keep only each layer's input; recompute the layer in backward
-    DOTS = "dots"  # keep matmul outputs, recompute elementwise ops
-    DOTS_NO_BATCH = "dots_no_batch"  # keep only matmuls without batch dims (weights x acts)
+class Kind(StrEnum):
+    NONE = "none"
+    FULL = "full"
+    DOTS = "dots"
+    DOTS_NO_BATCH = "dots_no_batch"
+    SELECTIVE = "selective"
+    NAMES = "names"
+    OFFLOAD = "offload"
+
+
+_WITH_NAMES = (Kind.NAMES, Kind.OFFLOAD)
+
+
+@dataclass(frozen=True, slots=True)
+class Remat:
+    """A remat policy: its kind, and for ``names``/``offload`` the tagged activations it keeps."""
+
+    kind: Kind = Kind.NONE
+    names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", Kind(self.kind))
+        if self.kind in _WITH_NAMES and not self.names:
+            raise ConfigError(f"--remat {self.kind} needs names, e.g. {self.kind}:qkv,attn_proj "
+                              f"(known: {', '.join(NAMES)})")
+        if self.kind not in _WITH_NAMES and self.names:
+            raise ConfigError(f"--remat {self.kind} takes no names")
+        unknown = [n for n in self.names if n not in NAMES]
+        if unknown:
+            raise ConfigError(f"--remat: unknown activation name {unknown[0]!r} "
+                              f"(known: {', '.join(NAMES)})")
+
+    @classmethod
+    def parse(cls, text: "str | Remat | Kind") -> "Remat":
+        if isinstance(text, Remat):
+            return text
+        kind, _, names = str(text).partition(":")
+        kinds = [k.value for k in Kind]
+        if kind not in kinds:
+            raise ConfigError(f"--remat must be one of {', '.join(kinds)} (names: and offload: "
+                              f"take names after a colon), got {text!r}")
+        return cls(Kind(kind), tuple(n for n in names.split(",") if n))
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{','.join(self.names)}" if self.names else str(self.kind)
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether the backward pass recomputes any part of the layer."""
+        return self.kind is not Kind.NONE
+
+
+# The policies by their old names, so ``Remat.FULL`` etc. read as before.
+Remat.NONE = Remat(Kind.NONE)
+Remat.FULL = Remat(Kind.FULL)
+Remat.DOTS = Remat(Kind.DOTS)
+Remat.DOTS_NO_BATCH = Remat(Kind.DOTS_NO_BATCH)
+Remat.SELECTIVE = Remat(Kind.SELECTIVE)
+SIMPLE = (Remat.NONE, Remat.FULL, Remat.DOTS, Remat.DOTS_NO_BATCH, Remat.SELECTIVE)
+
+_CURRENT: contextvars.ContextVar[Remat] = contextvars.ContextVar("jaxshard_remat", default=Remat.NONE)
+
+
+def tag(x: jax.Array, name: str) -> jax.Array:
+    """Name an activation for the ``names:``/``offload:`` policies (identity otherwise)."""
+    assert name in NAMES, name
+    return checkpoint_name(x, name)
+
+
+def attention_core(fn: Callable) -> Callable:
+    """``fn`` (the attention core: scores, softmax, probabilities times values) recomputed from
+    its inputs q, k, v in the backward pass under ``selective``, as Megatron's selective
+    recompute does. A custom VJP rather than a nested ``jax.checkpoint``: an enclosing
+    checkpoint's policy (FSDP's, which must not keep gathered weights) would override the
+    nested one's and save the scores again."""
+    if _CURRENT.get().kind is not Kind.SELECTIVE:
+        return fn
+
+    @jax.custom_vjp
+    def core(*args):
+        return fn(*args)
+
+    def core_fwd(*args):
+        return fn(*args), args
+
+    def core_bwd(args, g):
+        return jax.vjp(fn, *args)[1](g)
+
+    core.defvjp(core_fwd, core_bwd)
+    return core
+
+
+@contextlib.contextmanager
+def _tracing(remat: Remat) -> Iterator[None]:
+    token = _CURRENT.set(remat)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def is_gathered(prim: Any, params: dict) -> bool:
+    """Whether a jaxpr equation makes a ZeRO-3/FSDP layer's gathered weights: the name, or the
+    custom_vjp (``rules._gather``) whose primal holds it."""
+    if prim.name == "name":
+        return params.get("name") == GATHERED
+    jaxpr = getattr(params.get("call_jaxpr"), "jaxpr", None) if prim.name == "custom_vjp_call" else None
+    return jaxpr is not None and any(e.primitive.name == "name" and e.params.get("name") == GATHERED
+                                     for e in jaxpr.eqns)
+
+
+def _base_policy(remat: Remat):
+    p = jax.checkpoint_policies
+    match remat.kind:
+        case Kind.NONE | Kind.SELECTIVE:
+            return p.everything_saveable
+        case Kind.FULL:
+            return p.nothing_saveable
+        case Kind.DOTS:
+            return p.checkpoint_dots
+        case Kind.DOTS_NO_BATCH:
+            return p.dots_with_no_batch_dims_saveable
+        case Kind.NAMES:
+            return p.save_only_these_names(*remat.names)
+        case Kind.OFFLOAD:
+            return p.save_and_offload_only_these_names(
+                names_which_can_be_saved=[], names_which_can_be_offloaded=list(remat.names),
+                offload_src="device", offload_dst="pinned_host")
+    raise ValueError(f"unknown remat policy {remat!r}")
+
+
+def _policy(remat: Remat, gathers: bool, keep_gathered: bool):
+    """The ``jax.checkpoint`` policy, or None for no checkpoint at all."""
+    base = _base_policy(remat)
+    if not gathers:
+        return None if base is jax.checkpoint_policies.everything_saveable else base
+    if keep_gathered and base is jax.checkpoint_policies.everything_saveable:
+        return None
+
+    def policy(prim, *avals, **params):
+        return keep_gathered if is_gathered(prim, params) else base(prim, *avals, **params)
+
+    return policy
 
 
 def apply(fn: Callable, remat: Remat) -> Callable:
-    """``fn`` wrapped with ``jax.checkpoint`` under ``remat`` (the scan body of the layers)."""
-    policies = jax.checkpoint_policies
-    match remat:
-        case Remat.NONE:
-            return fn
-        case Remat.FULL:
-            return jax.checkpoint(fn, policy=policies.nothing_saveable)
-        case Remat.DOTS:
-            return jax.checkpoint(fn, policy=policies.checkpoint_dots)
-        case Remat.DOTS_NO_BATCH:
-            return jax.checkpoint(fn, policy=policies.dots_with_no_batch_dims_saveable)
-    raise ValueError(f"unknown remat policy {remat!r}")
+    """``fn`` (the scan body of the layers) under ``remat``, and under the active rules' choice
+    of keeping a ZeRO-3/FSDP layer's gathered weights for the backward pass or not."""
+    remat = Remat.parse(remat)
+    rules = active()
+    gathers = rules is not None and rules.gathers_params
+    keep = gathers and not rules.strategy.reshard_after_forward
+    policy = _policy(remat, gathers, keep)
+
+    def traced(*args):
+        with _tracing(remat):
+            return fn(*args)
+
+    return traced if policy is None else jax.checkpoint(traced, policy=policy)

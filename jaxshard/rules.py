@@ -32,10 +32,15 @@ from enum import Enum
 from typing import Any, Iterator
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxshard.axes import BATCH_AXES, Dim, LogicalAxes, MeshAxis
 from jaxshard.errors import ConfigError
+
+# The name (jax.ad_checkpoint.checkpoint_name) of a ZeRO-3/FSDP weight all-gathered for compute:
+# the remat policies keep it for the backward pass or not (``jaxshard.remat``).
+GATHERED = "gathered_weights"
 
 # Dims that ZeRO/FSDP never pick: the layer scan slices ``layers`` one layer at a time.
 _NO_STATE_SHARDING = frozenset({Dim.LAYERS})
@@ -60,6 +65,9 @@ class Strategy:
     zero: int = 0
     fsdp_min_size: int = 0
     sequence_parallel: bool = False  # split the residual stream's sequence over `tensor`
+    # ZeRO-3/FSDP: drop a layer's gathered weights after its forward and gather them again for
+    # its backward (PyTorch FSDP's default); False keeps them (one gather fewer, more memory).
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):
@@ -84,6 +92,9 @@ class ShardingRules:
         sequence = self.active_axes((MeshAxis.SEQUENCE,))
         if strategy.sequence_parallel and not tensor:
             raise ConfigError("--sequence-parallel needs a tensor axis of size > 1 in --mesh")
+        if not strategy.reshard_after_forward and not self.gathers_params:
+            raise ConfigError("--reshard-after-forward false applies to ZeRO-3/FSDP only (an fsdp "
+                              "axis of size > 1 or --zero 3); this strategy gathers no weights")
         # logical param dim -> model-parallel mesh axes (kept in compute, unlike ZeRO/FSDP)
         self.param_table: dict[Dim, tuple[str, ...]] = {
             Dim.HEADS: tensor, Dim.KV_HEADS: tensor, Dim.MLP: tensor, Dim.VOCAB: tensor}
@@ -120,6 +131,11 @@ class ShardingRules:
         if self.sizes[MeshAxis.SEQUENCE] > 1:
             parts.append("cp")
         return "+".join(parts) or "single"
+
+    @property
+    def gathers_params(self) -> bool:
+        """Params are stored sharded over ZeRO-3/FSDP axes and gathered where they are used."""
+        return bool(self.state_axes(StateKind.PARAMS))
 
     # ---- at rest --------------------------------------------------------------------------
     def state_axes(self, kind: StateKind) -> tuple[str, ...]:
@@ -315,6 +331,17 @@ def _relayout_bwd(src, dst, _, g):
 _relayout.defvjp(_relayout_fwd, _relayout_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gather(x, src, dst):
+    """A ZeRO-3/FSDP weight gathered for compute. The name sits inside the custom_vjp so that
+    the remat policies see it on the one equation that makes the gathered copy
+    (``jaxshard.remat.is_gathered``) and can keep it or not."""
+    return checkpoint_name(jax.lax.with_sharding_constraint(x, dst), GATHERED)
+
+
+_gather.defvjp(lambda x, src, dst: (_gather(x, src, dst), None), _relayout_bwd)
+
+
 def for_compute(params: Any, axes_tree: Any) -> Any:
     """Params as a layer uses them: ZeRO-3/FSDP all-gather the weights here, and the gradient
     is reduce-scattered straight into its at-rest layout (DDP/ZeRO-1: all-reduced), where the
@@ -325,7 +352,11 @@ def for_compute(params: Any, axes_tree: Any) -> Any:
 
     def gather(x, ax):
         shape = tuple(x.shape)
-        return _relayout(x, rules.named(rules.param_spec(ax, shape, StateKind.GRADS)),
-                         rules.named(rules.compute_param_spec(ax, shape)))
+        at_rest = rules.param_spec(ax, shape, StateKind.PARAMS)
+        compute = rules.compute_param_spec(ax, shape)
+        grads = rules.named(rules.param_spec(ax, shape, StateKind.GRADS))
+        if at_rest == compute:
+            return _relayout(x, grads, rules.named(compute))
+        return _gather(x, grads, rules.named(compute))
 
     return jax.tree.map(gather, params, axes_tree)

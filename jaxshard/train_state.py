@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxshard import optim
+from jaxshard import loss_scale, optim
 from jaxshard.rules import ShardingRules, StateKind
 
 
@@ -23,6 +23,16 @@ class TrainState(NamedTuple):
     step: jax.Array  # int32 scalar: number of updates applied
     params: Any
     opt_state: Any
+    loss_scale: loss_scale.LossScale | None = None  # float16 training only
+
+
+def cast_floats(tree: Any, dtype: Any) -> Any:
+    """Floating-point leaves (arrays or ShapeDtypeStructs) in ``dtype``; the rest unchanged."""
+    def cast(x):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        return jax.ShapeDtypeStruct(x.shape, dtype) if isinstance(x, jax.ShapeDtypeStruct) else x.astype(dtype)
+    return jax.tree.map(cast, tree)
 
 
 @dataclass(frozen=True)
@@ -34,16 +44,20 @@ class StateLayout:
     abstract: TrainState  # of ShapeDtypeStruct
 
 
-def state_layout(model: Any, tx: optax.GradientTransformation, rules: ShardingRules) -> StateLayout:
+def state_layout(model: Any, tx: optax.GradientTransformation, rules: ShardingRules,
+                 param_dtype: str = "float32", initial_scale: float | None = None) -> StateLayout:
+    """``initial_scale``: keep a dynamic loss scale (float16) starting there."""
     axes = model.param_axes()
-    abstract_params = model.abstract_params()
+    abstract_params = cast_floats(model.abstract_params(), jnp.dtype(param_dtype))
+    scale = None if initial_scale is None else jax.eval_shape(lambda: loss_scale.init(initial_scale))
     abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), abstract_params,
-                          jax.eval_shape(tx.init, abstract_params))
+                          jax.eval_shape(tx.init, abstract_params), scale)
     moments = rules.param_shardings(axes, abstract_params, StateKind.OPT_STATE)
     shardings = TrainState(
         step=rules.replicated(),
         params=rules.param_shardings(axes, abstract_params, StateKind.PARAMS),
-        opt_state=optim.state_shardings(tx, abstract.opt_state, moments, rules.replicated()))
+        opt_state=optim.state_shardings(tx, abstract.opt_state, moments, rules.replicated()),
+        loss_scale=None if scale is None else jax.tree.map(lambda _: rules.replicated(), scale))
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             abstract, shardings)
     return StateLayout(shardings=shardings,
@@ -51,11 +65,18 @@ def state_layout(model: Any, tx: optax.GradientTransformation, rules: ShardingRu
                        abstract=abstract)
 
 
-def build_init(model: Any, tx: optax.GradientTransformation, layout: StateLayout):
+def build_init(model: Any, tx: optax.GradientTransformation, layout: StateLayout,
+               initial_scale: float | None = None):
     """``init(seed) -> TrainState``, jitted so every array is created in its own sharding."""
+    param_dtype = jax.tree.leaves(layout.abstract.params)[0].dtype
 
     def init(seed: jax.Array) -> TrainState:
         params = model.init(jax.random.key(seed))
-        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+        # The optimizer sees the float32 init (a master copy keeps it exactly); params are
+        # stored in their dtype.
+        opt_state = tx.init(params)
+        params = cast_floats(params, param_dtype)
+        scale = None if initial_scale is None else loss_scale.init(initial_scale)
+        return TrainState(jnp.zeros((), jnp.int32), params, opt_state, scale)
 
     return jax.jit(init, out_shardings=layout.shardings)

@@ -18,27 +18,41 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxshard import loss_scale as scaling
 from jaxshard import optim
 from jaxshard.axes import Dim
 from jaxshard.errors import ConfigError
 from jaxshard.rules import ShardingRules, constrain, use_rules
-from jaxshard.train_state import StateLayout, TrainState, build_init, state_layout
+from jaxshard.train_state import StateLayout, TrainState, build_init, cast_floats, state_layout
 
-COMPUTE_DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "float16")
+COMPUTE_DTYPES = DTYPES
 
 
 @dataclass(frozen=True, slots=True)
 class StepConfig:
     grad_accum: int = 1
-    compute_dtype: str = "float32"  # params stay float32 (master copy); matmuls run in this
+    compute_dtype: str = "float32"  # matmuls run in this (norms, softmax and the loss in float32)
     seed: int = 0  # drives init and dropout
+    # Params (and so gradients and their collectives) are stored in this; a 2-byte dtype keeps
+    # a float32 master copy in the optimizer state.
+    param_dtype: str = "float32"
+    loss_scale: float = 2.0 ** 15  # float16: the initial dynamic loss scale
+    loss_scale_period: int = 2000  # float16: finite steps before the scale doubles
 
     def __post_init__(self) -> None:
         if self.grad_accum < 1:
             raise ConfigError(f"--grad-accum must be >= 1, got {self.grad_accum}")
-        if self.compute_dtype not in COMPUTE_DTYPES:
-            raise ConfigError(f"--compute-dtype must be one of {', '.join(COMPUTE_DTYPES)}, "
-                              f"got {self.compute_dtype}")
+        for flag, dtype in (("--compute-dtype", self.compute_dtype), ("--param-dtype", self.param_dtype)):
+            if dtype not in DTYPES:
+                raise ConfigError(f"{flag} must be one of {', '.join(DTYPES)}, got {dtype}")
+        if not self.loss_scale > 0 or self.loss_scale_period < 1:
+            raise ConfigError("--loss-scale must be > 0 and --loss-scale-period >= 1")
+
+    @property
+    def scaled(self) -> bool:
+        """float16 anywhere needs dynamic loss scaling (bfloat16 has float32's range)."""
+        return "float16" in (self.compute_dtype, self.param_dtype)
 
 
 @dataclass(frozen=True)
@@ -61,10 +75,6 @@ class Program:
         return self.step.lower(self.layout.abstract, self.abstract_batch(batch_size, seq_len))
 
 
-def _cast(tree: Any, dtype: jnp.dtype) -> Any:
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
-
-
 def check_batch(rules: ShardingRules, batch_size: int, seq_len: int, grad_accum: int) -> None:
     """Fail early with one line if the batch cannot be split into sharded microbatches."""
     rules.check_seq_len(seq_len)
@@ -79,36 +89,56 @@ def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig
                   cfg: StepConfig) -> Program:
     rules.check_model(model.param_axes(), model.abstract_params())
     tx = optim.make(optim_cfg, model.param_axes())
+    if cfg.param_dtype != "float32":
+        tx = optim.with_master(tx)
     lr_schedule = optim.schedule(optim_cfg)
-    layout = state_layout(model, tx, rules)
+    initial_scale = cfg.loss_scale if cfg.scaled else None
+    layout = state_layout(model, tx, rules, cfg.param_dtype, initial_scale)
     dtype = jnp.dtype(cfg.compute_dtype)
     batch_sharding = rules.batch_sharding()
 
     def loss_and_count(params, batch, key):
         with use_rules(rules):
-            return model.loss(_cast(params, dtype), batch["inputs"], batch["targets"], key=key)
+            return model.loss(cast_floats(params, dtype), batch["inputs"], batch["targets"], key=key)
 
-    grad_fn = jax.value_and_grad(loss_and_count, has_aux=True)
+    def scaled_loss(params, batch, key, factor):
+        loss_sum, count = loss_and_count(params, batch, key)
+        return (loss_sum if factor is None else loss_sum * factor), (loss_sum, count)
 
-    def reduced_grads(params, batch, key):
-        (loss_sum, count), grads = grad_fn(params, batch, key)
+    grad_fn = jax.grad(scaled_loss, has_aux=True)
+
+    def reduced_grads(params, batch, key, factor):
+        grads, (loss_sum, count) = grad_fn(params, batch, key, factor)
         # The gradient's at-rest layout: replicated -> all-reduce; sharded -> reduce-scatter.
         return loss_sum, count, jax.lax.with_sharding_constraint(grads, layout.grad_shardings)
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         with use_rules(rules):
             key = jax.random.fold_in(jax.random.key(cfg.seed), state.step)
+            # float16: the loss is scaled as a mean over the step's tokens would be (the sum
+            # times scale / tokens), so the gradients are those of the scaled mean loss.
+            factor = None if state.loss_scale is None else state.loss_scale.scale / batch["inputs"].size
             if cfg.grad_accum == 1:
-                loss_sum, count, grads = reduced_grads(state.params, batch, key)
+                loss_sum, count, grads = reduced_grads(state.params, batch, key, factor)
             else:
-                loss_sum, count, grads = _accumulate(reduced_grads, state.params, batch, key,
+                loss_sum, count, grads = _accumulate(reduced_grads, state.params, batch, key, factor,
                                                      cfg.grad_accum, layout.grad_shardings)
-            grads = jax.tree.map(lambda g: g / count, grads)
+            # Unscaled and averaged in float32, whatever dtype the gradients were reduced in.
+            divisor = count if factor is None else count * factor
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32) / divisor, grads)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
+            params = optim.apply(state.params, updates, state.opt_state)
             metrics = {"loss": loss_sum / count, "grad_norm": optax.tree.norm(grads),
                        "lr": lr_schedule(state.step)}
-            return TrainState(state.step + 1, params, opt_state), metrics
+            new_scale = None
+            if state.loss_scale is not None:
+                # A step whose gradients overflowed changes nothing but the (halved) scale.
+                finite = scaling.all_finite(grads)
+                params, opt_state = scaling.select(finite, (params, opt_state), (state.params, state.opt_state))
+                new_scale = scaling.adjust(state.loss_scale, finite, cfg.loss_scale_period)
+                metrics |= {"loss_scale": state.loss_scale.scale, "skipped": (~finite).astype(jnp.int32),
+                            "skipped_steps": new_scale.skipped}
+            return TrainState(state.step + 1, params, opt_state, new_scale), metrics
 
     def evaluate(params, batch):
         loss_sum, count = loss_and_count(params, batch, None)
@@ -117,14 +147,14 @@ def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig
     replicated = rules.replicated()
     return Program(
         rules=rules, layout=layout, batch_sharding=batch_sharding,
-        init=build_init(model, tx, layout), loss=loss_and_count,
+        init=build_init(model, tx, layout, initial_scale), loss=loss_and_count,
         step=jax.jit(step, in_shardings=(layout.shardings, batch_sharding),
                      out_shardings=(layout.shardings, replicated), donate_argnums=0),
         eval=jax.jit(evaluate, in_shardings=(layout.shardings.params, batch_sharding),
                      out_shardings=replicated))
 
 
-def _accumulate(reduced_grads, params, batch, key, n_micro: int, grad_shardings):
+def _accumulate(reduced_grads, params, batch, key, factor, n_micro: int, grad_shardings):
     """Sum loss, token count and grads over ``n_micro`` microbatches in a scan.
 
     Microbatch ``i`` is rows ``i, i + n, i + 2n, ...`` of the batch, so every microbatch stays
@@ -142,7 +172,7 @@ def _accumulate(reduced_grads, params, batch, key, n_micro: int, grad_shardings)
     def body(carry, xs):
         loss_acc, count_acc, grads_acc = carry
         mb, i = xs
-        loss_sum, count, grads = reduced_grads(params, mb, jax.random.fold_in(key, i))
+        loss_sum, count, grads = reduced_grads(params, mb, jax.random.fold_in(key, i), factor)
         return (loss_acc + loss_sum, count_acc + count, jax.tree.map(jnp.add, grads_acc, grads)), None
 
     zeros = jax.lax.with_sharding_constraint(

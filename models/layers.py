@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxshard.axes import Dim
+from jaxshard.remat import attention_core, tag
 from jaxshard.parallel.attention import causal_attention
 from jaxshard.parallel.vocab import embed_lookup
 from jaxshard.rules import constrain, relayout
@@ -103,17 +104,18 @@ class Attention(nnx.Module):
             q_BLNH, v_BLKH = q_BLNH + self.bq[...], v_BLKH + self.bv[...]
         if rope is not None:
             q_BLNH, k_BLKH = apply_rope(q_BLNH, rope), apply_rope(k_BLKH, rope)
-        q_BLNH = constrain(q_BLNH, (Dim.BATCH, Dim.LENGTH, Dim.ACT_HEADS, None))
-        k_BLKH = constrain(k_BLKH, (Dim.BATCH, Dim.LENGTH, Dim.ACT_KV_HEADS, None))
-        v_BLKH = constrain(v_BLKH, (Dim.BATCH, Dim.LENGTH, Dim.ACT_KV_HEADS, None))
+        q_BLNH = tag(constrain(q_BLNH, (Dim.BATCH, Dim.LENGTH, Dim.ACT_HEADS, None)), "qkv")
+        k_BLKH = tag(constrain(k_BLKH, (Dim.BATCH, Dim.LENGTH, Dim.ACT_KV_HEADS, None)), "qkv")
+        v_BLKH = tag(constrain(v_BLKH, (Dim.BATCH, Dim.LENGTH, Dim.ACT_KV_HEADS, None)), "qkv")
 
         B, L, N, H = q_BLNH.shape
         K = k_BLKH.shape[2]
-        o_BLKGH = causal_attention(q_BLNH.reshape(B, L, K, N // K, H), k_BLKH, v_BLKH)
+        o_BLKGH = attention_core(causal_attention)(q_BLNH.reshape(B, L, K, N // K, H), k_BLKH, v_BLKH)
         o_BLNH = constrain(o_BLKGH.reshape(B, L, N, H), (Dim.BATCH, Dim.LENGTH, Dim.ACT_HEADS, None))
+        o_BLNH = tag(o_BLNH, "attn_out")
         # Row-parallel output: the partial sums over heads are reduced into the residual
         # layout (all-reduce, or reduce-scatter under SP) before the bias, as in Megatron.
-        y_BLD = constrain(jnp.einsum("blnh,nhd->bld", o_BLNH, self.wo[...]), RESIDUAL_BLD)
+        y_BLD = tag(constrain(jnp.einsum("blnh,nhd->bld", o_BLNH, self.wo[...]), RESIDUAL_BLD), "attn_proj")
         return y_BLD + self.bo[...] if self.use_bias else y_BLD
 
 
@@ -133,14 +135,15 @@ class FeedForward(nnx.Module):
             self.b_out = _const(0.0, (D,), (Dim.EMBED,))
 
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
-        h_BLF = jnp.einsum("bld,df->blf", x_BLD, self.w_in[...])
+        h_BLF = tag(jnp.einsum("bld,df->blf", x_BLD, self.w_in[...]), "mlp_in")
         if self.use_bias:
             h_BLF = h_BLF + self.b_in[...]
         if self.kind is Mlp.SWIGLU:
-            h_BLF = jax.nn.silu(jnp.einsum("bld,df->blf", x_BLD, self.w_gate[...])) * h_BLF
+            g_BLF = tag(jnp.einsum("bld,df->blf", x_BLD, self.w_gate[...]), "mlp_in")
+            h_BLF = jax.nn.silu(g_BLF) * h_BLF
         else:
             h_BLF = jax.nn.gelu(h_BLF, approximate=True)
-        h_BLF = constrain(h_BLF, (Dim.BATCH, Dim.LENGTH, Dim.ACT_MLP))
+        h_BLF = tag(constrain(h_BLF, (Dim.BATCH, Dim.LENGTH, Dim.ACT_MLP)), "mlp_hidden")
         y_BLD = constrain(jnp.einsum("blf,fd->bld", h_BLF, self.w_out[...]), RESIDUAL_BLD)
         return y_BLD + self.b_out[...] if self.use_bias else y_BLD
 

@@ -35,12 +35,12 @@ def _logical_axes(state: nnx.State) -> dict:
 
 
 class TransformerLM:
-    def __init__(self, cfg: ModelConfig, remat: remat_lib.Remat = remat_lib.Remat.NONE,
+    def __init__(self, cfg: ModelConfig, remat: remat_lib.Remat | str = remat_lib.Remat.NONE,
                  unroll: bool = False):
         """``unroll``: unroll the layer scan (slower to compile; XLA's cost analysis then
         counts every layer, which it does not for a loop body)."""
         self.cfg = cfg
-        self.remat = remat_lib.Remat(remat)
+        self.remat = remat_lib.Remat.parse(remat)
         self.unroll = unroll
         self._abstract = None
         self._embedder_def, emb = nnx.split(nnx.eval_shape(lambda: Embedder(cfg, nnx.Rngs(0))), nnx.Param)

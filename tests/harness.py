@@ -30,14 +30,15 @@ def random_batches(vocab: int, seed: int = 0):
 
 
 def make_program(model, mesh_spec: str, *, zero=0, sequence_parallel=False, accum=1,
-                 dtype="float32", seed=0, devices=None):
+                 dtype="float32", seed=0, devices=None, reshard_after_forward=True, **step):
     """``mesh_spec`` on the first devices it needs (all 8 unless its sizes say fewer)."""
     if devices is None:
         sizes = [s for _, s in MeshSpec.parse(mesh_spec).axes]
         devices = jax.devices() if -1 in sizes else jax.devices()[:math.prod(sizes)]
     rules = ShardingRules(build_mesh(mesh_spec, devices),
-                          Strategy(zero=zero, sequence_parallel=sequence_parallel))
-    return build_program(model, rules, OPTIM, StepConfig(grad_accum=accum, compute_dtype=dtype, seed=seed))
+                          Strategy(zero=zero, sequence_parallel=sequence_parallel,
+                                   reshard_after_forward=reshard_after_forward))
+    return build_program(model, rules, OPTIM, StepConfig(grad_accum=accum, compute_dtype=dtype, seed=seed, **step))
 
 
 def train(model, mesh_spec: str, *, seed=0, **kwargs):
@@ -76,9 +77,9 @@ def assert_live_shardings(state, program):
         assert got_specs == want_specs, name
 
 
-def assert_matches_reference(model_name, mesh_spec, *, accum=1, dropout=0.0, **kwargs):
+def assert_matches_reference(model_name, mesh_spec, *, accum=1, dropout=0.0, remat="none", **kwargs):
     ref_losses, ref_params = reference(model_name, accum, dropout)
-    model = TransformerLM(get_preset(model_name).replace(dropout=dropout))
+    model = TransformerLM(get_preset(model_name).replace(dropout=dropout), remat=remat)
     losses, state, program = train(model, mesh_spec, accum=accum, **kwargs)
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
     assert_params_close(state.params, ref_params)

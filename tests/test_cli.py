@@ -217,3 +217,27 @@ def test_bench_writes_table_json_and_plots(tmp_path):
     assert abs(fsdp["collective_bytes"] - fsdp["collective_bytes_predicted"]) <= 0.05 * fsdp["collective_bytes_predicted"]
     assert "| tiny | fsdp | `fsdp=8` |" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "memory_comm.png").stat().st_size > 10_000 and (tmp_path / "scaling.png").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--remat", "names:qkv,everything"], "--remat: unknown activation name 'everything'"),
+    (["--remat", "offload"], "--remat offload needs names"),
+    (["--loss-scale", "1024"], "--loss-scale and --loss-scale-period apply to float16 training only"),
+    (["--mesh", "data=8", "--reshard-after-forward", "false"],
+     "--reshard-after-forward false applies to ZeRO-3/FSDP only"),
+])
+def test_memory_flag_errors(flags, message):
+    assert_one_line_error(train(*flags, "--cpu-devices", "8"), message)
+
+
+def test_float16_selective_recompute_run_reports_its_precision(tmp_path):
+    result = train("--model", "tiny", "--mesh", "fsdp=8", "--cpu-devices", "8", "--steps", "3",
+                   "--batch-size", "8", "--seq-len", "32", "--compute-dtype", "float16",
+                   "--remat", "selective", "--eval-batches", "1", "--metrics", str(tmp_path / "m.jsonl"),
+                   "--report", str(tmp_path / "r.json"))
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert (report["compute_dtype"], report["param_dtype"], report["remat"]) == ("float16", "float32", "selective")
+    assert report["reshard_after_forward"] is True and report["skipped_steps"] == 0
+    lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [m["loss_scale"] for m in lines] == [32768.0] * 3

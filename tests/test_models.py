@@ -119,7 +119,8 @@ def test_layer_by_layer_pieces_equal_the_scan(name):
     np.testing.assert_allclose(loss_sum, nll, rtol=1e-5)
 
 
-@pytest.mark.parametrize("remat", [Remat.FULL, Remat.DOTS, Remat.DOTS_NO_BATCH])
+@pytest.mark.parametrize("remat", [Remat.FULL, Remat.DOTS, Remat.DOTS_NO_BATCH, Remat.SELECTIVE,
+                                   "names:qkv,attn_proj", "offload:attn_out,mlp_hidden"])
 def test_remat_policies_change_memory_not_math(remat):
     cfg = get_preset("tiny-llama")
     rng = np.random.default_rng(2)
