@@ -72,19 +72,13 @@ def gathered_weights_kept(compiled: jax.stages.Compiled, model: Any, rules: Any,
     want: dict[tuple[str, tuple[int, ...]], int] = defaultdict(int)
     for p in accounting.param_infos(model, rules):
         if p.in_layers and p.params != p.compute:
-            shard = tuple(d // math.prod(rules.sizes[a] for a in _axes(e))
-                          for d, e in zip(p.shape, list(p.compute) + [None] * len(p.shape)))
-            want[(_HLO_DTYPE[compute_dtype], shard)] += 1
+            want[(_HLO_DTYPE[compute_dtype], rules.named(p.compute).shard_shape(p.shape))] += 1
     kept = 0
     for state in hlo.loop_states(compiled.as_text()):
         found = sum(min(state.count(k), n) * math.prod(k[1]) * hlo.DTYPE_BYTES[k[0]]
                     for k, n in want.items())
         kept = max(kept, found)
     return kept
-
-
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 # ---- the verifier: accounting against the compiled step ------------------------------------

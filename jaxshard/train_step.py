@@ -26,7 +26,6 @@ from jaxshard.rules import ShardingRules, constrain, use_rules
 from jaxshard.train_state import StateLayout, TrainState, build_init, cast_floats, state_layout
 
 DTYPES = ("float32", "bfloat16", "float16")
-COMPUTE_DTYPES = DTYPES
 
 
 @dataclass(frozen=True, slots=True)
