@@ -96,6 +96,7 @@ class Memory:
     weights_saved: int  # weights in compute layout that the backward pass keeps (may alias params)
     weights_extra: int  # the part of weights_saved that is not the params themselves
     gathered_layer: int  # one layer's weights in compute layout (FSDP holds this transiently)
+    host: int = 0  # the part of params and opt_state kept in host memory (--offload)
 
     @property
     def argument(self) -> int:
@@ -109,8 +110,8 @@ class Memory:
     def peak(self) -> int:
         """A planning estimate: state, gradients, activations and extra weight copies, and two
         gathered layers (the one in use and the next being fetched)."""
-        return (self.params + self.opt_state + self.grads + self.activations + self.weights_extra
-                + 2 * self.gathered_layer + self.batch)
+        return (self.params + self.opt_state - self.host + self.grads + self.activations
+                + self.weights_extra + 2 * self.gathered_layer + self.batch)
 
 
 OPT_COUNTERS = 8  # Adam's and the schedule's int32 step counts
@@ -130,7 +131,10 @@ def memory(model: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
     infos = param_infos(model, rules)
     params = sum(pb * shard_elems(p.shape, p.params, sizes) for p in infos)
     grads = sum(pb * shard_elems(p.shape, p.grads, sizes) for p in infos)
-    opt = sum(opt_copies * F32 * shard_elems(p.shape, p.opt_state, sizes) for p in infos) + OPT_COUNTERS
+    moments = sum(opt_copies * F32 * shard_elems(p.shape, p.opt_state, sizes) for p in infos)
+    host = ((params if rules.offloaded(StateKind.PARAMS) else 0)
+            + (moments if rules.offloaded(StateKind.OPT_STATE) else 0))
+    opt = moments + OPT_COUNTERS
     scale = LOSS_SCALE_BYTES if "float16" in (compute_dtype, param_dtype) else 0
     tokens = _local_tokens(rules, batch_size, seq_len)
     layers = model.cfg.n_layers
@@ -148,7 +152,7 @@ def memory(model: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
     acts = activation_bytes(model.cfg, rules, batch_size // grad_accum, seq_len, c, remat)
     return Memory(params=params, grads=grads, opt_state=opt + scale, batch=2 * 4 * tokens,
                   activations=acts, weights_saved=saved, weights_extra=saved if copies else 0,
-                  gathered_layer=layer_weights // layers if gathers else 0)
+                  gathered_layer=layer_weights // layers if gathers else 0, host=host)
 
 
 def _local_tokens(rules: ShardingRules, batch_size: int, seq_len: int) -> int:

@@ -102,6 +102,10 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--reshard-after-forward", type=_bool, default=True, metavar="true|false",
                    help="ZeRO-3/FSDP: gather each layer's weights again for its backward pass "
                         "instead of keeping all gathered layers from the forward pass")
+    g.add_argument("--offload", default="none",
+                   help="ZeRO-Offload: keep state in host memory between uses: optimizer (Adam's "
+                        "moments and the float32 master copy), params (ZeRO-3/FSDP's shards), "
+                        "optimizer,params, or none")
     g.add_argument("--dropout", type=float, default=None, help="override the preset's dropout")
     g.add_argument("--compute-dtype", default=None, choices=DTYPES,
                    help="dtype of matmuls (norms, softmax and the loss stay float32); default: "
@@ -198,6 +202,10 @@ def _step_config(a: argparse.Namespace) -> StepConfig:
     return step
 
 
+def _offload(text: str) -> tuple[str, ...]:
+    return () if text.strip().lower() == "none" else tuple(o.strip() for o in text.split(","))
+
+
 def train_config(a: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         model=a.model,
@@ -205,7 +213,8 @@ def train_config(a: argparse.Namespace) -> TrainConfig:
         dcn_mesh=MeshSpec.parse(a.dcn_mesh) if a.dcn_mesh else None,
         strategy=Strategy(zero=a.zero, fsdp_min_size=a.fsdp_min_size,
                           sequence_parallel=a.sequence_parallel,
-                          reshard_after_forward=a.reshard_after_forward),
+                          reshard_after_forward=a.reshard_after_forward,
+                          offload=_offload(a.offload)),
         optim=OptimConfig(lr=a.lr, warmup_steps=a.warmup_steps,
                           total_steps=max(a.steps, 1) if a.decay_steps is None else a.decay_steps,
                           min_lr_ratio=a.min_lr_ratio,

@@ -240,3 +240,18 @@ def loop_states(text: str) -> list[list[tuple[str, tuple[int, ...]]]]:
         if m and m["op"] == "while":
             out.append(_arrays(m["shape"]))
     return out
+
+
+# A layout's memory space: S(5) is the host (XLA's kHostMemorySpace), as in f32[8]{0:S(5)}.
+_HOST_ARRAY = re.compile(r"\b(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\]\{[^}]*S\(5\)[^}]*\}")
+
+
+def host_argument_bytes(hlo_text: str) -> int:
+    """Bytes of the compiled step's arguments that its entry layout places in host memory
+    (``--offload``), per device. XLA:CPU keeps the annotation but backs both spaces with the
+    same RAM, so its memory analysis counts them as ordinary arguments."""
+    m = re.search(r"entry_computation_layout=\{\((?P<args>.*?)\)->", hlo_text)
+    if m is None:
+        return 0
+    return sum(DTYPE_BYTES[a["dtype"]] * math.prod(int(d) for d in a["dims"].split(",") if d)
+               for a in _HOST_ARRAY.finditer(m["args"]))

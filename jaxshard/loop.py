@@ -113,9 +113,11 @@ def _train(cfg: TrainConfig, model: Any, rules: ShardingRules, corpus: data_lib.
         _log(f"the checkpoint is at step {start}, already --steps {cfg.steps}: nothing to do")
         return {}
     held = {"params": inspect.max_bytes_per_device(state.params),
-            "opt_state": inspect.max_bytes_per_device(state.opt_state)}
+            "opt_state": inspect.max_bytes_per_device(state.opt_state),
+            "host": inspect.max_bytes_per_device(state, "host")}
     _log(f"compiled in {compile_s:.1f}s | per device: params {held['params']:,} B, "
-         f"optimizer state {held['opt_state']:,} B")
+         f"optimizer state {held['opt_state']:,} B"
+         + (f" ({held['host']:,} B of them in host memory)" if held["host"] else ""))
 
     flops = accounting.flops(model.cfg, rules, B, L, remat=model.remat)
     peak, peak_source = devices.peak_flops(cfg.device, cfg.peak_tflops, cfg.step.compute_dtype,
@@ -216,6 +218,7 @@ def _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compil
         "param_dtype": cfg.step.param_dtype,
         "remat": str(model.remat),
         "reshard_after_forward": cfg.strategy.reshard_after_forward,
+        "offload": list(cfg.strategy.offload),
         "skipped_steps": int(records[-1].get("skipped_steps", 0)),
         "per_device_bytes": held,
         "xla_memory": inspect.xla_memory(compiled),

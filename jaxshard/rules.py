@@ -42,6 +42,11 @@ from jaxshard.errors import ConfigError
 # the remat policies keep it for the backward pass or not (``jaxshard.remat``).
 GATHERED = "gathered_weights"
 
+# Where offloaded state lives between uses (ZeRO-Offload): page-locked host memory, which the
+# device reads and writes by DMA. What ``--offload`` can place there:
+HOST_MEMORY = "pinned_host"
+OFFLOAD = ("optimizer", "params")
+
 # Dims that ZeRO/FSDP never pick: the layer scan slices ``layers`` one layer at a time.
 _NO_STATE_SHARDING = frozenset({Dim.LAYERS})
 
@@ -68,8 +73,15 @@ class Strategy:
     # ZeRO-3/FSDP: drop a layer's gathered weights after its forward and gather them again for
     # its backward (PyTorch FSDP's default); False keeps them (one gather fewer, more memory).
     reshard_after_forward: bool = True
+    # State kept in host memory between uses (ZeRO-Offload): "optimizer" (Adam's moments and the
+    # float32 master copy), "params" (ZeRO-3/FSDP's sharded params).
+    offload: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        unknown = [o for o in self.offload if o not in OFFLOAD]
+        if unknown or len(set(self.offload)) != len(self.offload):
+            raise ConfigError(f"--offload takes none or a comma-separated subset of "
+                              f"{', '.join(OFFLOAD)}, got {','.join(self.offload)}")
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {self.zero}")
         if self.fsdp_min_size < 0:
@@ -95,6 +107,12 @@ class ShardingRules:
         if not strategy.reshard_after_forward and not self.gathers_params:
             raise ConfigError("--reshard-after-forward false applies to ZeRO-3/FSDP only (an fsdp "
                               "axis of size > 1 or --zero 3); this strategy gathers no weights")
+        if "params" in strategy.offload and not self.gathers_params:
+            raise ConfigError("--offload params keeps ZeRO-3/FSDP's sharded params on the host between "
+                              "uses; this strategy does not shard params (use an fsdp axis or "
+                              "--zero 3, or --offload optimizer)")
+        if strategy.offload:
+            _check_host_memory(mesh)
         # logical param dim -> model-parallel mesh axes (kept in compute, unlike ZeRO/FSDP)
         self.param_table: dict[Dim, tuple[str, ...]] = {
             Dim.HEADS: tensor, Dim.KV_HEADS: tensor, Dim.MLP: tensor, Dim.VOCAB: tensor}
@@ -136,6 +154,10 @@ class ShardingRules:
     def gathers_params(self) -> bool:
         """Params are stored sharded over ZeRO-3/FSDP axes and gathered where they are used."""
         return bool(self.state_axes(StateKind.PARAMS))
+
+    def offloaded(self, kind: StateKind) -> bool:
+        """State of ``kind`` lives in host memory between steps (``--offload``)."""
+        return {StateKind.OPT_STATE: "optimizer", StateKind.PARAMS: "params"}.get(kind) in self.strategy.offload
 
     # ---- at rest --------------------------------------------------------------------------
     def state_axes(self, kind: StateKind) -> tuple[str, ...]:
@@ -261,6 +283,23 @@ class ShardingRules:
                 why = " (sequence parallelism splits the sequence over tensor too)" \
                     if dim == Dim.RESIDUAL_LENGTH else ""
                 raise ConfigError(f"--seq-len {seq_len} is not divisible by {split}{why}")
+
+
+def _check_host_memory(mesh: Any) -> None:
+    """``--offload`` needs a host memory space the devices can address (an abstract mesh, as
+    the planner uses, has no devices to ask)."""
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        return
+    device = next(iter(mesh.devices.flat))
+    kinds = {m.kind for m in device.addressable_memories()}
+    if HOST_MEMORY not in kinds:
+        raise ConfigError(f"--offload needs {HOST_MEMORY} memory, which {device.platform} devices do not "
+                          f"have (they have: {', '.join(sorted(kinds))})")
+
+
+def on_host(shardings: Any) -> Any:
+    """The same shardings in host memory."""
+    return jax.tree.map(lambda s: s.with_memory_kind(HOST_MEMORY), shardings)
 
 
 def spec_axes(spec: PartitionSpec) -> set[str]:

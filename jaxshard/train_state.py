@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxshard import loss_scale, optim
-from jaxshard.rules import ShardingRules, StateKind
+from jaxshard.rules import ShardingRules, StateKind, on_host
 
 
 class TrainState(NamedTuple):
@@ -39,7 +39,8 @@ def cast_floats(tree: Any, dtype: Any) -> Any:
 class StateLayout:
     """Where every part of the train state lives at rest."""
 
-    shardings: TrainState  # of NamedSharding
+    shardings: TrainState  # of NamedSharding, at rest (offloaded parts in host memory)
+    compute: TrainState  # the same, all in device memory: where the step computes
     grad_shardings: Any  # params-shaped; the gradient layout after reduction
     abstract: TrainState  # of ShapeDtypeStruct
 
@@ -58,11 +59,24 @@ def state_layout(model: Any, tx: optax.GradientTransformation, rules: ShardingRu
         params=rules.param_shardings(axes, abstract_params, StateKind.PARAMS),
         opt_state=optim.state_shardings(tx, abstract.opt_state, moments, rules.replicated()),
         loss_scale=None if scale is None else jax.tree.map(lambda _: rules.replicated(), scale))
+    compute = shardings
+    if rules.offloaded(StateKind.PARAMS):
+        shardings = shardings._replace(params=on_host(shardings.params))
+    if rules.offloaded(StateKind.OPT_STATE):
+        # Everything params-shaped (moments, master copy) goes; the step counters stay.
+        shardings = shardings._replace(opt_state=optim.state_shardings(
+            tx, abstract.opt_state, on_host(moments), rules.replicated()))
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             abstract, shardings)
-    return StateLayout(shardings=shardings,
+    return StateLayout(shardings=shardings, compute=compute,
                        grad_shardings=rules.param_shardings(axes, abstract_params, StateKind.GRADS),
                        abstract=abstract)
+
+
+def move(tree: Any, src: Any, dst: Any) -> Any:
+    """``tree``, laid out as ``src``, moved to ``dst`` (between host and device memory, inside a
+    jitted step); where the two are the same nothing happens and nothing enters the program."""
+    return tree if src == dst else jax.device_put(tree, dst)
 
 
 def build_init(model: Any, tx: optax.GradientTransformation, layout: StateLayout,

@@ -23,7 +23,7 @@ from jaxshard import optim
 from jaxshard.axes import Dim
 from jaxshard.errors import ConfigError
 from jaxshard.rules import ShardingRules, constrain, use_rules
-from jaxshard.train_state import StateLayout, TrainState, build_init, cast_floats, state_layout
+from jaxshard.train_state import StateLayout, TrainState, build_init, cast_floats, move, state_layout
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -95,6 +95,7 @@ def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig
     layout = state_layout(model, tx, rules, cfg.param_dtype, initial_scale)
     dtype = jnp.dtype(cfg.compute_dtype)
     batch_sharding = rules.batch_sharding()
+    rest, compute = layout.shardings, layout.compute
 
     def loss_and_count(params, batch, key):
         with use_rules(rules):
@@ -117,30 +118,36 @@ def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig
             # float16: the loss is scaled as a mean over the step's tokens would be (the sum
             # times scale / tokens), so the gradients are those of the scaled mean loss.
             factor = None if state.loss_scale is None else state.loss_scale.scale / batch["inputs"].size
+            # --offload: state at rest in host memory comes to the device where it is used (the
+            # params for forward, the optimizer state for the update) and goes back after.
+            old_params = move(state.params, rest.params, compute.params)
             if cfg.grad_accum == 1:
-                loss_sum, count, grads = reduced_grads(state.params, batch, key, factor)
+                loss_sum, count, grads = reduced_grads(old_params, batch, key, factor)
             else:
-                loss_sum, count, grads = _accumulate(reduced_grads, state.params, batch, key, factor,
+                loss_sum, count, grads = _accumulate(reduced_grads, old_params, batch, key, factor,
                                                      cfg.grad_accum, layout.grad_shardings)
             # Unscaled and averaged in float32, whatever dtype the gradients were reduced in.
             divisor = count if factor is None else count * factor
             grads = jax.tree.map(lambda g: g.astype(jnp.float32) / divisor, grads)
-            updates, opt_state = tx.update(grads, state.opt_state, state.params)
-            params = optim.apply(state.params, updates, state.opt_state)
+            old_opt_state = move(state.opt_state, rest.opt_state, compute.opt_state)
+            updates, opt_state = tx.update(grads, old_opt_state, old_params)
+            params = optim.apply(old_params, updates, old_opt_state)
             metrics = {"loss": loss_sum / count, "grad_norm": optax.tree.norm(grads),
                        "lr": lr_schedule(state.step)}
             new_scale = None
             if state.loss_scale is not None:
                 # A step whose gradients overflowed changes nothing but the (halved) scale.
                 finite = scaling.all_finite(grads)
-                params, opt_state = scaling.select(finite, (params, opt_state), (state.params, state.opt_state))
+                params, opt_state = scaling.select(finite, (params, opt_state), (old_params, old_opt_state))
                 new_scale = scaling.adjust(state.loss_scale, finite, cfg.loss_scale_period)
                 metrics |= {"loss_scale": state.loss_scale.scale, "skipped": (~finite).astype(jnp.int32),
                             "skipped_steps": new_scale.skipped}
+            params = move(params, compute.params, rest.params)
+            opt_state = move(opt_state, compute.opt_state, rest.opt_state)
             return TrainState(state.step + 1, params, opt_state, new_scale), metrics
 
     def evaluate(params, batch):
-        loss_sum, count = loss_and_count(params, batch, None)
+        loss_sum, count = loss_and_count(move(params, rest.params, compute.params), batch, None)
         return loss_sum / count
 
     replicated = rules.replicated()

@@ -225,6 +225,8 @@ def test_bench_writes_table_json_and_plots(tmp_path):
     (["--loss-scale", "1024"], "--loss-scale and --loss-scale-period apply to float16 training only"),
     (["--mesh", "data=8", "--reshard-after-forward", "false"],
      "--reshard-after-forward false applies to ZeRO-3/FSDP only"),
+    (["--mesh", "data=8", "--offload", "params"], "--offload params keeps ZeRO-3/FSDP's sharded params"),
+    (["--offload", "gradients"], "--offload takes none or a comma-separated subset of optimizer, params"),
 ])
 def test_memory_flag_errors(flags, message):
     assert_one_line_error(train(*flags, "--cpu-devices", "8"), message)
