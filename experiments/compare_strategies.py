@@ -4,7 +4,9 @@
 
 Compiles each strategy's training step (nothing is trained) and prints, per device: params,
 gradients and optimizer state, saved activations, XLA's argument bytes, and the collectives
-in the compiled step by kind and mesh axis, next to the textbook volume of the strategy.
+in the compiled step by kind and mesh axis, next to the textbook volume of the strategy; then
+the classic bytes-per-parameter table (DDP, ZeRO-1/2/3, FSDP; float32 or 2-byte params; with
+and without ZeRO-Offload), the textbook's next to the live arrays'.
 """
 
 from __future__ import annotations
@@ -106,6 +108,19 @@ def main(argv: list[str] | None = None) -> int:
                          "float32; activations saved for the backward pass, estimated). Collectives "
                          "read from the compiled HLO; 'sent' is what one device sends under the ring "
                          "algorithm.", "", *notes]
+        lines += ["", f"## Bytes per parameter per device ({a.devices} devices)", "",
+                  "Params + gradients + optimizer state (Adam's moments, and the float32 master copy "
+                  "of 2-byte params), the textbook's next to the live arrays: the state as "
+                  "initialised and one batch's gradients in the layout the step reduces them to.", "",
+                  "| strategy | params | offload | textbook (params + grads + optimizer) | "
+                  "textbook device | measured device | textbook host | measured host |",
+                  "|" + "---|" * 8]
+        for name in inspect.CLASSIC_STRATEGIES:
+            for dtype in ("float32", "bfloat16"):
+                for r in inspect.bytes_per_param(model, name, a.devices, dtype, a.batch_size, a.seq_len):
+                    lines.append(f"| {name} | {dtype} | {','.join(r.offload) or '-'} | "
+                                 f"{r.predicted.formula} | {r.predicted.device:.2f} | {r.device:.2f} | "
+                                 f"{r.predicted.host:.2f} | {r.host:.2f} |")
         page = "\n".join(lines)
         print(page)
         if a.out:

@@ -155,6 +155,37 @@ def memory(model: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
                   gathered_layer=layer_weights // layers if gathers else 0, host=host)
 
 
+@dataclass(frozen=True)
+class ClassicBytes:
+    """The textbook's bytes per parameter on each device (ZeRO, Rajbhandari et al. 2020, Fig. 1)."""
+
+    device: float
+    host: float
+    formula: str  # e.g. "2 + 2 + 12/N", offloaded terms after "host:"
+
+
+def classic_bytes_per_param(stage: int, n: int, param_bytes: int = 4,
+                            offload: tuple[str, ...] = ()) -> ClassicBytes:
+    """Params and gradients of ``param_bytes`` each and the optimizer's K bytes (Adam's two
+    float32 moments, plus a float32 master copy when params are 2-byte: the paper's K = 12),
+    each divided by ``n`` from the ZeRO stage that shards it (1: optimizer, 2: + gradients,
+    3/FSDP: + params); ``offload`` moves the optimizer's or the params' term to the host."""
+    k = 2 * F32 if param_bytes == F32 else 3 * F32
+    terms = [(param_bytes, stage >= 3, "params" in offload), (param_bytes, stage >= 2, False),
+             (k, stage >= 1, "optimizer" in offload)]
+    device = [(b, sharded) for b, sharded, host in terms if not host]
+    host = [(b, sharded) for b, sharded, on_host in terms if on_host]
+
+    def text(ts):
+        return " + ".join(f"{b}/N" if sharded else f"{b}" for b, sharded in ts) or "0"
+
+    def value(ts):
+        return float(sum(b / n if sharded else b for b, sharded in ts))
+
+    return ClassicBytes(device=value(device), host=value(host),
+                        formula=text(device) + (f", host: {text(host)}" if host else ""))
+
+
 def _local_tokens(rules: ShardingRules, batch_size: int, seq_len: int) -> int:
     return (batch_size // rules.size(rules.batch_axes)) * (seq_len // _seq_split(rules))
 

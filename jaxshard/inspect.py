@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxshard import accounting, hlo
 from jaxshard.rules import HOST_MEMORY
@@ -29,6 +30,76 @@ def bytes_per_device(tree: Any, where: str | None = None) -> dict[int, int]:
 def max_bytes_per_device(tree: Any, where: str | None = None) -> int:
     """The most any one device holds of ``tree`` (what decides whether it fits)."""
     return max(bytes_per_device(tree, where).values(), default=0)
+
+
+def stored_bytes(program: Any, state: Any, batch_size: int, seq_len: int) -> tuple[int, int]:
+    """(device, host) bytes of params, gradients and optimizer state that the most loaded
+    device holds, measured from live arrays: ``state`` as it lies, and one batch's gradients
+    materialised in the layout the step reduces them to (inside the step they are transient)."""
+    layout = program.layout
+
+    def grads(params, batch):
+        return jax.grad(lambda p: program.loss(p, batch, None)[0])(params)
+
+    batch = jax.device_put(
+        {k: np.zeros(x.shape, x.dtype) for k, x in program.abstract_batch(batch_size, seq_len).items()},
+        program.batch_sharding)
+    params = jax.device_put(state.params, layout.compute.params)
+    g = jax.jit(grads, out_shardings=layout.grad_shardings)(params, batch)
+    held = [bytes_per_device(t, "device") for t in (state.params, state.opt_state, g)]
+    device = max(sum(h.get(d, 0) for h in held) for d in set().union(*held))
+    host = max(bytes_per_device(state, "host").values(), default=0)
+    return device, host
+
+
+# The classic table's rows: name, mesh over N devices, ZeRO stage (FSDP is stage 3 over fsdp).
+CLASSIC_STRATEGIES = {"DDP": ("data={n}", 0), "ZeRO-1": ("data={n}", 1), "ZeRO-2": ("data={n}", 2),
+                      "ZeRO-3": ("data={n}", 3), "FSDP": ("fsdp={n}", 3)}
+
+
+@dataclass(frozen=True)
+class BytesPerParam:
+    """One row of the bytes-per-parameter table: the textbook's and the live arrays'."""
+
+    strategy: str
+    mesh: str
+    param_dtype: str
+    offload: tuple[str, ...]
+    predicted: accounting.ClassicBytes
+    device: float  # measured, per device
+    host: float
+
+    @property
+    def error(self) -> float:
+        """The larger relative difference, device or host, from the textbook."""
+        return max(abs(m - p) / p if p else float(m > 0) for m, p in
+                   ((self.device, self.predicted.device), (self.host, self.predicted.host)))
+
+
+def bytes_per_param(model: Any, strategy: str, n: int, param_dtype: str = "float32",
+                    batch_size: int = 8, seq_len: int = 32) -> list[BytesPerParam]:
+    """``strategy`` (a :data:`CLASSIC_STRATEGIES` name) on the first ``n`` devices, without and
+    with each offload it supports, measured with :func:`stored_bytes`."""
+    from jaxshard.mesh import build_mesh
+    from jaxshard.optim import OptimConfig
+    from jaxshard.rules import ShardingRules, Strategy
+    from jaxshard.train_step import StepConfig, build_program
+
+    mesh_t, stage = CLASSIC_STRATEGIES[strategy]
+    mesh = build_mesh(mesh_t.format(n=n), jax.devices()[:n])
+    zero = stage if mesh_t.startswith("data") else 0
+    offloads = [(), ("optimizer",)] + ([("params",), ("optimizer", "params")] if stage == 3 else [])
+    rows = []
+    for offload in offloads:
+        rules = ShardingRules(mesh, Strategy(zero=zero, offload=offload))
+        program = build_program(model, rules, OptimConfig(),
+                                StepConfig(param_dtype=param_dtype, compute_dtype=param_dtype))
+        device, host = stored_bytes(program, program.init(0), batch_size, seq_len)
+        rows.append(BytesPerParam(
+            strategy, mesh_t.format(n=n), param_dtype, offload,
+            accounting.classic_bytes_per_param(stage, n, accounting.dtype_bytes(param_dtype), offload),
+            device / model.n_params(), host / model.n_params()))
+    return rows
 
 
 def xla_memory(compiled: jax.stages.Compiled) -> dict[str, int]:

@@ -133,3 +133,17 @@ def test_verifier_flags_a_planted_wrong_sharding():
     compiled = program.lower_step(BATCH, SEQ).compile()
     v = inspect.verify(model, program, compiled, BATCH, SEQ, expected=ShardingRules(mesh))
     assert any(f.startswith("unexplained") for f in v.flags), v.flags
+
+
+@pytest.mark.parametrize("stage, param_bytes, offload, device, host", [
+    # ZeRO (Rajbhandari et al. 2020), mixed precision with K = 12, at N = 8: 16, 4 + 12/N,
+    # 2 + 14/N, 16/N bytes per parameter.
+    (0, 2, (), 16, 0), (1, 2, (), 4 + 12 / 8, 0), (2, 2, (), 2 + 14 / 8, 0), (3, 2, (), 16 / 8, 0),
+    # float32 params need no master copy: K = 8.
+    (0, 4, (), 16, 0), (1, 4, (), 8 + 8 / 8, 0), (3, 4, (), 16 / 8, 0),
+    # ZeRO-Offload moves the optimizer's K to the host; ZeRO-Infinity the params too.
+    (0, 2, ("optimizer",), 4, 12), (3, 2, ("optimizer", "params"), 2 / 8, 14 / 8),
+])
+def test_classic_bytes_per_param(stage, param_bytes, offload, device, host):
+    got = accounting.classic_bytes_per_param(stage, 8, param_bytes, offload)
+    assert (got.device, got.host) == pytest.approx((device, host))

@@ -199,6 +199,17 @@ def test_compare_strategies_one_page(tmp_path):
     assert "reduce-scatter over fsdp" in text and "all-reduce over tensor" in text
     assert "Verifier" not in text  # every strategy as predicted
 
+    # The bytes-per-parameter table: every row the textbook lists, measured within 5%.
+    table = text.split("## Bytes per parameter per device")[1]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()
+            if line.startswith("| ") and not line.startswith("| strategy")]
+    assert len(rows) == 2 * (3 * 2 + 2 * 4)  # 2 dtypes x (DDP, ZeRO-1/2: +-optimizer; ZeRO-3, FSDP: 4)
+    for name, dtype, offload, formula, *numbers in rows:
+        predicted_device, device, predicted_host, host = map(float, numbers)
+        assert abs(device - predicted_device) <= 0.05 * predicted_device, (name, dtype, offload, formula)
+        assert abs(host - predicted_host) <= 0.05 * predicted_host, (name, dtype, offload, formula)
+    assert "| DDP | bfloat16 | - | 2 + 2 + 12 | 16.00 |" in table
+
 
 def test_bench_writes_table_json_and_plots(tmp_path):
     cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--models", "tiny",
