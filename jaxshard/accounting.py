@@ -354,6 +354,11 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
     B_local = batch_size // rules.size(rules.batch_axes) // grad_accum
     act = B_local * L_local * cfg.d_model * c
     n_fwd = 2 if recompute and remat.kind is not Kind.SELECTIVE else 1  # the layer runs twice
+    # A recomputed layer repeats its row-parallel output reduction where the backward pass needs
+    # the value: the attention block's (the MLP's input), unless the policy kept it; the MLP
+    # block's output is dead in the recompute.
+    kept_proj = remat.kind in (Kind.DOTS, Kind.DOTS_NO_BATCH) or "attn_proj" in remat.names
+    n_out = 2 + (1 if n_fwd == 2 and not kept_proj else 0)
     if tensor:
         T = rules.size(tensor)
         layers, micro = cfg.n_layers, grad_accum
@@ -365,7 +370,7 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
         bwd_inputs = (3 if K % T == 0 else 1) + mlp_in
         if sp:
             add("all-gather", tensor, act, micro * layers * 2 * n_fwd, "SP: gather the sequence into attention/MLP")
-            add("reduce-scatter", tensor, act, micro * layers * 2 * n_fwd, "SP: reduce-scatter attention/MLP outputs")
+            add("reduce-scatter", tensor, act, micro * layers * n_out, "SP: reduce-scatter attention/MLP outputs")
             add("all-gather", tensor, act, micro * layers * 2, "SP backward: gather output gradients")
             add("reduce-scatter", tensor, act, micro * layers * bwd_inputs,
                 "SP backward: reduce-scatter the input gradient of each column-parallel projection")
@@ -374,7 +379,7 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
             add("all-gather", tensor, act, micro, "SP: gather the sequence for the vocabulary projection")
             add("reduce-scatter", tensor, act, micro, "SP backward: vocabulary projection input gradient")
         else:
-            add("all-reduce", tensor, act, micro * layers * 2 * n_fwd, "TP: row-parallel attention/MLP outputs")
+            add("all-reduce", tensor, act, micro * layers * n_out, "TP: row-parallel attention/MLP outputs")
             add("all-reduce", tensor, act, micro * layers * bwd_inputs,
                 "TP backward: input gradient of each column-parallel projection")
             add("all-reduce", tensor, act, micro, "TP: vocab-parallel embedding")
@@ -399,14 +404,12 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
         S = rules.size(seq)
         kv_local = B_local * L_local * cfg.n_kv_heads * cfg.d_head * c
         kv_t = rules.size(tensor) if tensor and cfg.n_kv_heads % rules.size(tensor) == 0 else 1
-        # S - 1 hops of k and v per attention (the last step's would be dead); the backward
-        # pass sends the gradients back the same way. Under FSDP's reshard-after-forward the
-        # layer runs under a checkpoint policy, and the ring (a shard_map) is then recomputed.
-        ring_fwd = 2 if rules.gathers_params and rules.strategy.reshard_after_forward else n_fwd
+        # S - 1 hops of k and v per attention; the backward pass sends the gradients back the
+        # same way. Any remat recomputes the ring (selective's attention core is the ring).
+        ring_fwd = 2 if recompute else 1
         add("collective-permute", seq, kv_local // kv_t,
-            grad_accum * (cfg.n_layers * 2 * (S - 1) * (ring_fwd + 1) + 1),
+            grad_accum * cfg.n_layers * 2 * (S - 1) * (ring_fwd + 1),
             "CP: pass key and value chunks around the ring (forward and backward)")
-        allowances.append("CP: XLA keeps one of the backward ring's transfers outside the layer loop.")
     allowances.append("Scalars (loss, gradient norm) are all-reduced too: a few bytes, not listed.")
     if c != F32:
         allowances.append("On CPU the embedding lookup runs in float32 (XLA:CPU cannot promote its "

@@ -63,8 +63,19 @@ def _ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual):
     B, _, K, G, H = q_BCKGH.shape
     to_next = [(i, (i + 1) % S) for i in range(S)]
 
-    def step(carry, i):
-        m_BKGC, l_BKGC, o_BKGCH, k, v = carry
+    # Step 0 is the device's own chunk, whose diagonal gives every query row a finite max,
+    # so later fully-masked chunks add exp(_NEG - m) = 0.
+    m_BKGC, l_BKGC, o_BKGCH = jax.tree.map(
+        lambda x: jax.lax.pcast(x, manual, to="varying"),
+        (jnp.full((B, K, G, C), _NEG, jnp.float32), jnp.zeros((B, K, G, C), jnp.float32),
+         jnp.zeros((B, K, G, C, H), jnp.float32)))
+    k, v = k_BCKH, v_BCKH
+    # Unrolled in Python (S is small): XLA can overlap each transfer with the next step's math,
+    # and there are S - 1 transfers by construction -- no dead last one for DCE to find, which
+    # it could not under a remat policy (FSDP's reshard-after-forward).
+    for i in range(S):
+        if i:
+            k, v = jax.lax.ppermute((k, v), axes, to_next)
         src = (me - i) % S  # the chunk this device holds at step i
         s_BKGCM = _scores(q_BCKGH, k, q_pos, src * C + jnp.arange(C))
         m_new = jnp.maximum(m_BKGC, s_BKGCM.max(-1))
@@ -73,15 +84,6 @@ def _ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual):
         l_BKGC = l_BKGC * scale + p.sum(-1)
         pv = jnp.einsum("bkgcm,bmkh->bkgch", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         o_BKGCH = o_BKGCH * scale[..., None] + pv
-        k, v = jax.lax.ppermute((k, v), axes, to_next)
-        return (m_new, l_BKGC, o_BKGCH, k, v), None
-
-    # Step 0 is the device's own chunk, whose diagonal gives every query row a finite max,
-    # so later fully-masked chunks add exp(_NEG - m) = 0.
-    init = (jnp.full((B, K, G, C), _NEG, jnp.float32), jnp.zeros((B, K, G, C), jnp.float32),
-            jnp.zeros((B, K, G, C, H), jnp.float32), k_BCKH, v_BCKH)
-    init = jax.tree.map(lambda x: jax.lax.pcast(x, manual, to="varying"), init[:3]) + init[3:]
-    # Unrolled: S is small, and it lets XLA overlap each ppermute with the next step's math.
-    (_, l_BKGC, o_BKGCH, _, _), _ = jax.lax.scan(step, init, jnp.arange(S), unroll=True)
+        m_BKGC = m_new
     o_BKGCH = o_BKGCH / l_BKGC[..., None]
     return o_BKGCH.transpose(0, 3, 1, 2, 4).astype(q_BCKGH.dtype)
