@@ -18,6 +18,8 @@ the gathered copy :data:`GATHERED`). With ``reshard_after_forward`` (the default
 FSDP's) no policy saves that copy: the backward pass gathers the layer again, so only the
 layer being computed holds gathered weights. Without it, every policy saves it (one gather
 per layer per step, but all layers' gathered weights alive between forward and backward).
+ZeRO-2's layer weights are a copy too (their gradient is reduce-scattered where it is made),
+which no policy saves: re-making it in the backward pass moves nothing.
 """
 
 from __future__ import annotations
@@ -196,8 +198,8 @@ def apply(fn: Callable, remat: Remat) -> Callable:
     of keeping a ZeRO-3/FSDP layer's gathered weights for the backward pass or not."""
     remat = Remat.parse(remat)
     rules = active()
-    gathers = rules is not None and rules.gathers_params
-    keep = gathers and not rules.strategy.reshard_after_forward
+    gathers = rules is not None and rules.relayouts_weights
+    keep = gathers and rules.gathers_params and not rules.strategy.reshard_after_forward
     policy = _policy(remat, gathers, keep)
 
     def traced(*args):

@@ -112,7 +112,7 @@ class ShardingRules:
                               "uses; this strategy does not shard params (use an fsdp axis or "
                               "--zero 3, or --offload optimizer)")
         if strategy.offload:
-            _check_host_memory(mesh)
+            check_host_memory(mesh, "--offload")
         # logical param dim -> model-parallel mesh axes (kept in compute, unlike ZeRO/FSDP)
         self.param_table: dict[Dim, tuple[str, ...]] = {
             Dim.HEADS: tensor, Dim.KV_HEADS: tensor, Dim.MLP: tensor, Dim.VOCAB: tensor}
@@ -154,6 +154,12 @@ class ShardingRules:
     def gathers_params(self) -> bool:
         """Params are stored sharded over ZeRO-3/FSDP axes and gathered where they are used."""
         return bool(self.state_axes(StateKind.PARAMS))
+
+    @property
+    def relayouts_weights(self) -> bool:
+        """A layer uses its weights as a copy of their own (:func:`for_compute`): gathered, or
+        with the gradient reduce-scattered into its ZeRO-2 shard where it is made."""
+        return bool(self.state_axes(StateKind.GRADS))
 
     def offloaded(self, kind: StateKind) -> bool:
         """State of ``kind`` lives in host memory between steps (``--offload``)."""
@@ -285,15 +291,15 @@ class ShardingRules:
                 raise ConfigError(f"--seq-len {seq_len} is not divisible by {split}{why}")
 
 
-def _check_host_memory(mesh: Any) -> None:
-    """``--offload`` needs a host memory space the devices can address (an abstract mesh, as
-    the planner uses, has no devices to ask)."""
+def check_host_memory(mesh: Any, flag: str) -> None:
+    """``flag`` needs a host memory space the devices can address (an abstract mesh, as the
+    planner uses, has no devices to ask)."""
     if isinstance(mesh, jax.sharding.AbstractMesh):
         return
     device = next(iter(mesh.devices.flat))
     kinds = {m.kind for m in device.addressable_memories()}
     if HOST_MEMORY not in kinds:
-        raise ConfigError(f"--offload needs {HOST_MEMORY} memory, which {device.platform} devices do not "
+        raise ConfigError(f"{flag} needs {HOST_MEMORY} memory, which {device.platform} devices do not "
                           f"have (they have: {', '.join(sorted(kinds))})")
 
 
@@ -394,8 +400,12 @@ def for_compute(params: Any, axes_tree: Any) -> Any:
         at_rest = rules.param_spec(ax, shape, StateKind.PARAMS)
         compute = rules.compute_param_spec(ax, shape)
         grads = rules.named(rules.param_spec(ax, shape, StateKind.GRADS))
-        if at_rest == compute:
-            return _relayout(x, grads, rules.named(compute))
+        if at_rest == compute == grads.spec:
+            # Nothing to move either way. (A constraint here would make the layer's weights a
+            # value of their own, which autodiff saves as a stacked copy for the backward scan.)
+            return x
+        # Gathered (ZeRO-3/FSDP), or with a gradient reduce-scattered where it is made (ZeRO-2):
+        # a named copy that the remat policies need not save (jaxshard.remat).
         return _gather(x, grads, rules.named(compute))
 
     return jax.tree.map(gather, params, axes_tree)

@@ -22,7 +22,8 @@ from jaxshard import loss_scale as scaling
 from jaxshard import optim
 from jaxshard.axes import Dim
 from jaxshard.errors import ConfigError
-from jaxshard.rules import ShardingRules, constrain, use_rules
+from jaxshard.remat import Kind, Remat
+from jaxshard.rules import ShardingRules, check_host_memory, constrain, use_rules
 from jaxshard.train_state import StateLayout, TrainState, build_init, cast_floats, move, state_layout
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -87,6 +88,8 @@ def check_batch(rules: ShardingRules, batch_size: int, seq_len: int, grad_accum:
 def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig,
                   cfg: StepConfig) -> Program:
     rules.check_model(model.param_axes(), model.abstract_params())
+    if Remat.parse(getattr(model, "remat", Remat.NONE)).kind is Kind.OFFLOAD:
+        check_host_memory(rules.mesh, "--remat offload")
     tx = optim.make(optim_cfg, model.param_axes())
     if cfg.param_dtype != "float32":
         tx = optim.with_master(tx)

@@ -46,6 +46,26 @@ def test_fsdp_reshards_after_forward_by_default(remat):
     assert kept.memory_analysis().temp_size_in_bytes - temp >= 0.75 * kept_bytes
 
 
+def test_no_strategy_keeps_a_copy_of_the_weights_for_backward():
+    """XLA temp, compiled: FSDP holds activations, one gathered layer with its full gradient
+    and the sharded gradients. ZeRO-2 holds no more (its params are arguments, not temp), and
+    DDP only its full gradients more. A stacked copy of the weights saved for the backward
+    scan -- which a no-op layout constraint on each layer's weights used to cause, 1x the
+    params -- breaks both."""
+    model = TransformerLM(get_preset("llama-tiny"))
+
+    def temp(mesh, zero=0):
+        program = make_program(model, mesh, zero=zero)
+        return program, program.lower_step(B, L).compile().memory_analysis().temp_size_in_bytes
+
+    _, fsdp = temp("fsdp=8")
+    _, zero2 = temp("data=8", zero=2)
+    ddp_program, ddp = temp("data=8")
+    full_grads = inspect.max_bytes_abstract(ddp_program.layout.abstract.params)  # float32, replicated
+    assert zero2 <= 1.05 * fsdp, (zero2, fsdp)
+    assert ddp <= 1.05 * (fsdp + full_grads * 7 / 8), (ddp, fsdp, full_grads)
+
+
 def test_gathered_weights_are_found_in_a_loop_state():
     """The reader of loop states, on hand-written HLO: a [layers, 256, 1024] f32 buffer is one
     gathered w_in of llama-tiny under fsdp=8 (its at-rest shard is [4, 32, 1024])."""

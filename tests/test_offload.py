@@ -15,7 +15,7 @@ from harness import make_program, train
 from jaxshard import accounting, hlo, inspect
 from jaxshard.errors import ConfigError
 from jaxshard.mesh import build_mesh
-from jaxshard.rules import HOST_MEMORY, ShardingRules, Strategy, _check_host_memory
+from jaxshard.rules import HOST_MEMORY, ShardingRules, Strategy, check_host_memory
 from models import TransformerLM, get_preset
 
 B, L = 16, 32  # harness.BATCH, harness.SEQ
@@ -91,5 +91,5 @@ def test_offload_errors():
         types.SimpleNamespace(kind="device")])
     fake = types.SimpleNamespace(devices=np.array([device]))
     with pytest.raises(ConfigError, match="--offload needs pinned_host memory, which tpu devices do not have"):
-        _check_host_memory(fake)
-    _check_host_memory(jax.sharding.AbstractMesh((8,), ("data",)))  # the planner's: nothing to ask
+        check_host_memory(fake, "--offload")
+    check_host_memory(jax.sharding.AbstractMesh((8,), ("data",)), "--offload")  # the planner's: nothing to ask
