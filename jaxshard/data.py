@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import functools
 import os
+import queue
 import sysconfig
+import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
@@ -155,3 +158,50 @@ def write_bin(path: str | os.PathLike, tokens: np.ndarray) -> None:
     if tokens.size and (tokens.min() < 0 or tokens.max() >= 1 << 16):
         raise DataError("token ids must fit in uint16 for a .bin file")
     tokens.astype("<u2").tofile(path)
+
+
+class Prefetch:
+    """``make(i)`` for ``i`` in ``steps``, built ``depth`` ahead on a background thread, so the
+    host prepares (and puts on the devices) the next batches while the devices run this one.
+    An error in ``make`` is raised where its item would have been taken."""
+
+    def __init__(self, make: Callable[[int], Any], steps: range, depth: int = 2):
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(make, steps), daemon=True,
+                                        name="jaxshard-prefetch")
+        self._thread.start()
+
+    def _run(self, make, steps) -> None:
+        for i in steps:
+            try:
+                item = (i, make(i), None)
+            except BaseException as e:  # noqa: BLE001 -- handed to the consumer
+                item = (i, None, e)
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if self._stop.is_set() or item[2] is not None:
+                return
+
+    def get(self, i: int) -> Any:
+        """The item of step ``i`` (steps are taken in order)."""
+        j, item, error = self._queue.get()
+        if error is not None:
+            raise error
+        if j != i:
+            raise RuntimeError(f"prefetched step {j}, wanted {i}: steps must be taken in order")
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> Prefetch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

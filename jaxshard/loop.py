@@ -8,7 +8,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -142,46 +142,76 @@ def _train(cfg: TrainConfig, model: Any, rules: ShardingRules, corpus: data_lib.
                   for i in range(cfg.eval_batches)]
         return float(np.mean(jax.device_get(losses)))
 
-    def save(step: int) -> None:
+    def save(step: int, samples: int) -> None:
         ckpt.save(step, state, {"step": step, "samples_seen": samples, "seed": cfg.step.seed,
                                 "batch_size": B, "seq_len": L, "model": model.cfg.name,
                                 "mesh": axis_sizes(mesh), "strategy": rules.name,
                                 "param_shapes": param_shapes(model.abstract_params())})
         _fault("save", step)
 
+    def evaluates(step: int) -> bool:
+        return step == cfg.steps or bool(cfg.eval_every and step % cfg.eval_every == 0)
+
+    def saves(step: int) -> bool:
+        return ckpt is not None and (step == cfg.steps or bool(
+            cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0))
+
     _keep_metrics_until(cfg.metrics, start)
-    records, val_loss = [], None
+    records: list[dict[str, Any]] = []
+    val_loss = None
+    last_done = 0.0  # when the previous step's metrics arrived
     writer = MetricsLog(cfg.metrics if jax.process_index() == 0 else None, append=start > 0)
     bar = progress(cfg.steps, cfg.progress and jax.process_index() == 0)
     bar.update(start)
-    with writer, bar:
-        for i in range(start, cfg.steps):
-            _fault("step", i + 1)
-            t = time.perf_counter()
-            batch = data_lib.to_global(train_data.batch_at(samples), program.batch_sharding, (B, L))
-            state, m = compiled(state, batch)
-            m = {k: float(v) for k, v in jax.device_get(m).items()}
-            dt = time.perf_counter() - t
-            samples += B
-            if m.get("skipped") and jax.process_index() == 0:
-                bar.write(f"step {i + 1}: float16 gradients overflowed at loss scale "
-                          f"{m['loss_scale']:g}; step skipped, scale halved")
-            record = {"step": i + 1, **m, "step_time_s": dt, **throughput(dt)}
-            last = i + 1 == cfg.steps
-            if math.isfinite(m["loss"]) and (last or (cfg.eval_every and (i + 1) % cfg.eval_every == 0)):
-                val_loss = record["val_loss"] = validate()
-            writer.write(record)
-            records.append(record)
-            if not math.isfinite(m["loss"]):
-                raise TrainingError(f"loss is {m['loss']} at step {i + 1}; lower --lr or check the "
-                                    "data (no report written)")
-            if ckpt is not None and (last or (cfg.checkpoint.save_every and (i + 1) % cfg.checkpoint.save_every == 0)):
-                save(i + 1)
-            speed = (f"{record['mfu']:.1%}" if "mfu" in record
-                     else f"{record['tflops_per_device'] * 1e3:,.2f} GFLOP/s/dev")
-            bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
-                            **{"mfu" if "mfu" in record else "speed": speed}, refresh=False)
-            bar.update()
+
+    def complete(i: int, metrics: dict, started: float) -> None:
+        """Read step ``i``'s metrics (waiting for it to finish), log them, and at the steps
+        that asked for it -- only ever the newest step -- evaluate and checkpoint."""
+        nonlocal last_done, val_loss
+        m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        now = time.perf_counter()
+        # Wall time between the completions of consecutive steps (from the step's own dispatch
+        # when the previous one finished before it): device time when the devices are the
+        # bottleneck, and any wait on the host included when they are not.
+        dt = now - max(last_done, started)
+        last_done = now
+        step = i + 1
+        if m.get("skipped") and jax.process_index() == 0:
+            bar.write(f"step {step}: float16 gradients overflowed at loss scale "
+                      f"{m['loss_scale']:g}; step skipped, scale halved")
+        record = {"step": step, **m, "step_time_s": dt, **throughput(dt)}
+        if math.isfinite(m["loss"]) and evaluates(step):
+            val_loss = record["val_loss"] = validate()
+        writer.write(record)
+        records.append(record)
+        if not math.isfinite(m["loss"]):
+            raise TrainingError(f"loss is {m['loss']} at step {step}; lower --lr or check the "
+                                "data (no report written)")
+        if saves(step):
+            save(step, samples + (step - start) * B)
+        speed = (f"{record['mfu']:.1%}" if "mfu" in record
+                 else f"{record['tflops_per_device'] * 1e3:,.2f} GFLOP/s/dev")
+        bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
+                        **{"mfu" if "mfu" in record else "speed": speed}, refresh=False)
+        bar.update()
+
+    def make_batch(i: int) -> dict:
+        return data_lib.to_global(train_data.batch_at(samples + (i - start) * B), program.batch_sharding, (B, L))
+
+    # The devices never wait on the host: batches are made and put on the devices ahead on a
+    # background thread, and step i's metrics are read after step i + 1 is dispatched (so a
+    # non-finite loss stops the run one step late, before anything is saved). Only the steps
+    # that evaluate or checkpoint -- which need that step's state -- wait for themselves.
+    def dispatch(i: int) -> tuple[dict, float]:
+        nonlocal state
+        _fault("step", i + 1)
+        started = time.perf_counter()
+        state, metrics = compiled(state, batches.get(i))
+        return metrics, started
+
+    with writer, bar, data_lib.Prefetch(make_batch, range(start, cfg.steps)) as batches:
+        run_pipelined(range(start, cfg.steps), dispatch, lambda i, out: complete(i, *out),
+                      waits=lambda i: evaluates(i + 1) or saves(i + 1))
     if cfg.export:
         _log(f"exported params to {export_params(state.params, cfg.export)}")
     report = _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compile_s,
@@ -189,6 +219,24 @@ def _train(cfg: TrainConfig, model: Any, rules: ShardingRules, corpus: data_lib.
     if cfg.report and jax.process_index() == 0:
         write_json_atomic(cfg.report, report)
     return report
+
+
+def run_pipelined(steps: range, dispatch: Callable[[int], Any], complete: Callable[[int, Any], None],
+                  waits: Callable[[int], bool]) -> None:
+    """``dispatch(i)`` for each step in order and ``complete(i, dispatch(i))`` one step late,
+    after ``dispatch(i + 1)``, so the devices have the next step queued while the host reads
+    this one's results; a step where ``waits(i)`` (evaluation, checkpoint, the last) completes
+    right after its own dispatch."""
+    pending = None
+    for i in steps:
+        out = dispatch(i)
+        if pending is not None:
+            complete(*pending)
+            pending = None
+        if waits(i) or i == steps[-1]:
+            complete(i, out)
+        else:
+            pending = (i, out)
 
 
 def _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compile_s, throughput,
