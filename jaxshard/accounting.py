@@ -363,11 +363,14 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
         T = rules.size(tensor)
         layers, micro = cfg.n_layers, grad_accum
         K = cfg.n_kv_heads
-        # Backward, a column-parallel layer's input gradient is a partial sum over tensor; XLA
-        # reduces each projection's separately: q, k, v (just q when the kv heads are
-        # replicated) and the MLP's one (GELU) or two (SwiGLU) input projections.
+        # Backward, a column-parallel layer's input gradient is a partial sum over tensor:
+        # summed over the sublayer's projections and reduced once per sublayer
+        # (parallel.tensor.column_parallel, Megatron's f). Under sequence or context
+        # parallelism the partitioner still reduces each projection's separately: q, k, v (just q when the kv heads are replicated) and the MLP's one
+        # (GELU) or two (SwiGLU) input projections.
         mlp_in = 2 if getattr(cfg.mlp, "value", cfg.mlp) == "swiglu" else 1
-        bwd_inputs = (3 if K % T == 0 else 1) + mlp_in
+        fused = not rules.activation_mesh_axes(Dim.LENGTH) and not sp
+        bwd_inputs = 2 if fused else (3 if K % T == 0 else 1) + mlp_in
         if sp:
             add("all-gather", tensor, act, micro * layers * 2 * n_fwd, "SP: gather the sequence into attention/MLP")
             add("reduce-scatter", tensor, act, micro * layers * n_out, "SP: reduce-scatter attention/MLP outputs")
@@ -386,9 +389,10 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
             add("all-reduce", tensor, act, micro, "TP backward: vocabulary projection input gradient")
         add("all-reduce", tensor, B_local * L_local * F32, 3 * micro,
             "vocab-parallel cross-entropy: max, sum of exponentials, target logit per token")
-        allowances.append("XLA reduces the input gradients of the q, k and v projections (and of "
-                          "SwiGLU's two input projections) separately, where Megatron's fused "
-                          "projections have one collective.")
+        if not fused:
+            allowances.append("Under sequence or context parallelism, XLA reduces the input "
+                              "gradients of the q, k and v projections (and of SwiGLU's two) "
+                              "separately, where Megatron's fused projections have one collective.")
         if K % T:
             kv = B_local * L_local * cfg.d_head * c
             add("all-reduce", tensor, kv, micro * layers * 2,

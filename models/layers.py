@@ -16,8 +16,9 @@ from flax import nnx
 from jaxshard.axes import Dim
 from jaxshard.remat import attention_core, tag
 from jaxshard.parallel.attention import causal_attention
+from jaxshard.parallel.tensor import column_parallel
 from jaxshard.parallel.vocab import embed_lookup
-from jaxshard.rules import constrain, relayout
+from jaxshard.rules import constrain
 from models.config import ModelConfig, Mlp, Norm, Positions
 
 # The residual stream between sublayers (sequence parallelism splits its length over tensor).
@@ -96,10 +97,16 @@ class Attention(nnx.Module):
             self.bv = _const(0.0, (K, H), (Dim.KV_HEADS, Dim.HEAD_DIM))
             self.bo = _const(0.0, (D,), (Dim.EMBED,))
 
+    weight_axes = [(Dim.EMBED, Dim.HEADS, Dim.HEAD_DIM), (Dim.EMBED, Dim.KV_HEADS, Dim.HEAD_DIM),
+                   (Dim.EMBED, Dim.KV_HEADS, Dim.HEAD_DIM)]
+    qkv_axes = [(Dim.BATCH, Dim.LENGTH, Dim.ACT_HEADS, None),
+                (Dim.BATCH, Dim.LENGTH, Dim.ACT_KV_HEADS, None), (Dim.BATCH, Dim.LENGTH, Dim.ACT_KV_HEADS, None)]
+
     def __call__(self, x_BLD: jax.Array, rope: tuple[jax.Array, jax.Array] | None) -> jax.Array:
-        q_BLNH = jnp.einsum("bld,dnh->blnh", x_BLD, self.wq[...])
-        k_BLKH = jnp.einsum("bld,dkh->blkh", x_BLD, self.wk[...])
-        v_BLKH = jnp.einsum("bld,dkh->blkh", x_BLD, self.wv[...])
+        """``x_BLD`` in the residual stream's layout (split over ``tensor`` under SP)."""
+        q_BLNH, k_BLKH, v_BLKH = column_parallel(
+            x_BLD, [self.wq[...], self.wk[...], self.wv[...]], self.weight_axes,
+            lambda x, w: jnp.einsum("bld,dnh->blnh", x, w), self.qkv_axes)
         if self.use_bias:
             q_BLNH, v_BLKH = q_BLNH + self.bq[...], v_BLKH + self.bv[...]
         if rope is not None:
@@ -135,11 +142,16 @@ class FeedForward(nnx.Module):
             self.b_out = _const(0.0, (D,), (Dim.EMBED,))
 
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
-        h_BLF = tag(jnp.einsum("bld,df->blf", x_BLD, self.w_in[...]), "mlp_in")
+        """``x_BLD`` in the residual stream's layout (split over ``tensor`` under SP)."""
+        weights = [self.w_in[...]] + ([self.w_gate[...]] if self.kind is Mlp.SWIGLU else [])
+        h = column_parallel(x_BLD, weights, [(Dim.EMBED, Dim.MLP)] * len(weights),
+                            lambda x, w: jnp.einsum("bld,df->blf", x, w),
+                            [(Dim.BATCH, Dim.LENGTH, Dim.ACT_MLP)] * len(weights))
+        h_BLF = tag(h[0], "mlp_in")
         if self.use_bias:
             h_BLF = h_BLF + self.b_in[...]
         if self.kind is Mlp.SWIGLU:
-            g_BLF = tag(jnp.einsum("bld,df->blf", x_BLD, self.w_gate[...]), "mlp_in")
+            g_BLF = tag(h[1], "mlp_in")
             h_BLF = jax.nn.silu(g_BLF) * h_BLF
         else:
             h_BLF = jax.nn.gelu(h_BLF, approximate=True)
@@ -161,19 +173,10 @@ class Block(nnx.Module):
     def __call__(self, x_BLD: jax.Array, rope: tuple[jax.Array, jax.Array] | None,
                  key: jax.Array | None) -> jax.Array:
         k_attn, k_ffn = jax.random.split(key) if key is not None else (None, None)
-        x_BLD = x_BLD + dropout(self.attn(_gather_sequence(self.attn_norm(x_BLD)), rope),
-                                self.dropout, k_attn)
+        x_BLD = x_BLD + dropout(self.attn(self.attn_norm(x_BLD), rope), self.dropout, k_attn)
         x_BLD = constrain(x_BLD, RESIDUAL_BLD)
-        x_BLD = x_BLD + dropout(self.ffn(_gather_sequence(self.ffn_norm(x_BLD))), self.dropout, k_ffn)
+        x_BLD = x_BLD + dropout(self.ffn(self.ffn_norm(x_BLD)), self.dropout, k_ffn)
         return constrain(x_BLD, RESIDUAL_BLD)
-
-
-def _gather_sequence(h_BLD: jax.Array) -> jax.Array:
-    """The sublayer's input in the layout its matmuls need. Under sequence parallelism this is
-    where the residual stream's sequence is all-gathered (Megatron-SP's g) and, backward, its
-    gradient reduce-scattered; saying so keeps the partitioner from gathering the (smaller)
-    weights instead."""
-    return relayout(h_BLD, RESIDUAL_BLD, (Dim.BATCH, Dim.LENGTH, Dim.ACT_EMBED))
 
 
 class Embedder(nnx.Module):

@@ -150,6 +150,7 @@ def test_classic_bytes_per_param(stage, param_bytes, offload, device, host):
 
 
 @pytest.mark.parametrize("mesh, sp, remat", [
+    ("data=2,tensor=4", False, "none"), ("fsdp=2,tensor=4", False, "none"),
     ("data=2,tensor=4", False, "full"), ("data=2,tensor=4", False, "dots"),
     ("data=2,tensor=4", False, "names:qkv"), ("data=2,tensor=4", False, "names:attn_proj"),
     ("data=2,tensor=4", True, "full"), ("data=2,tensor=4", True, "dots"),
@@ -157,7 +158,9 @@ def test_classic_bytes_per_param(stage, param_bytes, offload, device, host):
     ("fsdp=2,sequence=4", False, "full"),
 ])
 def test_model_parallel_collectives_under_recompute(mesh, sp, remat):
-    """What a recomputed forward pass sends again: SP's input gathers, the attention block's
+    """One input-gradient reduction per sublayer under TP (q, k, v and SwiGLU's two input
+    projections summed first), and what a recomputed forward pass sends again: SP's input
+    gathers, the attention block's
     output reduction unless the policy keeps it, and context parallelism's ring (also under
     FSDP's reshard-after-forward, which used to resend one hop per layer). Checked tighter than
     the verifier's slack: every kind within 1% of the compiled bytes."""

@@ -1,0 +1,73 @@
+"""The column-parallel projections of one sublayer's input, with one input-gradient reduction.
+
+A sublayer's input ``x`` feeds several column-parallel projections (q, k and v; SwiGLU's gate
+and up). In the backward pass each projection's input gradient is a partial sum over
+``tensor``; Megatron sums them on the device and reduces once (its ``f`` operator: an
+all-reduce, or under sequence parallelism a reduce-scatter). Left to the partitioner, each
+projection's partial gradient is reduced separately -- 3x (attention) or 2x (SwiGLU) the bytes.
+
+Here the projections run in a ``shard_map`` manual over the tensor axes (the batch axes stay
+with the partitioner, which reduces the weights' gradients into their ZeRO/FSDP layout as
+before): ``x`` is marked varying over ``tensor`` once, so its transpose is the one all-reduce of
+the summed gradients; weights come in their column split. A weight that ``tensor`` does not
+split (grouped-query kv heads fewer than ``tensor``) is applied to the replicated ``x``.
+
+Not yet under sequence (or context) parallelism: there the region would have to keep the
+sequence split of ``x``, and a region manual over ``tensor`` alone makes the partitioner
+gather the batch around it; those keep the partitioner's per-projection reductions.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxshard.axes import Dim
+from jaxshard.rules import active, relayout
+
+RESIDUAL_BLD = (Dim.BATCH, Dim.RESIDUAL_LENGTH, Dim.ACT_EMBED)
+INPUT_BLD = (Dim.BATCH, Dim.LENGTH, Dim.ACT_EMBED)
+
+
+def column_parallel(x_BLD: jax.Array, weights: Sequence[jax.Array], specs: Sequence[tuple],
+                    fn: Callable[[jax.Array, jax.Array], jax.Array],
+                    out_axes: Sequence[tuple]) -> list[jax.Array]:
+    """``[fn(x, w) for w in weights]`` for a sublayer input ``x`` in the residual stream's
+    layout. ``specs``: each weight's logical dims; ``out_axes``: each output's logical dims
+    (a dim the tensor axes split is split in the output too)."""
+    rules = active()
+    if rules is None:
+        return [fn(x_BLD, w) for w in weights]
+    tensor = rules.activation_mesh_axes(Dim.ACT_HEADS)
+    sp = bool(set(tensor) & set(rules.activation_mesh_axes(Dim.RESIDUAL_LENGTH)))
+    if not tensor or sp or rules.activation_mesh_axes(Dim.LENGTH):
+        # No tensor parallelism; or sequence (or context) parallelism, whose split of the
+        # sequence a region manual over tensor alone does not keep (the partitioner gathers
+        # the batch around it): the partitioner's way.
+        x_BLD = relayout(x_BLD, RESIDUAL_BLD, INPUT_BLD)
+        return [fn(x_BLD, w) for w in weights]
+    manual = frozenset(tensor)  # the batch axes stay with the partitioner
+
+    def only_tensor(spec: P) -> P:
+        return P(*(e if e is not None and set((e,) if isinstance(e, str) else e) <= manual else None
+                   for e in spec))
+
+    w_specs = [only_tensor(rules.compute_param_spec(ax, tuple(w.shape))) for ax, w in zip(specs, weights)]
+    split = [any(e is not None for e in s) for s in w_specs]
+    out_specs = [only_tensor(rules.activation_spec(ax)) if s else P() for ax, s in zip(out_axes, split)]
+    dtype = x_BLD.dtype
+    if jax.default_backend() == "cpu" and dtype != jnp.float32:
+        # XLA:CPU cannot promote a 2-byte reduction inside this region (it computes them in
+        # float32 anyway): on CPU the input crosses it, and its gradient is reduced, in float32.
+        x_BLD = x_BLD.astype(jnp.float32)
+
+    def local(x, *ws):
+        # Backward, the projections' input gradients are summed here and all-reduced once.
+        replicated, x = x.astype(dtype), jax.lax.pcast(x, tuple(tensor), to="varying").astype(dtype)
+        return [fn(x if s else replicated, w) for w, s in zip(ws, split)]
+
+    return jax.shard_map(local, mesh=rules.mesh, in_specs=(P(), *w_specs), out_specs=out_specs,
+                         axis_names=manual)(x_BLD, *weights)
