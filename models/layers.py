@@ -17,7 +17,7 @@ from jaxshard.axes import Dim
 from jaxshard.remat import attention_core, tag
 from jaxshard.parallel.attention import causal_attention
 from jaxshard.parallel.tensor import column_parallel
-from jaxshard.parallel.vocab import embed_lookup
+from jaxshard.parallel.vocab import embed_lookup, project
 from jaxshard.rules import constrain
 from models.config import ModelConfig, Mlp, Norm, Positions
 
@@ -194,20 +194,20 @@ class Embedder(nnx.Module):
             self.lm_head = _param(rngs, (cfg.d_model, cfg.padded_vocab), (Dim.EMBED, Dim.VOCAB),
                                   cfg.init_std)
 
-    def encode(self, tokens_BL: jax.Array, positions_L: jax.Array) -> jax.Array:
-        x_BLD = embed_lookup(self.tokens[...], tokens_BL)
+    def encode(self, tokens_BL: jax.Array, positions_L: jax.Array, table: jax.Array | None = None) -> jax.Array:
+        """``table``: the token table to use (e.g. its ``tied_copies``); default, the param."""
+        x_BLD = embed_lookup(self.tokens[...] if table is None else table, tokens_BL)
         if hasattr(self, "positions"):
             # positions_L is 0..L-1: a slice, whose gradient is a dense pad (a scatter-add's
             # would make XLA move the activation gradient around to scatter it).
             x_BLD = x_BLD + self.positions[...][: positions_L.shape[0]][None]
         return constrain(x_BLD, RESIDUAL_BLD)
 
-    def decode(self, x_BLD: jax.Array) -> jax.Array:
-        """Float32 logits ``[B, L, V]`` over the padded vocab."""
+    def decode(self, x_BLD: jax.Array, table: jax.Array | None = None) -> jax.Array:
+        """Float32 logits ``[B, L, V]`` over the padded vocab; ``table`` as in :meth:`encode`."""
         x_BLD = self.final_norm(x_BLD)
         if self.tied:
-            logits = jnp.einsum("bld,vd->blv", x_BLD, self.tokens[...],
-                                preferred_element_type=jnp.float32)
+            logits = project(x_BLD, self.tokens[...] if table is None else table)
         else:
             logits = jnp.einsum("bld,dv->blv", x_BLD, self.lm_head[...],
                                 preferred_element_type=jnp.float32)

@@ -20,7 +20,7 @@ from flax import nnx
 from jaxshard import remat as remat_lib
 from jaxshard.axes import Dim
 from jaxshard.errors import ConfigError
-from jaxshard.parallel.vocab import cross_entropy
+from jaxshard.parallel.vocab import cross_entropy, tied_copies
 from jaxshard.rules import for_compute
 from models.config import ModelConfig, Positions
 from models.layers import Block, Embedder, dropout, rope_tables
@@ -119,9 +119,11 @@ class TransformerLM:
         # One embedder for both ends (not embed() then head()): a tied table is gathered once
         # and its two gradients are summed before they are reduced.
         embedder = self._embedder(params)
-        x_BLD = dropout(embedder.encode(inputs_BL, jnp.arange(inputs_BL.shape[1])), self.cfg.dropout, k_embed)
+        table = tied_copies(embedder.tokens[...]) if embedder.tied else None
+        x_BLD = dropout(embedder.encode(inputs_BL, jnp.arange(inputs_BL.shape[1]), table),
+                        self.cfg.dropout, k_embed)
         x_BLD = self.blocks(params, x_BLD, key=k_blocks)
-        logits_BLV = embedder.decode(x_BLD)
+        logits_BLV = embedder.decode(x_BLD, table)
         nll_BL = cross_entropy(logits_BLV, targets_BL, self.cfg.vocab_size)
         return nll_BL.sum(), jnp.asarray(nll_BL.size, jnp.float32)
 

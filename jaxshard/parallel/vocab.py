@@ -14,10 +14,12 @@ device scattering its own rows and summing the (much smaller) table gradient is 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxshard.axes import Dim
 from jaxshard.rules import active, spec_axes
@@ -30,6 +32,67 @@ def _local_range(axes: tuple[str, ...], local_size: int, ids: jax.Array):
     local = ids - jax.lax.axis_index(axes) * local_size
     in_range = (local >= 0) & (local < local_size)
     return jnp.where(in_range, local, 0), in_range
+
+
+def tied_copies(table_VD: jax.Array) -> jax.Array | None:
+    """A tied table as one copy per batch shard, ``[n, V, D]`` sharded over the batch axes, for
+    both :func:`embed_lookup` and :func:`project`: each region then leaves its part of the
+    table gradient unreduced, the two parts are summed on the device, and the table gradient
+    is reduced once -- where reducing each use's separately costs one table more per step.
+    None (use the table itself) without batch axes, or under sequence or context parallelism,
+    whose sequence split the projection's region does not handle."""
+    rules = active()
+    if not reduces_tied_once(rules):
+        return None
+    return _copies(table_VD, rules.size(rules.batch_axes))
+
+
+def reduces_tied_once(rules) -> bool:
+    """Whether :func:`tied_copies` applies: batch axes, and no sequence split."""
+    return (rules is not None and bool(rules.batch_axes)
+            and not rules.activation_mesh_axes(Dim.RESIDUAL_LENGTH))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _copies(w: jax.Array, n: int) -> jax.Array:
+    """``[n, *w.shape]`` copies of ``w``; backward, their gradients summed (the one reduction)."""
+    return jax.lax.with_sharding_constraint(
+        jnp.broadcast_to(w[None], (n, *w.shape)),
+        NamedSharding(active().mesh, P(active().batch_axes, *_table_spec(active()))))
+
+
+def _table_spec(rules) -> tuple:
+    axes = rules.param_mesh_axes(Dim.VOCAB)
+    return (axes or None, None)
+
+
+_copies.defvjp(lambda w, n: (_copies(w, n), None), lambda n, _, g: (g.sum(0),))
+
+
+def project(x_BLD: jax.Array, table: jax.Array) -> jax.Array:
+    """Float32 logits ``x @ table.T`` over the (padded) vocab, from a tied table or its
+    :func:`tied_copies`."""
+    if table.ndim == 2:
+        return jnp.einsum("bld,vd->blv", x_BLD, table, preferred_element_type=jnp.float32)
+    rules = active()
+    axes = rules.param_mesh_axes(Dim.VOCAB)
+    batch = (tuple(rules.batch_axes),)
+    dtype = x_BLD.dtype
+    if axes and jax.default_backend() == "cpu" and dtype != jnp.float32:
+        # As in embed_lookup: XLA:CPU cannot promote this region's 2-byte input-gradient sum.
+        x_BLD = x_BLD.astype(jnp.float32)
+
+    def local(x, copies):
+        if axes:  # backward, the input gradient is summed over the vocab shards once
+            x = jax.lax.pcast(x, axes, to="varying")
+        # The copy as it is (a slice of it would be one more table kept for the backward pass).
+        logits = jax.lax.dot_general(x.astype(dtype), copies, (((2,), (2,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+        return logits.reshape(*logits.shape[:2], logits.shape[-1])
+
+    return jax.shard_map(local, mesh=rules.mesh, in_specs=(P(*batch), P(*batch, *_table_spec(rules))),
+                         out_specs=P(*batch, None, axes or None),
+                         axis_names=set(rules.batch_axes) | set(axes))(x_BLD, table)
 
 
 def embed_lookup(table_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array:
@@ -60,7 +123,11 @@ def embed_lookup(table_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array:
         # fails on the region Shardy leaves): on CPU the lookup runs in float32.
         table_VD = table_VD.astype(jnp.float32)
 
+    copies = table_VD.ndim == 3  # tied_copies: this shard's own copy, gradient unreduced
+
     def local(table_vD, tokens):
+        if copies:
+            table_vD = table_vD[0]
         if not axes:
             return jnp.take(table_vD, tokens, axis=0)
         ids, in_range = _local_range(axes, table_vD.shape[0], tokens)
@@ -69,7 +136,8 @@ def embed_lookup(table_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array:
             return jax.lax.psum_scatter(x, axes, scatter_dimension=1, tiled=True)
         return jax.lax.psum(x, axes)
 
-    return jax.shard_map(local, mesh=rules.mesh, in_specs=(P(axes or None, None), tokens_spec),
+    table_spec = P(tuple(rules.batch_axes), axes or None, None) if copies else P(axes or None, None)
+    return jax.shard_map(local, mesh=rules.mesh, in_specs=(table_spec, tokens_spec),
                          out_specs=out_spec, axis_names=manual)(table_VD, tokens_BL).astype(dtype)
 
 
