@@ -372,12 +372,13 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
         K = cfg.n_kv_heads
         # Backward, a column-parallel layer's input gradient is a partial sum over tensor:
         # summed over the sublayer's projections and reduced once per sublayer
-        # (parallel.tensor.column_parallel, Megatron's f). Under sequence or context
-        # parallelism the partitioner still reduces each projection's separately: q, k, v (just q when the kv heads are replicated) and the MLP's one
+        # (parallel.tensor.column_parallel, Megatron's f). Under context parallelism, or SP
+        # with kv heads tensor does not split, the partitioner reduces each one's separately: q, k, v (just q when the kv heads are replicated) and the MLP's one
         # (GELU) or two (SwiGLU) input projections.
         mlp_in = 2 if getattr(cfg.mlp, "value", cfg.mlp) == "swiglu" else 1
-        fused = not rules.activation_mesh_axes(Dim.LENGTH) and not sp
-        bwd_inputs = 2 if fused else (3 if K % T == 0 else 1) + mlp_in
+        cp = bool(rules.activation_mesh_axes(Dim.LENGTH))
+        fused = not cp and not (sp and K % T)  # the attention block's; the MLP's: not cp
+        bwd_inputs = (1 if fused or K % T else 3) + (1 if not cp else mlp_in)
         if sp:
             add("all-gather", tensor, act, micro * layers * 2 * n_fwd, "SP: gather the sequence into attention/MLP")
             add("reduce-scatter", tensor, act, micro * layers * n_out, "SP: reduce-scatter attention/MLP outputs")
@@ -397,7 +398,8 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
         add("all-reduce", tensor, B_local * L_local * F32, 3 * micro,
             "vocab-parallel cross-entropy: max, sum of exponentials, target logit per token")
         if not fused:
-            allowances.append("Under sequence or context parallelism, XLA reduces the input "
+            allowances.append("Under context parallelism (or SP with kv heads fewer than tensor), "
+                              "XLA reduces the input "
                               "gradients of the q, k and v projections (and of SwiGLU's two) "
                               "separately, where Megatron's fused projections have one collective.")
         if K % T:

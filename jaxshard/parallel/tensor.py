@@ -12,9 +12,10 @@ before): ``x`` is marked varying over ``tensor`` once, so its transpose is the o
 the summed gradients; weights come in their column split. A weight that ``tensor`` does not
 split (grouped-query kv heads fewer than ``tensor``) is applied to the replicated ``x``.
 
-Not yet under sequence (or context) parallelism: there the region would have to keep the
-sequence split of ``x``, and a region manual over ``tensor`` alone makes the partitioner
-gather the batch around it; those keep the partitioner's per-projection reductions.
+Under sequence parallelism ``x`` is all-gathered before the region; backward, the region's
+all-reduce and the slice back into the sequence split compile to one reduce-scatter. Not yet
+under context parallelism, nor under SP with kv heads that ``tensor`` does not split: those
+keep the partitioner's per-projection reductions.
 """
 
 from __future__ import annotations
@@ -42,12 +43,16 @@ def column_parallel(x_BLD: jax.Array, weights: Sequence[jax.Array], specs: Seque
     if rules is None:
         return [fn(x_BLD, w) for w in weights]
     tensor = rules.activation_mesh_axes(Dim.ACT_HEADS)
+    # Under sequence parallelism the sequence is gathered before the region (Megatron-SP's g;
+    # backward, the region's one all-reduce and the slice into the residual layout make one
+    # reduce-scatter). Gathered inside, the partitioner would gather the batch around it.
+    x_BLD = relayout(x_BLD, RESIDUAL_BLD, INPUT_BLD)
     sp = bool(set(tensor) & set(rules.activation_mesh_axes(Dim.RESIDUAL_LENGTH)))
-    if not tensor or sp or rules.activation_mesh_axes(Dim.LENGTH):
-        # No tensor parallelism; or sequence (or context) parallelism, whose split of the
-        # sequence a region manual over tensor alone does not keep (the partitioner gathers
-        # the batch around it): the partitioner's way.
-        x_BLD = relayout(x_BLD, RESIDUAL_BLD, INPUT_BLD)
+    whole = [not any(rules.compute_param_spec(ax, tuple(w.shape))) for ax, w in zip(specs, weights)]
+    if not tensor or rules.activation_mesh_axes(Dim.LENGTH) or (sp and any(whole)):
+        # No tensor parallelism; or context parallelism too; or under SP a weight tensor does
+        # not split (kv heads fewer than tensor), whose input gradient the partitioner then
+        # reduces better alone: the partitioner's way.
         return [fn(x_BLD, w) for w in weights]
     manual = frozenset(tensor)  # the batch axes stay with the partitioner
 
