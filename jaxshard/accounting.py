@@ -335,15 +335,15 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
             # The lookup kernel sums its share of the table gradient over all the batch and
             # sequence axes at once. A tied table's projection share is summed with it first
             # (parallel.vocab.tied_copies), and as only the optimizer's shard of that sum is
-            # used under ZeRO-1, XLA reduce-scatters it; under sequence or context parallelism
-            # the projection's share is reduced separately.
+            # used under ZeRO-1, XLA reduce-scatters it; under context parallelism the
+            # projection's share is reduced separately.
             once = cfg.tie_embeddings and reduces_tied_once(rules)
             zero1 = once and not scatter and bool((spec_axes(p.opt_state) - model_axes) & reduce_axes)
             add("reduce-scatter" if scatter or zero1 else "all-reduce", reduce_axes, used, per_micro,
                 f"{p.path}: gradient of the lookup" + (" and the projection, summed" if once else ""))
             if not cfg.tie_embeddings or once:
                 continue
-            allowances.append("Tied embeddings under sequence or context parallelism: XLA reduces the "
+            allowances.append("Tied embeddings under context parallelism: XLA reduces the "
                               "table gradients of the lookup and of the vocabulary projection "
                               "separately (one table-sized reduction more).")
         # XLA reduces over the batch axes and over the model-parallel ones (sequence, and tensor

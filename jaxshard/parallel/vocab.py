@@ -22,7 +22,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxshard.axes import Dim
-from jaxshard.rules import active, spec_axes
+from jaxshard.rules import active, relayout, spec_axes
 
 _NEG = float(jnp.finfo(jnp.float32).min)  # logit of a padding column: exp() of it is 0
 
@@ -39,8 +39,8 @@ def tied_copies(table_VD: jax.Array) -> jax.Array | None:
     both :func:`embed_lookup` and :func:`project`: each region then leaves its part of the
     table gradient unreduced, the two parts are summed on the device, and the table gradient
     is reduced once -- where reducing each use's separately costs one table more per step.
-    None (use the table itself) without batch axes, or under sequence or context parallelism,
-    whose sequence split the projection's region does not handle."""
+    None (use the table itself) without batch axes, or under context parallelism, whose
+    sequence split the projection's region does not handle."""
     rules = active()
     if not reduces_tied_once(rules):
         return None
@@ -49,8 +49,7 @@ def tied_copies(table_VD: jax.Array) -> jax.Array | None:
 
 def reduces_tied_once(rules) -> bool:
     """Whether :func:`tied_copies` applies: batch axes, and no sequence split."""
-    return (rules is not None and bool(rules.batch_axes)
-            and not rules.activation_mesh_axes(Dim.RESIDUAL_LENGTH))
+    return rules is not None and bool(rules.batch_axes) and not rules.activation_mesh_axes(Dim.LENGTH)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -77,6 +76,9 @@ def project(x_BLD: jax.Array, table: jax.Array) -> jax.Array:
     rules = active()
     axes = rules.param_mesh_axes(Dim.VOCAB)
     batch = (tuple(rules.batch_axes),)
+    # Under sequence parallelism the sequence is gathered first (backward: the region's one
+    # all-reduce and the slice back into the split make a reduce-scatter).
+    x_BLD = relayout(x_BLD, (Dim.BATCH, Dim.RESIDUAL_LENGTH, Dim.ACT_EMBED), (Dim.BATCH, Dim.LENGTH, Dim.ACT_EMBED))
     dtype = x_BLD.dtype
     if axes and jax.default_backend() == "cpu" and dtype != jnp.float32:
         # As in embed_lookup: XLA:CPU cannot promote this region's 2-byte input-gradient sum.
