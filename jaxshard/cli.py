@@ -36,7 +36,7 @@ class TrainConfig:
     seq_len: int
     dropout: float | None  # None: the preset's
     vocab_multiple: int | None  # None: the preset's
-    remat: Remat
+    remat: Remat | None  # None: --remat auto, resolved by backend (remat.default_for)
     eval_every: int  # 0: only at the end
     eval_batches: int
     metrics: str | None
@@ -94,8 +94,9 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--vocab-multiple", type=int, default=None,
                    help="pad the vocab to a multiple of N (e.g. so tensor divides it); "
                         "padding logits are masked out of the loss")
-    g.add_argument("--remat", default=str(Remat.NONE),
-                   help="activation checkpointing of the layer scan: none, full, dots, dots_no_batch, "
+    g.add_argument("--remat", default="auto",
+                   help="activation checkpointing of the layer scan: auto (the fastest measured on "
+                        "the backend: dots on CPU, none elsewhere), none, full, dots, dots_no_batch, "
                         "selective (recompute the attention core), names:N1,N2 (keep only these "
                         "activations), offload:N1,N2 (keep them in host memory); names: "
                         + ", ".join(NAMES))
@@ -226,7 +227,7 @@ def train_config(a: argparse.Namespace) -> TrainConfig:
                               compile_cache=a.compile_cache or None),
         steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, dropout=a.dropout,
         vocab_multiple=a.vocab_multiple,
-        remat=Remat.parse(a.remat), eval_every=a.eval_every, eval_batches=a.eval_batches,
+        remat=None if a.remat == "auto" else Remat.parse(a.remat), eval_every=a.eval_every, eval_batches=a.eval_batches,
         metrics=a.metrics, report=a.report, progress=not a.no_progress, device=a.device,
         peak_tflops=a.peak_tflops,
         distributed=DistributedConfig.from_env(a.coordinator, a.num_processes, a.process_id, a.init_timeout),

@@ -103,7 +103,7 @@ def _train(cfg: TrainConfig, model: Any, rules: ShardingRules, corpus: data_lib.
     B, L = cfg.batch_size, cfg.seq_len
     mesh = rules.mesh
     _log(f"model {model.cfg.name}: {model.n_params():,} params | mesh {axis_sizes(mesh)} | "
-         f"strategy {rules.name} | {jax.device_count()} {jax.default_backend()} devices"
+         f"strategy {rules.name} | remat {model.remat} | {jax.device_count()} {jax.default_backend()} devices"
          + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""))
     state, start, samples = _start(cfg, program, model, ckpt)
     t0 = time.perf_counter()

@@ -107,3 +107,13 @@ def test_bad_remat_policies_are_one_line_errors():
         Remat.parse("sometimes")
     with pytest.raises(ConfigError, match="takes no names"):
         Remat.parse("full:qkv")
+
+
+def test_remat_auto_is_the_policy_measured_fastest_on_the_backend():
+    from experiments.common import build_model
+    from jaxshard import cli, remat
+
+    assert cli.parse_train([]).remat is None  # auto
+    assert build_model(cli.parse_train(["--model", "tiny"])).remat == Remat.DOTS  # on CPU
+    assert remat.default_for("gpu") == Remat.NONE
+    assert build_model(cli.parse_train(["--model", "tiny", "--remat", "none"])).remat == Remat.NONE
