@@ -10,6 +10,10 @@ of exponentials and target logits.
 The kernels are manual over the batch and sequence axes too: left automatic, the partitioner
 may gather the whole batch's embedding gradient to scatter-add it into the table, where each
 device scattering its own rows and summing the (much smaller) table gradient is right.
+
+A tied table serves both the lookup and the vocabulary projection (:func:`project`); given as
+one copy per batch shard (:func:`tied_copies`), its two gradient shares are summed on each
+device and reduced once.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from jaxshard.axes import Dim
 from jaxshard.rules import active, relayout, spec_axes
@@ -54,10 +58,11 @@ def reduces_tied_once(rules) -> bool:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _copies(w: jax.Array, n: int) -> jax.Array:
-    """``[n, *w.shape]`` copies of ``w``; backward, their gradients summed (the one reduction)."""
-    return jax.lax.with_sharding_constraint(
-        jnp.broadcast_to(w[None], (n, *w.shape)),
-        NamedSharding(active().mesh, P(active().batch_axes, *_table_spec(active()))))
+    """``[n, *w.shape]`` copies of ``w``, one per batch shard; backward, their gradients summed
+    (the one reduction)."""
+    rules = active()
+    return jax.lax.with_sharding_constraint(jnp.broadcast_to(w[None], (n, *w.shape)),
+                                           rules.named(P(tuple(rules.batch_axes), *_table_spec(rules))))
 
 
 def _table_spec(rules) -> tuple:
