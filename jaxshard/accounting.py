@@ -337,15 +337,19 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
             # (parallel.vocab.tied_copies), and as only the optimizer's shard of that sum is
             # used under ZeRO-1, XLA reduce-scatters it; under context parallelism the
             # projection's share is reduced separately.
+            # Otherwise the summed tied gradient is reduced like any other (below: under HSDP a
+            # reduce-scatter over fsdp, then an all-reduce of the shard over data).
             once = cfg.tie_embeddings and reduces_tied_once(rules)
             zero1 = once and not scatter and bool((spec_axes(p.opt_state) - model_axes) & reduce_axes)
-            add("reduce-scatter" if scatter or zero1 else "all-reduce", reduce_axes, used, per_micro,
-                f"{p.path}: gradient of the lookup" + (" and the projection, summed" if once else ""))
-            if not cfg.tie_embeddings or once:
+            if not once or zero1:
+                add("reduce-scatter" if scatter or zero1 else "all-reduce", reduce_axes, used, per_micro,
+                    f"{p.path}: gradient of the lookup" + (" and the projection, summed" if once else ""))
+            if not cfg.tie_embeddings or zero1:
                 continue
-            allowances.append("Tied embeddings under context parallelism: XLA reduces the "
-                              "table gradients of the lookup and of the vocabulary projection "
-                              "separately (one table-sized reduction more).")
+            if not once:
+                allowances.append("Tied embeddings under context parallelism: XLA reduces the "
+                                  "table gradients of the lookup and of the vocabulary projection "
+                                  "separately (one table-sized reduction more).")
         # XLA reduces over the batch axes and over the model-parallel ones (sequence, and tensor
         # under SP) in separate collectives.
         shard = used // rules.size(rules.active_axes(scatter))
@@ -465,8 +469,16 @@ def flops(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
     fwd = matmul + cfg.n_layers * attention
     tokens = batch_size * seq_len
     remat = Remat.parse(remat)
-    recompute = 0 if remat.kind is Kind.NONE else cfg.n_layers * (
-        attention if remat.kind is Kind.SELECTIVE else 2 * layer_params + attention)
+    # Matmuls a policy recomputes: none under dots (every matmul output kept), the attention
+    # core's under selective and dots_no_batch (scores and p v are batched), all of the layer's
+    # otherwise (names/offload keep a few outputs; counted as full).
+    match remat.kind:
+        case Kind.NONE | Kind.DOTS:
+            recompute = 0
+        case Kind.SELECTIVE | Kind.DOTS_NO_BATCH:
+            recompute = cfg.n_layers * attention
+        case _:
+            recompute = cfg.n_layers * (2 * layer_params + attention)
     model_flops = tokens * (3 * matmul + 3 * cfg.n_layers * attention // 2)
     devices = rules.size(rules.batch_axes) * rules.size(rules.activation_mesh_axes(Dim.LENGTH)) * \
         rules.size(rules.activation_mesh_axes(Dim.ACT_HEADS))

@@ -19,14 +19,16 @@ device and reduced once.
 from __future__ import annotations
 
 import functools
+import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxshard.axes import Dim
-from jaxshard.rules import active, relayout, spec_axes
+from jaxshard.rules import StateKind, active, relayout, spec_axes
 
 _NEG = float(jnp.finfo(jnp.float32).min)  # logit of a padding column: exp() of it is 0
 
@@ -48,7 +50,10 @@ def tied_copies(table_VD: jax.Array) -> jax.Array | None:
     rules = active()
     if not reduces_tied_once(rules):
         return None
-    return _copies(table_VD, rules.size(rules.batch_axes))
+    batch = tuple(rules.batch_axes)
+    return _copies(table_VD, _Copies(
+        rules.mesh, batch, tuple(rules.sizes[a] for a in batch), _table_spec(rules),
+        rules.param_spec((Dim.VOCAB, Dim.EMBED), tuple(table_VD.shape), StateKind.GRADS)))
 
 
 def reduces_tied_once(rules) -> bool:
@@ -56,21 +61,44 @@ def reduces_tied_once(rules) -> bool:
     return rules is not None and bool(rules.batch_axes) and not rules.activation_mesh_axes(Dim.LENGTH)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _copies(w: jax.Array, n: int) -> jax.Array:
-    """``[n, *w.shape]`` copies of ``w``, one per batch shard; backward, their gradients summed
-    (the one reduction)."""
-    rules = active()
-    return jax.lax.with_sharding_constraint(jnp.broadcast_to(w[None], (n, *w.shape)),
-                                           rules.named(P(tuple(rules.batch_axes), *_table_spec(rules))))
-
-
 def _table_spec(rules) -> tuple:
     axes = rules.param_mesh_axes(Dim.VOCAB)
     return (axes or None, None)
 
 
-_copies.defvjp(lambda w, n: (_copies(w, n), None), lambda n, _, g: (g.sum(0),))
+class _Copies(NamedTuple):
+    """Where the copies live (static: the backward pass may run outside the rules' context)."""
+
+    mesh: jax.sharding.Mesh
+    batch: tuple[str, ...]
+    sizes: tuple[int, ...]
+    table: tuple  # the table's spec within a copy
+    stored: P  # the table gradient's at-rest spec
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _copies(w: jax.Array, c: _Copies) -> jax.Array:
+    """``[n, *w.shape]`` copies of ``w``, one per batch shard; backward, their gradients summed
+    (the one reduction)."""
+    return jax.lax.with_sharding_constraint(jnp.broadcast_to(w[None], (math.prod(c.sizes), *w.shape)),
+                                           NamedSharding(c.mesh, P(c.batch, *c.table)))
+
+
+def _copies_bwd(c: _Copies, _, g: jax.Array) -> tuple[jax.Array]:
+    """The copies' gradients summed. Where the table gradient is stored split over some batch
+    axes but not all (HSDP), first over those -- a reduce-scatter -- then the shard over the rest
+    (an all-reduce of 1/N of the bytes), as the textbook does, not all of it over every axis."""
+    first = tuple(i for i, a in enumerate(c.batch) if a in spec_axes(c.stored))
+    if len(c.batch) < 2 or not first or len(first) == len(c.batch):
+        return (g.sum(0),)
+    g = g.reshape(*c.sizes, *g.shape[1:])
+    g = jax.lax.with_sharding_constraint(g, NamedSharding(c.mesh, P(*c.batch, *c.table)))
+    rest = tuple(a for i, a in enumerate(c.batch) if i not in first)
+    g = jax.lax.with_sharding_constraint(g.sum(first), NamedSharding(c.mesh, P(*rest, *c.stored)))
+    return (g.sum(tuple(range(len(rest)))),)
+
+
+_copies.defvjp(lambda w, c: (_copies(w, c), None), _copies_bwd)
 
 
 def project(x_BLD: jax.Array, table: jax.Array) -> jax.Array:
