@@ -46,3 +46,8 @@ class Dim(StrEnum):
 
 
 LogicalAxes = tuple[Dim | None, ...]
+
+# The residual stream between sublayers (its sequence split by SP), and a sublayer's input as
+# its matmuls use it (the sequence whole).
+RESIDUAL_BLD = (Dim.BATCH, Dim.RESIDUAL_LENGTH, Dim.ACT_EMBED)
+INPUT_BLD = (Dim.BATCH, Dim.LENGTH, Dim.ACT_EMBED)

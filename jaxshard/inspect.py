@@ -12,7 +12,10 @@ import jax
 import numpy as np
 
 from jaxshard import accounting, hlo
-from jaxshard.rules import HOST_MEMORY
+from jaxshard.mesh import build_mesh
+from jaxshard.optim import OptimConfig
+from jaxshard.rules import HOST_MEMORY, ShardingRules, Strategy
+from jaxshard.train_step import StepConfig, build_program
 
 
 def bytes_per_device(tree: Any, where: str | None = None) -> dict[int, int]:
@@ -69,22 +72,11 @@ class BytesPerParam:
     device: float  # measured, per device
     host: float
 
-    @property
-    def error(self) -> float:
-        """The larger relative difference, device or host, from the textbook."""
-        return max(abs(m - p) / p if p else float(m > 0) for m, p in
-                   ((self.device, self.predicted.device), (self.host, self.predicted.host)))
-
 
 def bytes_per_param(model: Any, strategy: str, n: int, param_dtype: str = "float32",
                     batch_size: int = 8, seq_len: int = 32) -> list[BytesPerParam]:
     """``strategy`` (a :data:`CLASSIC_STRATEGIES` name) on the first ``n`` devices, without and
     with each offload it supports, measured with :func:`stored_bytes`."""
-    from jaxshard.mesh import build_mesh
-    from jaxshard.optim import OptimConfig
-    from jaxshard.rules import ShardingRules, Strategy
-    from jaxshard.train_step import StepConfig, build_program
-
     mesh_t, stage = CLASSIC_STRATEGIES[strategy]
     mesh = build_mesh(mesh_t.format(n=n), jax.devices()[:n])
     zero = stage if mesh_t.startswith("data") else 0

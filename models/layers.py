@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxshard.axes import Dim
+from jaxshard.axes import RESIDUAL_BLD, Dim
 from jaxshard.remat import attention_core, tag
 from jaxshard.parallel.attention import causal_attention
 from jaxshard.parallel.tensor import column_parallel
@@ -22,7 +22,6 @@ from jaxshard.rules import constrain
 from models.config import ModelConfig, Mlp, Norm, Positions
 
 # The residual stream between sublayers (sequence parallelism splits its length over tensor).
-RESIDUAL_BLD = (Dim.BATCH, Dim.RESIDUAL_LENGTH, Dim.ACT_EMBED)
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[Dim, ...], std: float) -> nnx.Param:

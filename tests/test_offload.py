@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from harness import make_program, train
+from harness import RTOL, assert_params_close, make_program, reference, train
 from jaxshard import accounting, hlo, inspect
 from jaxshard.errors import ConfigError
 from jaxshard.mesh import build_mesh
@@ -46,6 +46,10 @@ def test_offload_equals_no_offload(mesh, zero, offload, step):
     np.testing.assert_allclose(off_losses, losses, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(off_state), jax.tree.leaves(state)):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=1e-7)
+    if not step:  # float32: also the one-device run
+        ref_losses, ref_params = reference("tiny")
+        np.testing.assert_allclose(off_losses, ref_losses, rtol=RTOL)
+        assert_params_close(off_state.params, ref_params)
 
     # Where the live state is: every params-shaped part of what was offloaded, nothing else
     # (the optimizer's step counters stay on the device).

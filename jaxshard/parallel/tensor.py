@@ -26,11 +26,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxshard.axes import Dim
+from jaxshard.axes import INPUT_BLD, RESIDUAL_BLD, Dim
 from jaxshard.rules import active, relayout
 
-RESIDUAL_BLD = (Dim.BATCH, Dim.RESIDUAL_LENGTH, Dim.ACT_EMBED)
-INPUT_BLD = (Dim.BATCH, Dim.LENGTH, Dim.ACT_EMBED)
+
+def gather_sequence(x_BLD: jax.Array) -> jax.Array:
+    """A sublayer's input from the residual stream's layout: under sequence parallelism the
+    sequence is all-gathered here (Megatron-SP's g), and backward its gradient reduce-scattered
+    back; otherwise nothing moves."""
+    return relayout(x_BLD, RESIDUAL_BLD, INPUT_BLD)
 
 
 def column_parallel(x_BLD: jax.Array, weights: Sequence[jax.Array], specs: Sequence[tuple],
@@ -43,13 +47,15 @@ def column_parallel(x_BLD: jax.Array, weights: Sequence[jax.Array], specs: Seque
     if rules is None:
         return [fn(x_BLD, w) for w in weights]
     tensor = rules.activation_mesh_axes(Dim.ACT_HEADS)
-    # Under sequence parallelism the sequence is gathered before the region (Megatron-SP's g;
-    # backward, the region's one all-reduce and the slice into the residual layout make one
-    # reduce-scatter). Gathered inside, the partitioner would gather the batch around it.
-    x_BLD = relayout(x_BLD, RESIDUAL_BLD, INPUT_BLD)
+    # Under sequence parallelism the sequence is gathered before the region (backward, the
+    # region's one all-reduce and the slice into the residual layout make one reduce-scatter).
+    # Gathered inside, the partitioner would gather the batch around it.
+    x_BLD = gather_sequence(x_BLD)
     sp = bool(set(tensor) & set(rules.activation_mesh_axes(Dim.RESIDUAL_LENGTH)))
-    whole = [not any(rules.compute_param_spec(ax, tuple(w.shape))) for ax, w in zip(specs, weights)]
-    if not tensor or rules.activation_mesh_axes(Dim.LENGTH) or (sp and any(whole)):
+    # A weight's compute spec holds the model-parallel (tensor) axes only.
+    w_specs = [rules.compute_param_spec(ax, tuple(w.shape)) for ax, w in zip(specs, weights)]
+    split = [any(e is not None for e in s) for s in w_specs]
+    if not tensor or rules.activation_mesh_axes(Dim.LENGTH) or (sp and not all(split)):
         # No tensor parallelism; or context parallelism too; or under SP a weight tensor does
         # not split (kv heads fewer than tensor), whose input gradient the partitioner then
         # reduces better alone: the partitioner's way.
@@ -60,8 +66,6 @@ def column_parallel(x_BLD: jax.Array, weights: Sequence[jax.Array], specs: Seque
         return P(*(e if e is not None and set((e,) if isinstance(e, str) else e) <= manual else None
                    for e in spec))
 
-    w_specs = [only_tensor(rules.compute_param_spec(ax, tuple(w.shape))) for ax, w in zip(specs, weights)]
-    split = [any(e is not None for e in s) for s in w_specs]
     out_specs = [only_tensor(rules.activation_spec(ax)) if s else P() for ax, s in zip(out_axes, split)]
     dtype = x_BLD.dtype
     if jax.default_backend() == "cpu" and dtype != jnp.float32:

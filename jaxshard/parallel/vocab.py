@@ -28,7 +28,8 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxshard.axes import Dim
-from jaxshard.rules import StateKind, active, relayout, spec_axes
+from jaxshard.parallel.tensor import gather_sequence
+from jaxshard.rules import StateKind, active, spec_axes
 
 _NEG = float(jnp.finfo(jnp.float32).min)  # logit of a padding column: exp() of it is 0
 
@@ -111,7 +112,7 @@ def project(x_BLD: jax.Array, table: jax.Array) -> jax.Array:
     batch = (tuple(rules.batch_axes),)
     # Under sequence parallelism the sequence is gathered first (backward: the region's one
     # all-reduce and the slice back into the split make a reduce-scatter).
-    x_BLD = relayout(x_BLD, (Dim.BATCH, Dim.RESIDUAL_LENGTH, Dim.ACT_EMBED), (Dim.BATCH, Dim.LENGTH, Dim.ACT_EMBED))
+    x_BLD = gather_sequence(x_BLD)
     dtype = x_BLD.dtype
     if axes and jax.default_backend() == "cpu" and dtype != jnp.float32:
         # As in embed_lookup: XLA:CPU cannot promote this region's 2-byte input-gradient sum.
