@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec
 
 from jaxshard import hlo
 from jaxshard.axes import Dim
+from jaxshard.parallel.vectors import two_stage
 from jaxshard.parallel.vocab import reduces_tied_once
 from jaxshard.pytree import named_leaves
 from jaxshard.remat import Kind, Remat
@@ -319,34 +320,44 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
         kv_replicated = Dim.KV_HEADS in p.axes and tensor and cfg.n_kv_heads % rules.size(tensor)
         if (sp or kv_replicated) and not (model_axes & set(tensor)):
             reduce_axes |= set(tensor)  # computed on tensor-split activations
-        scatter = (spec_axes(p.grads) - model_axes) & reduce_axes
+        # Reduced into the at-rest gradient layout; under ZeRO-1 into the optimizer's shard.
+        target = p.opt_state if rules.reduced_into is StateKind.OPT_STATE else p.grads
+        scatter = (spec_axes(target) - model_axes) & reduce_axes
         if p.axes and p.axes[0] == Dim.POSITION:
             # A slice of the first L rows: only those rows have a gradient. They are disjoint
             # across the sequence shards, so those gather rather than sum.
             rows = c * seq_len * shard_elems(p.shape[1:], PartitionSpec(*p.compute[1:]), sizes)
             seq_axes = reduce_axes - set(rules.batch_axes)
-            batch_scatter = scatter & set(rules.batch_axes)
-            add("reduce-scatter", batch_scatter, rows, per_micro, f"{p.path}: gradient of the used rows")
-            add("all-reduce", set(rules.batch_axes) - batch_scatter, rows, per_micro,
-                f"{p.path}: gradient of the used rows")
-            add("all-gather", seq_axes, rows, per_micro, f"{p.path}: gradient rows held by sequence shards")
+            # (HSDP + ZeRO-1: XLA reduce-scatters them over fsdp and all-reduces that shard
+            # over data; they are a few rows.)
+            batch_scatter = ((spec_axes(p.grads) - model_axes) & scatter or scatter) & set(rules.batch_axes)
+            own = rows // rules.size(rules.active_axes(seq_axes))  # this sequence shard's rows
+            add("reduce-scatter", batch_scatter, own, per_micro, f"{p.path}: gradient of the used rows")
+            add("all-reduce", set(rules.batch_axes) - batch_scatter,
+                own // rules.size(rules.active_axes(batch_scatter)), per_micro,
+                f"{p.path}: gradient of the used rows (HSDP: their shard)")
+            cp_axes = seq_axes & set(rules.activation_mesh_axes(Dim.LENGTH))
+            add("all-gather", cp_axes, rows, per_micro, f"{p.path}: gradient rows held by sequence shards")
+            # Under SP, XLA sends them between the tensor shards with collective-permutes: an
+            # all-gather's bytes.
+            T = rules.size(rules.active_axes(seq_axes - cp_axes))
+            add("collective-permute", seq_axes - cp_axes, rows * (T - 1) // T, per_micro,
+                f"{p.path}: gradient rows held by sequence-parallel shards")
             continue
         if p.axes and p.axes[0] == Dim.VOCAB:
             # The lookup kernel sums its share of the table gradient over all the batch and
-            # sequence axes at once. A tied table's projection share is summed with it first
-            # (parallel.vocab.tied_copies), and as only the optimizer's shard of that sum is
-            # used under ZeRO-1, XLA reduce-scatters it; under context parallelism the
-            # projection's share is reduced separately.
-            # Otherwise the summed tied gradient is reduced like any other (below: under HSDP a
-            # reduce-scatter over fsdp, then an all-reduce of the shard over data).
-            once = cfg.tie_embeddings and reduces_tied_once(rules)
-            zero1 = once and not scatter and bool((spec_axes(p.opt_state) - model_axes) & reduce_axes)
-            if not once or zero1:
-                add("reduce-scatter" if scatter or zero1 else "all-reduce", reduce_axes, used, per_micro,
-                    f"{p.path}: gradient of the lookup" + (" and the projection, summed" if once else ""))
-            if not cfg.tie_embeddings or zero1:
-                continue
-            if not once:
+            # sequence axes at once. Given the table as per-batch-shard copies
+            # (parallel.vocab.table_copies: tied, or untied under HSDP), a tied table's
+            # projection share is summed with it first and the sum is reduced like any other
+            # gradient (below: under HSDP a reduce-scatter over fsdp, then an all-reduce of the
+            # shard over data). Under context parallelism the projection's share is reduced
+            # separately.
+            copies = reduces_tied_once(rules) and (cfg.tie_embeddings or two_stage(rules))
+            if not copies:
+                add("reduce-scatter" if scatter else "all-reduce", reduce_axes, used, per_micro,
+                    f"{p.path}: gradient of the lookup")
+                if not cfg.tie_embeddings:
+                    continue
                 allowances.append("Tied embeddings under context parallelism: XLA reduces the "
                                   "table gradients of the lookup and of the vocabulary projection "
                                   "separately (one table-sized reduction more).")
@@ -354,8 +365,13 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
         # under SP) in separate collectives.
         shard = used // rules.size(rules.active_axes(scatter))
         batch_axes = set(rules.batch_axes)
-        add("reduce-scatter", scatter, used, per_micro,
-            f"{p.path}: gradient reduce-scatter into its ZeRO-2/3 shard")
+        # HSDP + ZeRO-1: each layer's gradient into its fsdp shard, then that into the
+        # optimizer's shard over data.
+        first = (spec_axes(p.grads) - model_axes) & scatter or scatter
+        add("reduce-scatter", first, used, per_micro,
+            f"{p.path}: gradient reduce-scatter into its ZeRO shard")
+        add("reduce-scatter", scatter - first, used // rules.size(rules.active_axes(first)), per_micro,
+            f"{p.path}: ZeRO-1: the gradient shard reduce-scattered into the optimizer's")
         add("all-reduce", (reduce_axes & batch_axes) - scatter, shard, per_micro,
             f"{p.path}: gradient all-reduce over the batch")
         add("all-reduce", reduce_axes - batch_axes - scatter, shard, per_micro,
@@ -427,13 +443,17 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
         add("collective-permute", seq, kv_local // kv_t,
             grad_accum * cfg.n_layers * 2 * (S - 1) * (ring_fwd + 1),
             "CP: pass key and value chunks around the ring (forward and backward)")
-    allowances.append("Scalars (loss, gradient norm) are all-reduced too: a few bytes, not listed.")
+    # Two scalars: the loss summed over the devices that split the tokens, and the gradient
+    # norm, each device's sum of squares of its shards added up in one reduction (optim.global_norm).
+    add("all-reduce", set(rules.batch_axes) | set(rules.activation_mesh_axes(Dim.LENGTH)), F32, 1,
+        "the loss: the devices' sums of their tokens' losses")
+    targets = [p.opt_state if rules.reduced_into is StateKind.OPT_STATE else p.grads
+               for p in param_infos(model, rules)]
+    add("all-reduce", set().union(*map(spec_axes, targets)), F32, 1,
+        "the gradient norm: the devices' sums of squares of their gradient shards")
     if c != F32:
         allowances.append("On CPU the embedding lookup runs in float32 (XLA:CPU cannot promote its "
                           "bf16 gradient reduction), so that reduction moves twice the bytes listed.")
-    if rules.batch_axes and len(rules.batch_axes) > 1:
-        allowances.append("HSDP: XLA may reduce a small gradient over data x fsdp at once and slice "
-                          "it, instead of a reduce-scatter over fsdp and an all-reduce over data.")
     return Communication(out, allowances)
 
 

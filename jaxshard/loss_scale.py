@@ -37,10 +37,6 @@ def init(scale: float) -> LossScale:
     return LossScale(jnp.asarray(scale, jnp.float32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
 
 
-def all_finite(tree: Any) -> jax.Array:
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
-
-
 def adjust(state: LossScale, finite: jax.Array, period: int, factor: float = 2.0) -> LossScale:
     """The next state: halve (and count a skip) on overflow; double after ``period`` finite steps."""
     grow = finite & (state.good_steps + 1 >= period)

@@ -9,8 +9,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jax.sharding import PartitionSpec as P
+
 from jaxshard.axes import Dim
 from jaxshard.errors import ConfigError
+from jaxshard.rules import spec_axes
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,11 +56,46 @@ def decay_mask(param_axes: Any) -> Any:
 
 
 def make(cfg: OptimConfig, param_axes: Any) -> optax.GradientTransformation:
-    adamw = optax.adamw(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                        weight_decay=cfg.weight_decay, mask=decay_mask(param_axes))
-    if cfg.grad_clip == 0:
-        return adamw
-    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
+    """AdamW; the gradients come clipped (:func:`clip`, with the norm the step reports)."""
+    return optax.adamw(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                       weight_decay=cfg.weight_decay, mask=decay_mask(param_axes))
+
+
+def global_norm(tree: Any, shardings: Any = None) -> jax.Array:
+    """The float32 norm of all of ``tree``'s leaves together.
+
+    With the leaves' ``shardings``: each device sums the squares of its own shards (a leaf
+    replicated over some of the axes counted on one device of them only) and a single scalar
+    all-reduce adds the sums up -- where a norm per leaf costs one reduction per sharded leaf.
+    """
+    leaves = jax.tree.leaves(tree)
+    specs = [s.spec for s in jax.tree.leaves(shardings)] if shardings is not None else []
+    used = set().union(*map(spec_axes, specs)) if specs else set()
+    if not used:
+        return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))
+    mesh = jax.tree.leaves(shardings)[0].mesh
+    axes = tuple(a for a in mesh.axis_names if a in used)
+
+    def local(*shards):
+        total = jnp.zeros((), jnp.float32)
+        for x, spec in zip(shards, specs):
+            sq = jnp.sum(jnp.square(x.astype(jnp.float32)))
+            for a in axes:
+                if a not in spec_axes(spec):
+                    sq = jnp.where(jax.lax.axis_index(a) == 0, sq, 0.0)
+            total = total + sq
+        return jnp.sqrt(jax.lax.psum(total, axes))
+
+    return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=P(),
+                         axis_names=set(axes))(*leaves)
+
+
+def clip(grads: Any, norm: jax.Array, max_norm: float) -> Any:
+    """``grads`` scaled to global norm ``max_norm`` where ``norm`` exceeds it (0: no clipping);
+    the arithmetic of ``optax.clip_by_global_norm``."""
+    if max_norm == 0:
+        return grads
+    return jax.tree.map(lambda g: jnp.where(norm < max_norm, g, (g / norm.astype(g.dtype)) * max_norm), grads)
 
 
 class MasterState(NamedTuple):

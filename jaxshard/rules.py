@@ -161,6 +161,13 @@ class ShardingRules:
         with the gradient reduce-scattered into its ZeRO-2 shard where it is made."""
         return bool(self.state_axes(StateKind.GRADS))
 
+    @property
+    def reduced_into(self) -> StateKind:
+        """The layout a step reduces the gradients into: their own at rest, or under ZeRO-1 the
+        optimizer's shard, which is all each device updates (a reduce-scatter where DDP
+        all-reduces)."""
+        return StateKind.OPT_STATE if self.strategy.zero == 1 else StateKind.GRADS
+
     def offloaded(self, kind: StateKind) -> bool:
         """State of ``kind`` lives in host memory between steps (``--offload``)."""
         return {StateKind.OPT_STATE: "optimizer", StateKind.PARAMS: "params"}.get(kind) in self.strategy.offload

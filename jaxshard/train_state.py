@@ -42,6 +42,7 @@ class StateLayout:
     shardings: TrainState  # of NamedSharding, at rest (offloaded parts in host memory)
     compute: TrainState  # the same, all in device memory: where the step computes
     grad_shardings: Any  # params-shaped; the gradient layout after reduction
+    reduce_shardings: Any  # params-shaped; where the step reduces the gradients into
     abstract: TrainState  # of ShapeDtypeStruct
 
 
@@ -68,8 +69,9 @@ def state_layout(model: Any, tx: optax.GradientTransformation, rules: ShardingRu
             tx, abstract.opt_state, on_host(moments), rules.replicated()))
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             abstract, shardings)
-    return StateLayout(shardings=shardings, compute=compute,
-                       grad_shardings=rules.param_shardings(axes, abstract_params, StateKind.GRADS),
+    grads = rules.param_shardings(axes, abstract_params, StateKind.GRADS)
+    return StateLayout(shardings=shardings, compute=compute, grad_shardings=grads,
+                       reduce_shardings=rules.param_shardings(axes, abstract_params, rules.reduced_into),
                        abstract=abstract)
 
 

@@ -16,10 +16,9 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from jaxshard import loss_scale as scaling
-from jaxshard import optim
+from jaxshard import optim, runtime
 from jaxshard.axes import Dim
 from jaxshard.errors import ConfigError
 from jaxshard.remat import Kind, Remat
@@ -113,7 +112,7 @@ def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig
     def reduced_grads(params, batch, key, factor):
         grads, (loss_sum, count) = grad_fn(params, batch, key, factor)
         # The gradient's at-rest layout: replicated -> all-reduce; sharded -> reduce-scatter.
-        return loss_sum, count, jax.lax.with_sharding_constraint(grads, layout.grad_shardings)
+        return loss_sum, count, jax.lax.with_sharding_constraint(grads, layout.reduce_shardings)
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         with use_rules(rules):
@@ -128,19 +127,22 @@ def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig
                 loss_sum, count, grads = reduced_grads(old_params, batch, key, factor)
             else:
                 loss_sum, count, grads = _accumulate(reduced_grads, old_params, batch, key, factor,
-                                                     cfg.grad_accum, layout.grad_shardings)
+                                                     cfg.grad_accum, layout.reduce_shardings)
             # Unscaled and averaged in float32, whatever dtype the gradients were reduced in.
             divisor = count if factor is None else count * factor
             grads = jax.tree.map(lambda g: g.astype(jnp.float32) / divisor, grads)
+            grad_norm = optim.global_norm(grads, layout.reduce_shardings)
+            grads = optim.clip(grads, grad_norm, optim_cfg.grad_clip)
             old_opt_state = move(state.opt_state, rest.opt_state, compute.opt_state)
             updates, opt_state = tx.update(grads, old_opt_state, old_params)
             params = optim.apply(old_params, updates, old_opt_state)
-            metrics = {"loss": loss_sum / count, "grad_norm": optax.tree.norm(grads),
+            metrics = {"loss": loss_sum / count, "grad_norm": grad_norm,
                        "lr": lr_schedule(state.step)}
             new_scale = None
             if state.loss_scale is not None:
                 # A step whose gradients overflowed changes nothing but the (halved) scale.
-                finite = scaling.all_finite(grads)
+                # Any inf or NaN in the gradients makes their norm one.
+                finite = jnp.isfinite(grad_norm)
                 params, opt_state = scaling.select(finite, (params, opt_state), (old_params, old_opt_state))
                 new_scale = scaling.adjust(state.loss_scale, finite, cfg.loss_scale_period)
                 metrics |= {"loss_scale": state.loss_scale.scale, "skipped": (~finite).astype(jnp.int32),
@@ -158,9 +160,10 @@ def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig
         rules=rules, layout=layout, batch_sharding=batch_sharding,
         init=build_init(model, tx, layout, initial_scale), loss=loss_and_count,
         step=jax.jit(step, in_shardings=(layout.shardings, batch_sharding),
-                     out_shardings=(layout.shardings, replicated), donate_argnums=0),
+                     out_shardings=(layout.shardings, replicated), donate_argnums=0,
+                     compiler_options=runtime.xla_options()),
         eval=jax.jit(evaluate, in_shardings=(layout.shardings.params, batch_sharding),
-                     out_shardings=replicated))
+                     out_shardings=replicated, compiler_options=runtime.xla_options()))
 
 
 def _accumulate(reduced_grads, params, batch, key, factor, n_micro: int, grad_shardings):

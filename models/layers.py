@@ -16,6 +16,7 @@ from flax import nnx
 from jaxshard.axes import RESIDUAL_BLD, Dim
 from jaxshard.remat import attention_core, tag
 from jaxshard.parallel.attention import causal_attention
+from jaxshard.parallel.vectors import scale, shift
 from jaxshard.parallel.tensor import column_parallel
 from jaxshard.parallel.vocab import embed_lookup, project
 from jaxshard.rules import constrain
@@ -55,9 +56,9 @@ class NormLayer(nnx.Module):
         if self.kind is Norm.LAYER:
             x = x - x.mean(-1, keepdims=True)
         y = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + self.eps)
-        y = y * self.scale[...].astype(jnp.float32)
+        y = scale(y, self.scale[...].astype(jnp.float32))
         if self.kind is Norm.LAYER:
-            y = y + self.bias[...].astype(jnp.float32)
+            y = shift(y, self.bias[...].astype(jnp.float32))
         return y.astype(x_BLD.dtype)
 
 
@@ -107,7 +108,7 @@ class Attention(nnx.Module):
             x_BLD, [self.wq[...], self.wk[...], self.wv[...]], self.weight_axes,
             lambda x, w: jnp.einsum("bld,dnh->blnh", x, w), self.qkv_axes)
         if self.use_bias:
-            q_BLNH, v_BLKH = q_BLNH + self.bq[...], v_BLKH + self.bv[...]
+            q_BLNH, v_BLKH = shift(q_BLNH, self.bq[...]), shift(v_BLKH, self.bv[...])
         if rope is not None:
             q_BLNH, k_BLKH = apply_rope(q_BLNH, rope), apply_rope(k_BLKH, rope)
         q_BLNH = tag(constrain(q_BLNH, (Dim.BATCH, Dim.LENGTH, Dim.ACT_HEADS, None)), "qkv")
@@ -122,7 +123,7 @@ class Attention(nnx.Module):
         # Row-parallel output: the partial sums over heads are reduced into the residual
         # layout (all-reduce, or reduce-scatter under SP) before the bias, as in Megatron.
         y_BLD = tag(constrain(jnp.einsum("blnh,nhd->bld", o_BLNH, self.wo[...]), RESIDUAL_BLD), "attn_proj")
-        return y_BLD + self.bo[...] if self.use_bias else y_BLD
+        return shift(y_BLD, self.bo[...]) if self.use_bias else y_BLD
 
 
 class FeedForward(nnx.Module):
@@ -148,7 +149,7 @@ class FeedForward(nnx.Module):
                             [(Dim.BATCH, Dim.LENGTH, Dim.ACT_MLP)] * len(weights))
         h_BLF = tag(h[0], "mlp_in")
         if self.use_bias:
-            h_BLF = h_BLF + self.b_in[...]
+            h_BLF = shift(h_BLF, self.b_in[...])
         if self.kind is Mlp.SWIGLU:
             g_BLF = tag(h[1], "mlp_in")
             h_BLF = jax.nn.silu(g_BLF) * h_BLF
@@ -156,7 +157,7 @@ class FeedForward(nnx.Module):
             h_BLF = jax.nn.gelu(h_BLF, approximate=True)
         h_BLF = tag(constrain(h_BLF, (Dim.BATCH, Dim.LENGTH, Dim.ACT_MLP)), "mlp_hidden")
         y_BLD = constrain(jnp.einsum("blf,fd->bld", h_BLF, self.w_out[...]), RESIDUAL_BLD)
-        return y_BLD + self.b_out[...] if self.use_bias else y_BLD
+        return shift(y_BLD, self.b_out[...]) if self.use_bias else y_BLD
 
 
 class Block(nnx.Module):
@@ -194,12 +195,12 @@ class Embedder(nnx.Module):
                                   cfg.init_std)
 
     def encode(self, tokens_BL: jax.Array, positions_L: jax.Array, table: jax.Array | None = None) -> jax.Array:
-        """``table``: the token table to use (e.g. its ``tied_copies``); default, the param."""
+        """``table``: the token table to use (e.g. its ``table_copies``); default, the param."""
         x_BLD = embed_lookup(self.tokens[...] if table is None else table, tokens_BL)
         if hasattr(self, "positions"):
             # positions_L is 0..L-1: a slice, whose gradient is a dense pad (a scatter-add's
             # would make XLA move the activation gradient around to scatter it).
-            x_BLD = x_BLD + self.positions[...][: positions_L.shape[0]][None]
+            x_BLD = shift(x_BLD, self.positions[...][: positions_L.shape[0]])
         return constrain(x_BLD, RESIDUAL_BLD)
 
     def decode(self, x_BLD: jax.Array, table: jax.Array | None = None) -> jax.Array:

@@ -20,7 +20,7 @@ from flax import nnx
 from jaxshard import remat as remat_lib
 from jaxshard.axes import Dim
 from jaxshard.errors import ConfigError
-from jaxshard.parallel.vocab import cross_entropy, tied_copies
+from jaxshard.parallel.vocab import cross_entropy, table_copies
 from jaxshard.rules import for_compute
 from models.config import ModelConfig, Positions
 from models.layers import Block, Embedder, dropout, rope_tables
@@ -119,7 +119,7 @@ class TransformerLM:
         # One embedder for both ends (not embed() then head()): a tied table is gathered once
         # and its two gradients are summed before they are reduced.
         embedder = self._embedder(params)
-        table = tied_copies(embedder.tokens[...]) if embedder.tied else None
+        table = table_copies(embedder.tokens[...], embedder.tied)
         x_BLD = dropout(embedder.encode(inputs_BL, jnp.arange(inputs_BL.shape[1]), table),
                         self.cfg.dropout, k_embed)
         x_BLD = self.blocks(params, x_BLD, key=k_blocks)

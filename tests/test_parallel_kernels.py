@@ -97,3 +97,34 @@ def test_dense_attention_is_causal_softmax():
     want = np.einsum("bkglm,bmkh->blkgh", p, v)
     got = causal_attention(*(jnp.asarray(a, jnp.float32) for a in (q, k, v)))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kv_heads, groups", [(4, 1), (2, 2)])
+def test_fused_attention_path_equals_the_dense_one(kv_heads, groups):
+    """GPUs run attention through ``jax.nn.dot_product_attention`` (cuDNN where it applies);
+    here its XLA implementation checks the head layout (query head k*G+g with kv head k), the
+    causal mask and the gradients against the portable path."""
+    from jaxshard.parallel.attention import _dense, fused
+
+    B, L, H = 2, 16, 8
+    q = jnp.asarray(RNG.normal(size=(B, L, kv_heads, groups, H)), jnp.float32)
+    k, v = (jnp.asarray(RNG.normal(size=(B, L, kv_heads, H)), jnp.float32) for _ in range(2))
+    cot = jnp.asarray(RNG.normal(size=q.shape), jnp.float32)
+    np.testing.assert_allclose(fused(q, k, v, "xla"), _dense(q, k, v), rtol=1e-5, atol=1e-6)
+    got = jax.grad(lambda *a: (fused(*a, "xla") * cot).sum(), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(lambda *a: (_dense(*a) * cot).sum(), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_backend_xla_options_exist_in_this_jaxlib():
+    """The GPU step's options are names this jaxlib knows (a renamed one would fail to compile
+    on the GPU only); on CPU the step compiles with none."""
+    from jaxshard import runtime
+
+    gpu = runtime.xla_options("gpu")
+    assert gpu["xla_gpu_enable_latency_hiding_scheduler"] is True
+    assert runtime.xla_options("cpu") == {}
+    assert float(jax.jit(lambda x: x * 2, compiler_options=gpu)(jnp.ones(())) ) == 2.0
+    with pytest.raises(Exception, match="No such compile option"):
+        jax.jit(lambda x: x * 2, compiler_options={"xla_gpu_no_such_option": True})(jnp.ones(()))

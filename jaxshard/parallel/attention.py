@@ -49,10 +49,24 @@ def _scores(q_BLKGH, k_BMKH, q_pos, k_pos):
 
 
 def _dense(q_BLKGH, k_BLKH, v_BLKH):
+    if jax.default_backend() == "gpu":
+        return fused(q_BLKGH, k_BLKH, v_BLKH)
     L = q_BLKGH.shape[1]
     s_BKGLM = _scores(q_BLKGH, k_BLKH, jnp.arange(L), jnp.arange(L))
     p_BKGLM = jax.nn.softmax(s_BKGLM, axis=-1).astype(v_BLKH.dtype)
     return jnp.einsum("bkglm,bmkh->blkgh", p_BKGLM, v_BLKH)
+
+
+def fused(q_BLKGH: jax.Array, k_BLKH: jax.Array, v_BLKH: jax.Array,
+          implementation: str | None = None) -> jax.Array:
+    """Causal attention by ``jax.nn.dot_product_attention``: on GPUs its fused kernel (cuDNN
+    flash attention, where dtype and shapes allow it; XLA's otherwise), the dense path's
+    backend choice there. Query head ``k * G + g`` attends with kv head ``k``, as in the dense
+    path."""
+    B, L, K, G, H = q_BLKGH.shape
+    o_BLNH = jax.nn.dot_product_attention(q_BLKGH.reshape(B, L, K * G, H), k_BLKH, v_BLKH,
+                                          is_causal=True, implementation=implementation)
+    return o_BLNH.reshape(B, L, K, G, H)
 
 
 def _ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual):

@@ -12,7 +12,7 @@ may gather the whole batch's embedding gradient to scatter-add it into the table
 device scattering its own rows and summing the (much smaller) table gradient is right.
 
 A tied table serves both the lookup and the vocabulary projection (:func:`project`); given as
-one copy per batch shard (:func:`tied_copies`), its two gradient shares are summed on each
+one copy per batch shard (:func:`table_copies`), its two gradient shares are summed on each
 device and reduced once.
 """
 
@@ -28,6 +28,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxshard.axes import Dim
+from jaxshard.parallel.vectors import two_stage
 from jaxshard.parallel.tensor import gather_sequence
 from jaxshard.rules import StateKind, active, spec_axes
 
@@ -41,15 +42,17 @@ def _local_range(axes: tuple[str, ...], local_size: int, ids: jax.Array):
     return jnp.where(in_range, local, 0), in_range
 
 
-def tied_copies(table_VD: jax.Array) -> jax.Array | None:
-    """A tied table as one copy per batch shard, ``[n, V, D]`` sharded over the batch axes, for
-    both :func:`embed_lookup` and :func:`project`: each region then leaves its part of the
-    table gradient unreduced, the two parts are summed on the device, and the table gradient
-    is reduced once -- where reducing each use's separately costs one table more per step.
-    None (use the table itself) without batch axes, or under context parallelism, whose
-    sequence split the projection's region does not handle."""
+def table_copies(table_VD: jax.Array, tied: bool) -> jax.Array | None:
+    """The token table as one copy per batch shard, ``[n, V, D]`` sharded over the batch axes,
+    for :func:`embed_lookup` and (tied) :func:`project`: each region then leaves its part of
+    the table gradient unreduced, and :func:`_copies_bwd` reduces the sum once, in HSDP's two
+    stages where those apply. A tied table's two parts are summed on the device first --
+    reducing each use's separately costs one table more per step; an untied table is given
+    copies under HSDP only, where the lookup's own reduction would otherwise be one all-reduce
+    over every batch axis. None (use the table itself) without batch axes, or under context
+    parallelism, whose sequence split the projection's region does not handle."""
     rules = active()
-    if not reduces_tied_once(rules):
+    if not reduces_tied_once(rules) or not (tied or two_stage(rules)):
         return None
     batch = tuple(rules.batch_axes)
     return _copies(table_VD, _Copies(
@@ -58,7 +61,7 @@ def tied_copies(table_VD: jax.Array) -> jax.Array | None:
 
 
 def reduces_tied_once(rules) -> bool:
-    """Whether :func:`tied_copies` applies: batch axes, and no sequence split."""
+    """Whether :func:`table_copies` applies: batch axes, and no sequence split."""
     return rules is not None and bool(rules.batch_axes) and not rules.activation_mesh_axes(Dim.LENGTH)
 
 
@@ -104,7 +107,7 @@ _copies.defvjp(lambda w, c: (_copies(w, c), None), _copies_bwd)
 
 def project(x_BLD: jax.Array, table: jax.Array) -> jax.Array:
     """Float32 logits ``x @ table.T`` over the (padded) vocab, from a tied table or its
-    :func:`tied_copies`."""
+    :func:`table_copies`."""
     if table.ndim == 2:
         return jnp.einsum("bld,vd->blv", x_BLD, table, preferred_element_type=jnp.float32)
     rules = active()
@@ -159,7 +162,7 @@ def embed_lookup(table_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array:
         # fails on the region Shardy leaves): on CPU the lookup runs in float32.
         table_VD = table_VD.astype(jnp.float32)
 
-    copies = table_VD.ndim == 3  # tied_copies: this shard's own copy, gradient unreduced
+    copies = table_VD.ndim == 3  # table_copies: this shard's own copy, gradient unreduced
 
     def local(table_vD, tokens):
         if copies:

@@ -1,0 +1,83 @@
+"""Elementwise uses of vector params (norm scales, biases, the used position rows) whose
+gradients reduce in the textbook's two stages.
+
+A gradient summed over several mesh axes and stored split over some of them -- HSDP's
+(``data`` x ``fsdp`` batch, params split over ``fsdp``), or FSDP's under sequence
+parallelism (the sequence split over ``tensor`` too) -- is reduce-scattered over the split axes
+first, then the shard is all-reduced over the rest. The partitioner does so for a matmul's
+weight gradient, a ``dot_general``. A scale's or a bias's gradient is a ``reduce`` over the
+batch and sequence dims instead, which it partitions by all-reducing the whole vector over
+every summed axis and slicing the shard out afterwards (on 2 x 4 devices 1.75x the bytes a
+ring sends, and the whole vector over the slower axis).
+
+:func:`scale` and :func:`shift` compute ``x * w`` and ``x + b`` as usual and, where
+:func:`two_stage` holds, write the weight gradient as a ``dot_general`` contracting the
+leading dims, which the partitioner reduces in the two stages. Elsewhere they are the plain
+operations.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxshard.axes import Dim
+from jaxshard.rules import StateKind, active
+
+
+def two_stage(rules) -> bool:
+    """Whether a gradient summed over several mesh axes (the batch's, and the sequence split of
+    sequence or context parallelism) is stored split over some of them but not all, so that the
+    textbook reduces it in two stages: over the split ones first (a reduce-scatter), then the
+    shard over the rest (an all-reduce)."""
+    if rules is None:
+        return False
+    split = set(rules.state_axes(StateKind.GRADS))
+    summed = (set(rules.batch_axes) | set(rules.activation_mesh_axes(Dim.LENGTH))
+              | set(rules.activation_mesh_axes(Dim.RESIDUAL_LENGTH)))
+    return bool(split & summed) and bool(summed - split)
+
+
+def scale(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x * w``, ``w`` over the trailing dims of ``x``."""
+    if not two_stage(active()) or x.dtype != w.dtype:
+        return x * w
+    return _scale(x, w)
+
+
+def shift(x: jax.Array, b: jax.Array) -> jax.Array:
+    """``x + b``, ``b`` over the trailing dims of ``x``."""
+    if not two_stage(active()) or x.dtype != b.dtype:
+        return x + b
+    return _shift(x, b, b.ndim)
+
+
+@jax.custom_vjp
+def _scale(x, w):
+    return x * w
+
+
+def _scale_bwd(res, g):
+    x, w = res
+    lead, trail = tuple(range(x.ndim - w.ndim)), tuple(range(x.ndim - w.ndim, x.ndim))
+    return g * w, jax.lax.dot_general(x, g, ((lead, lead), (trail, trail)))
+
+
+_scale.defvjp(lambda x, w: (x * w, (x, w)), _scale_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _shift(x, b, rank):
+    return x + b
+
+
+def _shift_bwd(rank, _, g):
+    lead = tuple(range(g.ndim - rank))
+    ones = jnp.ones(g.shape[:len(lead)], g.dtype)
+    return g, jax.lax.dot_general(g, ones, ((lead, lead), ((), ())))
+
+
+_shift.defvjp(lambda x, b, rank: (x + b, None), _shift_bwd)
+
