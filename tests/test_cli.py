@@ -254,3 +254,15 @@ def test_float16_selective_recompute_run_reports_its_precision(tmp_path):
     assert report["reshard_after_forward"] is True and report["skipped_steps"] == 0
     lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [m["loss_scale"] for m in lines] == [32768.0] * 3
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--torch-python", "/no/such/python"], "--torch-python /no/such/python does not exist"),
+    (["--steps", "5", "--warmup", "5"], "--warmup must be below --steps"),
+    (["--model", "tiny"], "the peers' drivers build plain Llamas"),
+])
+def test_peer_benchmark_bad_input(flags, message):
+    """scripts/bench_peers.py checks its input before starting any run (the peers themselves
+    are never installed by the tests)."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_peers.py"), *flags]
+    assert_one_line_error(subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT), message)
