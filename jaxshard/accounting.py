@@ -58,6 +58,7 @@ class ParamInfo:
     params: PartitionSpec  # at rest
     grads: PartitionSpec  # at rest, after reduction
     opt_state: PartitionSpec  # each Adam moment
+    reduced: PartitionSpec  # where the step reduces the gradient into (ZeRO-1: opt_state's)
     compute: PartitionSpec  # as a layer uses it
 
     @property
@@ -80,6 +81,7 @@ def param_infos(model: Any, rules: ShardingRules) -> list[ParamInfo]:
             params=rules.param_spec(ax, shape, StateKind.PARAMS),
             grads=rules.param_spec(ax, shape, StateKind.GRADS),
             opt_state=rules.param_spec(ax, shape, StateKind.OPT_STATE),
+            reduced=rules.param_spec(ax, shape, rules.reduced_into),
             compute=rules.compute_param_spec(ax, shape)))
     return out
 
@@ -320,9 +322,11 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
         kv_replicated = Dim.KV_HEADS in p.axes and tensor and cfg.n_kv_heads % rules.size(tensor)
         if (sp or kv_replicated) and not (model_axes & set(tensor)):
             reduce_axes |= set(tensor)  # computed on tensor-split activations
-        # Reduced into the at-rest gradient layout; under ZeRO-1 into the optimizer's shard.
-        target = p.opt_state if rules.reduced_into is StateKind.OPT_STATE else p.grads
-        scatter = (spec_axes(target) - model_axes) & reduce_axes
+        # Reduced into the at-rest gradient layout; under ZeRO-1 into the optimizer's shard,
+        # first into the gradient's own layout (HSDP + ZeRO-1: each layer's over fsdp, then
+        # that shard over data).
+        scatter = (spec_axes(p.reduced) - model_axes) & reduce_axes
+        first = (spec_axes(p.grads) - model_axes) & scatter or scatter
         if p.axes and p.axes[0] == Dim.POSITION:
             # A slice of the first L rows: only those rows have a gradient. They are disjoint
             # across the sequence shards, so those gather rather than sum.
@@ -330,7 +334,7 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
             seq_axes = reduce_axes - set(rules.batch_axes)
             # (HSDP + ZeRO-1: XLA reduce-scatters them over fsdp and all-reduces that shard
             # over data; they are a few rows.)
-            batch_scatter = ((spec_axes(p.grads) - model_axes) & scatter or scatter) & set(rules.batch_axes)
+            batch_scatter = first & set(rules.batch_axes)
             own = rows // rules.size(rules.active_axes(seq_axes))  # this sequence shard's rows
             add("reduce-scatter", batch_scatter, own, per_micro, f"{p.path}: gradient of the used rows")
             add("all-reduce", set(rules.batch_axes) - batch_scatter,
@@ -365,9 +369,6 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
         # under SP) in separate collectives.
         shard = used // rules.size(rules.active_axes(scatter))
         batch_axes = set(rules.batch_axes)
-        # HSDP + ZeRO-1: each layer's gradient into its fsdp shard, then that into the
-        # optimizer's shard over data.
-        first = (spec_axes(p.grads) - model_axes) & scatter or scatter
         add("reduce-scatter", first, used, per_micro,
             f"{p.path}: gradient reduce-scatter into its ZeRO shard")
         add("reduce-scatter", scatter - first, used // rules.size(rules.active_axes(first)), per_micro,
@@ -447,9 +448,7 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
     # norm, each device's sum of squares of its shards added up in one reduction (optim.global_norm).
     add("all-reduce", set(rules.batch_axes) | set(rules.activation_mesh_axes(Dim.LENGTH)), F32, 1,
         "the loss: the devices' sums of their tokens' losses")
-    targets = [p.opt_state if rules.reduced_into is StateKind.OPT_STATE else p.grads
-               for p in param_infos(model, rules)]
-    add("all-reduce", set().union(*map(spec_axes, targets)), F32, 1,
+    add("all-reduce", set().union(*(spec_axes(p.reduced) for p in param_infos(model, rules))), F32, 1,
         "the gradient norm: the devices' sums of squares of their gradient shards")
     if c != F32:
         allowances.append("On CPU the embedding lookup runs in float32 (XLA:CPU cannot promote its "

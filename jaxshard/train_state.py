@@ -41,8 +41,8 @@ class StateLayout:
 
     shardings: TrainState  # of NamedSharding, at rest (offloaded parts in host memory)
     compute: TrainState  # the same, all in device memory: where the step computes
-    grad_shardings: Any  # params-shaped; the gradient layout after reduction
-    reduce_shardings: Any  # params-shaped; where the step reduces the gradients into
+    grad_shardings: Any  # params-shaped; the gradients' at-rest layout (ZeRO-1: whole)
+    reduce_shardings: Any  # params-shaped; where the step reduces them into (ZeRO-1: sharded)
     abstract: TrainState  # of ShapeDtypeStruct
 
 
@@ -69,8 +69,8 @@ def state_layout(model: Any, tx: optax.GradientTransformation, rules: ShardingRu
             tx, abstract.opt_state, on_host(moments), rules.replicated()))
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             abstract, shardings)
-    grads = rules.param_shardings(axes, abstract_params, StateKind.GRADS)
-    return StateLayout(shardings=shardings, compute=compute, grad_shardings=grads,
+    return StateLayout(shardings=shardings, compute=compute,
+                       grad_shardings=rules.param_shardings(axes, abstract_params, StateKind.GRADS),
                        reduce_shardings=rules.param_shardings(axes, abstract_params, rules.reduced_into),
                        abstract=abstract)
 

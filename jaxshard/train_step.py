@@ -111,7 +111,8 @@ def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig
 
     def reduced_grads(params, batch, key, factor):
         grads, (loss_sum, count) = grad_fn(params, batch, key, factor)
-        # The gradient's at-rest layout: replicated -> all-reduce; sharded -> reduce-scatter.
+        # Into the layout the update uses (rules.reduced_into): replicated -> all-reduce;
+        # sharded (ZeRO-1's optimizer shard, ZeRO-2/3's gradient shard) -> reduce-scatter.
         return loss_sum, count, jax.lax.with_sharding_constraint(grads, layout.reduce_shardings)
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:

@@ -128,3 +128,23 @@ def test_backend_xla_options_exist_in_this_jaxlib():
     assert float(jax.jit(lambda x: x * 2, compiler_options=gpu)(jnp.ones(())) ) == 2.0
     with pytest.raises(Exception, match="No such compile option"):
         jax.jit(lambda x: x * 2, compiler_options={"xla_gpu_no_such_option": True})(jnp.ones(()))
+
+
+def test_global_norm_of_sharded_leaves_is_one_scalar_reduction():
+    """Leaves split over fsdp, over data x fsdp, and replicated: each device's shards counted
+    once, equal to the norm of the whole arrays, and the compiled step reduces one scalar."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxshard import hlo
+    from jaxshard.optim import global_norm
+
+    mesh = build_mesh("data=2,fsdp=4")
+    specs = {"a": P("fsdp", None), "b": P(None, ("fsdp", "data")), "c": P(), "d": P("data")}
+    shapes = {"a": (8, 3), "b": (5, 16), "c": (7,), "d": (6,)}
+    tree = {k: jnp.asarray(RNG.normal(size=shapes[k]), jnp.float32) for k in specs}
+    shardings = {k: NamedSharding(mesh, s) for k, s in specs.items()}
+    tree = jax.device_put(tree, shardings)
+    fn = jax.jit(lambda t: global_norm(t, shardings))
+    np.testing.assert_allclose(fn(tree), optax.tree.norm(jax.device_get(tree)), rtol=1e-6)
+    found = hlo.parse(fn.lower(tree).compile().as_text())
+    assert [(c.kind, c.bytes) for c in found] == [("all-reduce", 4)], found
