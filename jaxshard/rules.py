@@ -47,6 +47,10 @@ GATHERED = "gathered_weights"
 HOST_MEMORY = "pinned_host"
 OFFLOAD = ("optimizer", "params")
 
+# Mesh axes no feature uses yet: a size > 1 is an error, not silently a replica of the rest.
+UNUSED_AXES = {str(MeshAxis.STAGE): "pipeline parallelism (the stage axis)",
+               str(MeshAxis.EXPERT): "expert parallelism (the expert axis)"}
+
 # Dims that ZeRO/FSDP never pick: the layer scan slices ``layers`` one layer at a time.
 _NO_STATE_SHARDING = frozenset({Dim.LAYERS})
 
@@ -102,6 +106,10 @@ class ShardingRules:
         self.batch_axes = self.active_axes(BATCH_AXES)
         tensor = self.active_axes((MeshAxis.TENSOR,))
         sequence = self.active_axes((MeshAxis.SEQUENCE,))
+        for axis, what in UNUSED_AXES.items():
+            if self.sizes.get(axis, 1) > 1:
+                raise ConfigError(f"--mesh {axis}={self.sizes[axis]}: {what} is not implemented yet, "
+                                  f"so this axis would do nothing; leave it out of --mesh")
         if strategy.sequence_parallel and not tensor:
             raise ConfigError("--sequence-parallel needs a tensor axis of size > 1 in --mesh")
         if not strategy.reshard_after_forward and not self.gathers_params:

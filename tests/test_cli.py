@@ -121,6 +121,10 @@ def test_microbatch_not_divisible_by_batch_axes():
      "vocab (50257) is not divisible by tensor=2 (use a vocab multiple: --vocab-multiple)"),
     (["--mesh", "data=2,sequence=4", "--seq-len", "30"], "--seq-len 30 is not divisible by sequence=4"),
     (["--mesh", "data=8", "--sequence-parallel"], "--sequence-parallel needs a tensor axis"),
+    (["--mesh", "stage=2,data=4"], "--mesh stage=2: pipeline parallelism (the stage axis) is not "
+                                   "implemented yet"),
+    (["--mesh", "expert=2,fsdp=4"], "--mesh expert=2: expert parallelism (the expert axis) is not "
+                                    "implemented yet"),
 ])
 def test_model_parallel_input_errors(flags, message):
     assert_one_line_error(train(*flags, "--cpu-devices", "8"), message)
