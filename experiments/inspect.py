@@ -16,6 +16,7 @@ import sys
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from jaxshard import cli, runtime  # noqa: E402
+from jaxshard.errors import ConfigError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
 
         model = build_model(cfg, unroll=not args.no_unroll)
         rules = ShardingRules(build_mesh(cfg.mesh, dcn=cfg.dcn_mesh), cfg.strategy)
+        if rules.sizes["stage"] > 1:
+            raise ConfigError("experiments/inspect.py does not predict pipelines (a stage axis) yet")
         check_batch(rules, cfg.batch_size, cfg.seq_len, cfg.step.grad_accum)
         program = build_program(model, rules, cfg.optim, cfg.step)
         print(f"model {model.cfg.name}: {model.n_params():,} params | mesh {axis_sizes(rules.mesh)} | "

@@ -15,6 +15,7 @@ from jaxshard.distributed import DistributedConfig
 from jaxshard.errors import ConfigError, JaxshardError
 from jaxshard.mesh import MeshSpec
 from jaxshard.optim import OptimConfig
+from jaxshard.parallel import pipeline
 from jaxshard.remat import NAMES, Remat
 from jaxshard.rules import Strategy
 from jaxshard.runtime import DEFAULT_CACHE, RuntimeConfig
@@ -107,6 +108,13 @@ def train_parser() -> argparse.ArgumentParser:
                    help="ZeRO-Offload: keep state in host memory between uses: optimizer (Adam's "
                         "moments and the float32 master copy), params (ZeRO-3/FSDP's shards), "
                         "optimizer,params, or none")
+    g.add_argument("--pipeline-schedule", default=None, choices=pipeline.SCHEDULES,
+                   help="with a stage axis: naive (one microbatch through the stages in turn), "
+                        "gpipe (all forwards, then all backwards), 1f1b (one forward and one "
+                        "backward per tick: at most 2 x stages inputs kept); default 1f1b")
+    g.add_argument("--microbatches", type=int, default=None,
+                   help="with a stage axis: microbatches per step (default: the stages; naive: 1); "
+                        "the bubble is (stages - 1) / (microbatches + stages - 1)")
     g.add_argument("--dropout", type=float, default=None, help="override the preset's dropout")
     g.add_argument("--compute-dtype", default=None, choices=DTYPES,
                    help="dtype of matmuls (norms, softmax and the loss stay float32); default: "
@@ -196,7 +204,8 @@ def _step_config(a: argparse.Namespace) -> StepConfig:
     scale = {k: v for k, v in (("loss_scale", a.loss_scale), ("loss_scale_period", a.loss_scale_period))
              if v is not None}
     step = StepConfig(grad_accum=a.grad_accum, compute_dtype=compute, seed=a.seed,
-                      param_dtype=a.param_dtype, **scale)
+                      param_dtype=a.param_dtype, pipeline_schedule=a.pipeline_schedule,
+                      microbatches=a.microbatches, **scale)
     if scale and not step.scaled:
         raise ConfigError("--loss-scale and --loss-scale-period apply to float16 training only "
                           "(--compute-dtype or --param-dtype float16)")

@@ -48,8 +48,7 @@ HOST_MEMORY = "pinned_host"
 OFFLOAD = ("optimizer", "params")
 
 # Mesh axes no feature uses yet: a size > 1 is an error, not silently a replica of the rest.
-UNUSED_AXES = {str(MeshAxis.STAGE): "pipeline parallelism (the stage axis)",
-               str(MeshAxis.EXPERT): "expert parallelism (the expert axis)"}
+UNUSED_AXES = {str(MeshAxis.EXPERT): "expert parallelism (the expert axis)"}
 
 # Dims that ZeRO/FSDP never pick: the layer scan slices ``layers`` one layer at a time.
 _NO_STATE_SHARDING = frozenset({Dim.LAYERS})
@@ -122,8 +121,10 @@ class ShardingRules:
         if strategy.offload:
             check_host_memory(mesh, "--offload")
         # logical param dim -> model-parallel mesh axes (kept in compute, unlike ZeRO/FSDP)
+        # (``stage`` splits the layer stack into pipeline stages, at rest and in compute.)
         self.param_table: dict[Dim, tuple[str, ...]] = {
-            Dim.HEADS: tensor, Dim.KV_HEADS: tensor, Dim.MLP: tensor, Dim.VOCAB: tensor}
+            Dim.HEADS: tensor, Dim.KV_HEADS: tensor, Dim.MLP: tensor, Dim.VOCAB: tensor,
+            Dim.LAYERS: self.active_axes((MeshAxis.STAGE,))}
         # logical activation dim -> mesh axes
         self.activation_table: dict[Dim, tuple[str, ...]] = {
             Dim.BATCH: self.batch_axes,
@@ -156,6 +157,8 @@ class ShardingRules:
             parts.append("tp+sp" if self.strategy.sequence_parallel else "tp")
         if self.sizes[MeshAxis.SEQUENCE] > 1:
             parts.append("cp")
+        if self.sizes[MeshAxis.STAGE] > 1:
+            parts.append("pp")
         return "+".join(parts) or "single"
 
     @property
@@ -250,8 +253,16 @@ class ShardingRules:
         return self.activation_table.get(dim, ())
 
     # ---- shardings ------------------------------------------------------------------------
+    @property
+    def context_mesh(self) -> Any:
+        """The mesh to lay out and ``shard_map`` over here: inside a region manual over some
+        axes (a pipeline stage) the context's abstract mesh, which marks them manual; else the
+        rules' mesh."""
+        context = jax.sharding.get_abstract_mesh()
+        return context if not context.empty and context.manual_axes else self.mesh
+
     def named(self, spec: PartitionSpec) -> NamedSharding:
-        return NamedSharding(self.mesh, spec)
+        return NamedSharding(self.context_mesh, spec)
 
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())

@@ -19,8 +19,9 @@ import jax.numpy as jnp
 
 from jaxshard import loss_scale as scaling
 from jaxshard import optim, runtime
-from jaxshard.axes import Dim
+from jaxshard.axes import Dim, MeshAxis
 from jaxshard.errors import ConfigError
+from jaxshard.parallel import pipeline
 from jaxshard.remat import Kind, Remat
 from jaxshard.rules import ShardingRules, check_host_memory, constrain, use_rules
 from jaxshard.train_state import StateLayout, TrainState, build_init, cast_floats, move, state_layout
@@ -38,6 +39,9 @@ class StepConfig:
     param_dtype: str = "float32"
     loss_scale: float = 2.0 ** 15  # float16: the initial dynamic loss scale
     loss_scale_period: int = 2000  # float16: finite steps before the scale doubles
+    # With a stage axis: the schedule (None: 1f1b) and microbatches per step (None: the stages).
+    pipeline_schedule: str | None = None
+    microbatches: int | None = None
 
     def __post_init__(self) -> None:
         if self.grad_accum < 1:
@@ -74,14 +78,48 @@ class Program:
         return self.step.lower(self.layout.abstract, self.abstract_batch(batch_size, seq_len))
 
 
-def check_batch(rules: ShardingRules, batch_size: int, seq_len: int, grad_accum: int) -> None:
-    """Fail early with one line if the batch cannot be split into sharded microbatches."""
+def check_batch(rules: ShardingRules, batch_size: int, seq_len: int, grad_accum: int,
+                microbatches: int = 1) -> None:
+    """Fail early with one line if the batch cannot be split into sharded microbatches
+    (``microbatches``: a pipeline's, see :func:`pipeline_schedule`)."""
     rules.check_seq_len(seq_len)
     rules.check_batch(batch_size)
-    if batch_size % grad_accum:
-        raise ConfigError(f"--batch-size {batch_size} is not divisible by --grad-accum {grad_accum}")
-    rules.check_batch(batch_size // grad_accum, f"the microbatch of {batch_size // grad_accum} "
-                      f"(--batch-size {batch_size} / --grad-accum {grad_accum})")
+    for flag, n in (("--grad-accum", grad_accum), ("--microbatches", microbatches)):
+        if n == 1:
+            continue
+        if batch_size % n:
+            raise ConfigError(f"--batch-size {batch_size} is not divisible by {flag} {n}")
+        rules.check_batch(batch_size // n, f"the microbatch of {batch_size // n} "
+                          f"(--batch-size {batch_size} / {flag} {n})")
+
+
+def pipeline_schedule(rules: ShardingRules, model: Any, cfg: StepConfig) -> pipeline.Schedule | None:
+    """The pipeline schedule a stage axis asks for (None without one); one-line errors for
+    what cannot run."""
+    stages = rules.size(rules.active_axes((MeshAxis.STAGE,)))
+    if stages == 1:
+        for flag, value in (("--pipeline-schedule", cfg.pipeline_schedule),
+                            ("--microbatches", cfg.microbatches)):
+            if value is not None:
+                raise ConfigError(f"{flag} needs a stage axis of size > 1 in --mesh")
+        return None
+    kind = cfg.pipeline_schedule or "1f1b"
+    layers = model.cfg.n_layers
+    if layers % stages:
+        raise ConfigError(f"model {model.cfg.name} has {layers} layers, not divisible by stage={stages}")
+    if cfg.grad_accum != 1:
+        raise ConfigError("--grad-accum with a stage axis: a pipeline accumulates over its "
+                          "microbatches; use --microbatches")
+    if model.cfg.dropout:
+        raise ConfigError("dropout with a stage axis is not implemented yet (use --dropout 0)")
+    if rules.activation_mesh_axes(Dim.LENGTH):
+        raise ConfigError("a stage axis with context parallelism (sequence > 1) is not implemented yet")
+    if rules.strategy.offload:
+        raise ConfigError("--offload with a stage axis is not implemented yet")
+    if Remat.parse(getattr(model, "remat", Remat.NONE)).kind is Kind.OFFLOAD:
+        raise ConfigError("--remat offload with a stage axis is not implemented yet")
+    default = 1 if kind == "naive" else stages
+    return pipeline.make_schedule(kind, stages, cfg.microbatches or default)
 
 
 def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig,
@@ -109,8 +147,15 @@ def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig
 
     grad_fn = jax.grad(scaled_loss, has_aux=True)
 
+    schedule = pipeline_schedule(rules, model, cfg)
+
     def reduced_grads(params, batch, key, factor):
-        grads, (loss_sum, count) = grad_fn(params, batch, key, factor)
+        if schedule is None:
+            grads, (loss_sum, count) = grad_fn(params, batch, key, factor)
+        else:
+            loss_sum, count, grads = model.pipeline_grads(
+                params, batch["inputs"], batch["targets"], schedule,
+                seed=1.0 if factor is None else factor, cast=lambda p: cast_floats(p, dtype))
         # Into the layout the update uses (rules.reduced_into): replicated -> all-reduce;
         # sharded (ZeRO-1's optimizer shard, ZeRO-2/3's gradient shard) -> reduce-scatter.
         return loss_sum, count, jax.lax.with_sharding_constraint(grads, layout.reduce_shardings)

@@ -11,7 +11,7 @@ public, and the remat policy is a parameter of the scan.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +20,9 @@ from flax import nnx
 from jaxshard import remat as remat_lib
 from jaxshard.axes import Dim
 from jaxshard.errors import ConfigError
+from jaxshard.parallel import pipeline
 from jaxshard.parallel.vocab import cross_entropy, table_copies
-from jaxshard.rules import for_compute
+from jaxshard.rules import active, constrain, for_compute
 from models.config import ModelConfig, Positions
 from models.layers import Block, Embedder, dropout, rope_tables
 
@@ -112,9 +113,7 @@ class TransformerLM:
              key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """(sum of token cross-entropies, number of tokens): callers divide once globally, so
         microbatches and shards add up to the full-batch mean exactly."""
-        if inputs_BL.shape[1] > self.cfg.max_seq_len:
-            raise ConfigError(f"--seq-len {inputs_BL.shape[1]} exceeds model {self.cfg.name}'s "
-                              f"max_seq_len {self.cfg.max_seq_len}")
+        self._check_seq_len(inputs_BL)
         k_embed, k_blocks = jax.random.split(key) if key is not None else (None, None)
         # One embedder for both ends (not embed() then head()): a tied table is gathered once
         # and its two gradients are summed before they are reduced.
@@ -126,6 +125,41 @@ class TransformerLM:
         logits_BLV = embedder.decode(x_BLD, table)
         nll_BL = cross_entropy(logits_BLV, targets_BL, self.cfg.vocab_size)
         return nll_BL.sum(), jnp.asarray(nll_BL.size, jnp.float32)
+
+    def pipeline_grads(self, params: Params, inputs_BL: jax.Array, targets_BL: jax.Array,
+                       schedule: pipeline.Schedule, *, seed: jax.Array | float = 1.0,
+                       cast: Callable[[Any], Any] = lambda p: p) -> tuple[jax.Array, jax.Array, Params]:
+        """(loss sum, tokens, gradients of ``seed`` x the loss sum) with the layer stack split
+        into pipeline stages over ``stage`` and run by ``schedule``. Microbatch ``i`` is rows
+        ``i, i + M, ...`` of the batch, so each stays spread over the batch shards.
+        ``cast``: applied to the params where they are used (the compute dtype)."""
+        self._check_seq_len(inputs_BL)
+        M = schedule.microbatches
+        B, L = inputs_BL.shape
+
+        def split(x_BL):
+            return constrain(x_BL.reshape(B // M, M, L).swapaxes(0, 1), (None, Dim.BATCH, None))
+
+        def embed(outer, tokens_BL):
+            return self.embed(cast(outer), tokens_BL)
+
+        def body(stack, x_BLD):
+            return self.blocks({BLOCKS: cast(stack)}, x_BLD)
+
+        def last(stack, outer, x_BLD, targets_BL):
+            logits_BLV = self.head(cast(outer), body(stack, x_BLD))
+            return cross_entropy(logits_BLV, targets_BL, self.cfg.vocab_size).sum()
+
+        outer = {k: v for k, v in params.items() if k != BLOCKS}
+        loss, d_stack, d_outer = pipeline.run(
+            schedule, active().context_mesh, embed=embed, body=body, last=last, blocks=params[BLOCKS],
+            outer=outer, inputs_MBL=split(inputs_BL), targets_MBL=split(targets_BL), seed=seed)
+        return loss, jnp.asarray(inputs_BL.size, jnp.float32), {**d_outer, BLOCKS: d_stack}
+
+    def _check_seq_len(self, inputs_BL: jax.Array) -> None:
+        if inputs_BL.shape[1] > self.cfg.max_seq_len:
+            raise ConfigError(f"--seq-len {inputs_BL.shape[1]} exceeds model {self.cfg.name}'s "
+                              f"max_seq_len {self.cfg.max_seq_len}")
 
     def _rope(self, length: int) -> tuple[jax.Array, jax.Array] | None:
         if self.cfg.positions is not Positions.ROPE:

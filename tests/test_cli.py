@@ -121,8 +121,13 @@ def test_microbatch_not_divisible_by_batch_axes():
      "vocab (50257) is not divisible by tensor=2 (use a vocab multiple: --vocab-multiple)"),
     (["--mesh", "data=2,sequence=4", "--seq-len", "30"], "--seq-len 30 is not divisible by sequence=4"),
     (["--mesh", "data=8", "--sequence-parallel"], "--sequence-parallel needs a tensor axis"),
-    (["--mesh", "stage=2,data=4"], "--mesh stage=2: pipeline parallelism (the stage axis) is not "
-                                   "implemented yet"),
+    (["--model", "tiny", "--mesh", "stage=4,data=2"], "model tiny has 2 layers, not divisible by stage=4"),
+    (["--mesh", "stage=2,data=4", "--batch-size", "16", "--microbatches", "8"],
+     "the microbatch of 2 (--batch-size 16 / --microbatches 8) is not divisible by the batch-sharding axes"),
+    (["--mesh", "stage=2,data=4", "--microbatches", "1"], "1f1b needs --microbatches >= the stages (2), got 1"),
+    (["--mesh", "stage=2,data=4", "--grad-accum", "2"], "--grad-accum with a stage axis"),
+    (["--mesh", "stage=2,data=4", "--dropout", "0.1"], "dropout with a stage axis is not implemented yet"),
+    (["--mesh", "data=8", "--pipeline-schedule", "gpipe"], "--pipeline-schedule needs a stage axis"),
     (["--mesh", "expert=2,fsdp=4"], "--mesh expert=2: expert parallelism (the expert axis) is not "
                                     "implemented yet"),
 ])

@@ -37,7 +37,7 @@ def causal_attention(q_BLKGH: jax.Array, k_BLKH: jax.Array, v_BLKH: jax.Array) -
     # Manual over the batch axes as well as the ring's; heads stay with the partitioner.
     spec = rules.activation_spec((Dim.BATCH, Dim.LENGTH), q_BLKGH.shape[:2])
     manual = spec_axes(spec)
-    return jax.shard_map(lambda q, k, v: _ring(q, k, v, axes, tuple(manual)), mesh=rules.mesh,
+    return jax.shard_map(lambda q, k, v: _ring(q, k, v, axes, tuple(manual)), mesh=rules.context_mesh,
                          in_specs=(spec, spec, spec), out_specs=spec,
                          axis_names=manual)(q_BLKGH, k_BLKH, v_BLKH)
 

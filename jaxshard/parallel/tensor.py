@@ -78,5 +78,5 @@ def column_parallel(x_BLD: jax.Array, weights: Sequence[jax.Array], specs: Seque
         replicated, x = x.astype(dtype), jax.lax.pcast(x, tuple(tensor), to="varying").astype(dtype)
         return [fn(x if s else replicated, w) for w, s in zip(ws, split)]
 
-    return jax.shard_map(local, mesh=rules.mesh, in_specs=(P(), *w_specs), out_specs=out_specs,
+    return jax.shard_map(local, mesh=rules.context_mesh, in_specs=(P(), *w_specs), out_specs=out_specs,
                          axis_names=manual)(x_BLD, *weights)

@@ -129,7 +129,7 @@ def project(x_BLD: jax.Array, table: jax.Array) -> jax.Array:
                                      preferred_element_type=jnp.float32)
         return logits.reshape(*logits.shape[:2], logits.shape[-1])
 
-    return jax.shard_map(local, mesh=rules.mesh, in_specs=(P(*batch), P(*batch, *_table_spec(rules))),
+    return jax.shard_map(local, mesh=rules.context_mesh, in_specs=(P(*batch), P(*batch, *_table_spec(rules))),
                          out_specs=P(*batch, None, axes or None),
                          axis_names=set(rules.batch_axes) | set(axes))(x_BLD, table)
 
@@ -176,7 +176,7 @@ def embed_lookup(table_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array:
         return jax.lax.psum(x, axes)
 
     table_spec = P(tuple(rules.batch_axes), axes or None, None) if copies else P(axes or None, None)
-    return jax.shard_map(local, mesh=rules.mesh, in_specs=(table_spec, tokens_spec),
+    return jax.shard_map(local, mesh=rules.context_mesh, in_specs=(table_spec, tokens_spec),
                          out_specs=out_spec, axis_names=manual)(table_VD, tokens_BL).astype(dtype)
 
 
@@ -204,6 +204,6 @@ def cross_entropy(logits_BLV: jax.Array, targets_BL: jax.Array, vocab_size: int)
         picked = jax.lax.psum(jnp.where(in_range, picked, 0.0), axes)
         return m + jnp.log(sum_exp) - picked
 
-    return jax.shard_map(local, mesh=rules.mesh, in_specs=(P(*token_spec, axes), token_spec),
+    return jax.shard_map(local, mesh=rules.context_mesh, in_specs=(P(*token_spec, axes), token_spec),
                          out_specs=token_spec, axis_names=spec_axes(token_spec) | set(axes)
                          )(logits_BLV, targets_BL)
