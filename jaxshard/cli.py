@@ -74,7 +74,7 @@ def _bool(text: str) -> bool:
 def train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Train a transformer LM on a device mesh (DDP, ZeRO-1/2/3, FSDP, HSDP, "
-                    "tensor, sequence and context parallelism).",
+                    "tensor, sequence, context and pipeline parallelism).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("model and mesh")
     g.add_argument("--model", default="tiny", help="preset name (see models/presets.py)")
