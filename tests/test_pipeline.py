@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from harness import RTOL, assert_live_shardings, assert_params_close, train
+from harness import RTOL, assert_live_shardings, assert_params_close, make_program, train
 from jaxshard import inspect
 from jaxshard.errors import ConfigError
 from jaxshard.parallel.pipeline import make_schedule
@@ -113,3 +113,22 @@ def test_pipeline_flags_without_a_stage_axis_are_errors(flags, message):
     model, _, _ = deep("tiny")
     with pytest.raises(ConfigError, match=re.escape(message)):
         train(model, "data=8", **flags)
+
+
+def test_1f1b_keeps_activations_flat_in_microbatches_where_gpipe_grows():
+    """Compiled temp bytes per device as M grows from P to 4P at a fixed microbatch size: GPipe
+    keeps every microbatch's stage input until the backward turn, 1F1B at most 2P - 1."""
+    model, _, _ = deep("tiny-llama")
+    stages, rows, seq = 4, 2, 64  # rows per microbatch per device (data=2)
+    one_input = rows * seq * model.cfg.d_model * 4  # a stage input, float32
+
+    def temp(kind, m):
+        program = make_program(model, "stage=4,data=2", pipeline_schedule=kind, microbatches=m)
+        return program.lower_step(m * rows * 2, seq).compile().memory_analysis().temp_size_in_bytes
+
+    gpipe = [temp("gpipe", m) for m in (stages, 4 * stages)]
+    ones = [temp("1f1b", m) for m in (stages, 2 * stages, 4 * stages)]
+    assert gpipe[1] - gpipe[0] >= 0.9 * 3 * stages * one_input  # + 3P inputs
+    assert ones[2] - ones[1] < one_input  # flat once M > 2P - 1
+    # From P to 2P - 1 kept inputs (and the larger batch's token copies, a fraction of one).
+    assert ones[2] - ones[0] <= (stages - 1 + 0.5) * one_input
