@@ -89,7 +89,8 @@ def uninterrupted(tmp_path_factory):
     return d, losses(d / "m.jsonl")
 
 
-@pytest.mark.parametrize("mesh, devices", [("fsdp=8", 8), ("data=4,fsdp=2", 8), ("data=1", 1)])
+@pytest.mark.parametrize("mesh, devices", [("fsdp=8", 8), ("data=4,fsdp=2", 8), ("data=1", 1),
+                                           ("stage=2,data=4", 8)])  # into a pipeline
 def test_resume_on_another_mesh_continues_exactly(tmp_path, uninterrupted, mesh, devices):
     source, want = uninterrupted
     ck = tmp_path / "ck"
@@ -102,6 +103,24 @@ def test_resume_on_another_mesh_continues_exactly(tmp_path, uninterrupted, mesh,
     got = losses(tmp_path / "m.jsonl")
     assert sorted(got) == list(range(6, 11))
     assert_close(got, want, range(6, 11))
+
+
+def test_a_pipeline_checkpoint_resumes_without_stages(tmp_path):
+    """Saved on data=2,stage=2,tensor=2 (each device holding half the layer stack), resumed on
+    fsdp=8 and on one device: the next losses are the uninterrupted pipeline run's."""
+    r = run(["--mesh", "data=2,stage=2,tensor=2", "--steps", "6", "--save-every", "3", "--keep", "3",
+             "--checkpoint-dir", str(tmp_path / "ck"), "--metrics", str(tmp_path / "pp.jsonl")])
+    assert r.returncode == 0, r.stderr
+    want = losses(tmp_path / "pp.jsonl")
+    shutil.rmtree(tmp_path / "ck" / "6")  # resume from step 3
+    for mesh, devices in (("fsdp=8", 8), ("data=1", 1)):
+        ck = tmp_path / mesh
+        shutil.copytree(tmp_path / "ck", ck)
+        r = run(["--mesh", mesh, "--steps", "6", "--checkpoint-dir", str(ck), "--resume",
+                 "--metrics", str(tmp_path / f"{mesh}.jsonl")], devices=devices)
+        assert r.returncode == 0, r.stderr
+        assert "resumed from" in r.stdout
+        assert_close(losses(tmp_path / f"{mesh}.jsonl"), want, range(4, 7))
 
 
 def test_killed_during_training_resumes_from_the_last_checkpoint(tmp_path, uninterrupted):
