@@ -25,7 +25,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from jaxshard import hlo
-from jaxshard.axes import Dim
+from jaxshard.axes import Dim, MeshAxis
 from jaxshard.parallel.vectors import two_stage
 from jaxshard.parallel.vocab import reduces_tied_once
 from jaxshard.pytree import named_leaves
@@ -278,6 +278,21 @@ class Communication:
         for t in self.transfers:
             out[(t.kind, t.axes)] = out.get((t.kind, t.axes), 0) + t.total
         return out
+
+
+def pipeline_transfers(model: Any, rules: ShardingRules, schedule: Any, batch_size: int, seq_len: int,
+                       compute_dtype: str = "float32") -> list[Transfer]:
+    """What a pipeline's stages send each other per step, per device: every tick one stage
+    input (a microbatch's residual stream, in its layout: SP splits its length) to the next
+    stage and one gradient of it to the previous. In lockstep SPMD a tick's send runs whether
+    or not the stage has a microbatch to pass, so it is ``ticks`` sends per direction where the
+    textbook's is M (the executor's idle ticks carry zeros)."""
+    rows = batch_size // schedule.microbatches // rules.size(rules.batch_axes)
+    length = seq_len // rules.size(rules.activation_mesh_axes(Dim.RESIDUAL_LENGTH))
+    one = rows * length * model.cfg.d_model * dtype_bytes(compute_dtype)
+    stage = rules.active_axes((MeshAxis.STAGE,))
+    return [Transfer("collective-permute", stage, one, schedule.ticks, "stage inputs to the next stage", 2),
+            Transfer("collective-permute", stage, one, schedule.ticks, "their gradients to the previous stage", 2)]
 
 
 def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,

@@ -69,6 +69,7 @@ class Program:
     step: Callable  # (state, batch) -> (state, metrics); donates state
     eval: Callable  # (params, batch) -> mean loss
     loss: Callable  # (params, batch, key) -> (loss sum, tokens), unjitted, under the rules
+    schedule: pipeline.Schedule | None = None  # with a stage axis: the pipeline's
 
     def abstract_batch(self, batch_size: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
         x = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=self.batch_sharding)
@@ -204,7 +205,7 @@ def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig
     replicated = rules.replicated()
     return Program(
         rules=rules, layout=layout, batch_sharding=batch_sharding,
-        init=build_init(model, tx, layout, initial_scale), loss=loss_and_count,
+        init=build_init(model, tx, layout, initial_scale), loss=loss_and_count, schedule=schedule,
         step=jax.jit(step, in_shardings=(layout.shardings, batch_sharding),
                      out_shardings=(layout.shardings, replicated), donate_argnums=0,
                      compiler_options=runtime.xla_options()),

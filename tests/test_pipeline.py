@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from harness import RTOL, assert_live_shardings, assert_params_close, make_program, train
-from jaxshard import inspect
+from jaxshard import accounting, inspect
 from jaxshard.errors import ConfigError
 from jaxshard.parallel.pipeline import make_schedule
 from models import TransformerLM, get_preset
@@ -91,14 +91,29 @@ def test_pipeline_matches_one_device(name, mesh, schedule, microbatches, zero):
         assert leaf.addressable_shards[0].data.shape[0] == leaf.shape[0] // stages
 
 
-def test_stages_pass_activations_and_never_gather_each_others_weights():
+@pytest.mark.parametrize("mesh, schedule, microbatches, sp", [
+    ("stage=4,data=2", "1f1b", 4, False), ("stage=2,data=4", "gpipe", 2, False),
+    ("data=2,stage=2,tensor=2", "1f1b", 4, True)])
+def test_stage_sends_match_the_prediction_and_no_weights_cross_stages(mesh, schedule, microbatches, sp):
     model, _, _ = deep("tiny-llama")
-    _, state, program = train(model, "stage=4,data=2", pipeline_schedule="1f1b", microbatches=4)
+    program = make_program(model, mesh, pipeline_schedule=schedule, microbatches=microbatches,
+                           sequence_parallel=sp)
     compiled = program.lower_step(16, 32).compile()
     found = inspect.compiled_collectives(compiled, program.rules.mesh)
     on_stage = [c for c in found if "stage" in c.axes]
-    assert any(c.kind == "collective-permute" for c in on_stage), found
+    sent = sum(c.bytes * c.executions for c in on_stage if c.kind == "collective-permute")
+    predicted = sum(t.total for t in accounting.pipeline_transfers(model, program.rules, program.schedule, 16, 32))
+    assert sent and abs(sent - predicted) <= 0.05 * predicted, (sent, predicted)
+    # Across stages only activations, their gradients, the outer params' gradient sum and the
+    # loss move: nothing is gathered, and no all-reduce is the size of a layer's weights.
     assert not [c for c in on_stage if c.kind == "all-gather"], on_stage
+    layer = {tuple(x.shape[1:]) for x in jax.tree.leaves(model.abstract_params()["blocks"]) if x.ndim > 2}
+    assert not [c for c in on_stage if c.kind == "all-reduce" and set(c.shapes) & layer], on_stage
+
+
+def test_each_device_holds_its_stage_of_the_layer_stack():
+    model, _, _ = deep("tiny-llama")
+    _, state, program = train(model, "stage=4,data=2", pipeline_schedule="1f1b", microbatches=4)
     # Per device: about a quarter of the layer stack (plus the replicated embedding ends).
     stack = sum(x.nbytes for x in jax.tree.leaves(state.params["blocks"]))
     held = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.params["blocks"]))
