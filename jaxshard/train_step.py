@@ -111,8 +111,6 @@ def pipeline_schedule(rules: ShardingRules, model: Any, cfg: StepConfig) -> pipe
     if cfg.grad_accum != 1:
         raise ConfigError("--grad-accum with a stage axis: a pipeline accumulates over its "
                           "microbatches; use --microbatches")
-    if model.cfg.dropout:
-        raise ConfigError("dropout with a stage axis is not implemented yet (use --dropout 0)")
     if rules.activation_mesh_axes(Dim.LENGTH):
         raise ConfigError("a stage axis with context parallelism (sequence > 1) is not implemented yet")
     if rules.strategy.offload:
@@ -155,7 +153,7 @@ def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig
             grads, (loss_sum, count) = grad_fn(params, batch, key, factor)
         else:
             loss_sum, count, grads = model.pipeline_grads(
-                params, batch["inputs"], batch["targets"], schedule,
+                params, batch["inputs"], batch["targets"], schedule, key=key,
                 seed=1.0 if factor is None else factor, cast=lambda p: cast_floats(p, dtype))
         # Into the layout the update uses (rules.reduced_into): replicated -> all-reduce;
         # sharded (ZeRO-1's optimizer shard, ZeRO-2/3's gradient shard) -> reduce-scatter.

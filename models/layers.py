@@ -7,7 +7,10 @@ F d_mlp, V vocab.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -52,12 +55,35 @@ def token_einsum(spec: str, x: jax.Array, w: jax.Array, out_axes: tuple | None =
     return constrain(y, out_axes) if out_axes is not None else y
 
 
+# While a pipeline runs microbatch i of M (rows i, i + M, ... of the batch): (i, M). Dropout
+# then draws the whole batch's mask and keeps the microbatch's rows, so a pipelined step drops
+# exactly what the unpipelined one does.
+_MICROBATCH: contextvars.ContextVar[tuple[jax.Array, int] | None] = contextvars.ContextVar(
+    "microbatch", default=None)
+
+
+@contextlib.contextmanager
+def microbatch_rows(index: jax.Array, count: int) -> Iterator[None]:
+    token = _MICROBATCH.set((index, count))
+    try:
+        yield
+    finally:
+        _MICROBATCH.reset(token)
+
+
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     """Inverted dropout. The mask is drawn at the global shape inside the jitted step, so with
-    partitionable threefry it is the same on any mesh (sharding-invariant)."""
+    partitionable threefry it is the same on any mesh (sharding-invariant); inside a pipeline's
+    microbatch (:func:`microbatch_rows`) it is the microbatch's rows of the whole batch's mask."""
     if key is None or rate == 0.0:
         return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    micro = _MICROBATCH.get()
+    if micro is None:
+        keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    else:
+        index, count = micro
+        every = jax.random.bernoulli(key, 1.0 - rate, (x.shape[0], count, *x.shape[1:]))
+        keep = jax.lax.dynamic_index_in_dim(every, index, axis=1, keepdims=False)
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 

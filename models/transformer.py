@@ -24,7 +24,7 @@ from jaxshard.parallel import pipeline
 from jaxshard.parallel.vocab import cross_entropy, table_copies
 from jaxshard.rules import active, constrain, for_compute
 from models.config import ModelConfig, Positions
-from models.layers import Block, Embedder, dropout, rope_tables
+from models.layers import Block, Embedder, dropout, microbatch_rows, rope_tables
 
 Params = dict[str, Any]
 BLOCKS = "blocks"
@@ -93,9 +93,11 @@ class TransformerLM:
         block = nnx.merge(self._block_def, for_compute(layer_params, self.block_axes))
         return block(x_BLD, self._rope(x_BLD.shape[1]), key)
 
-    def blocks(self, params: Params, x_BLD: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
-        """All layers: a scan over the stacked params, remat'd by the model's policy."""
-        keys = None if key is None else jax.random.split(key, self.cfg.n_layers)
+    def blocks(self, params: Params, x_BLD: jax.Array, *, key: jax.Array | None = None,
+               layer_keys: jax.Array | None = None) -> jax.Array:
+        """All layers of ``params``' stack: a scan, remat'd by the model's policy. Dropout keys:
+        ``key`` split per layer, or ``layer_keys`` one per layer."""
+        keys = layer_keys if key is None else jax.random.split(key, self.cfg.n_layers)
 
         def body(x, layer):
             layer_params, layer_key = layer
@@ -127,33 +129,48 @@ class TransformerLM:
         return nll_BL.sum(), jnp.asarray(nll_BL.size, jnp.float32)
 
     def pipeline_grads(self, params: Params, inputs_BL: jax.Array, targets_BL: jax.Array,
-                       schedule: pipeline.Schedule, *, seed: jax.Array | float = 1.0,
+                       schedule: pipeline.Schedule, *, key: jax.Array | None = None,
+                       seed: jax.Array | float = 1.0,
                        cast: Callable[[Any], Any] = lambda p: p) -> tuple[jax.Array, jax.Array, Params]:
         """(loss sum, tokens, gradients of ``seed`` x the loss sum) with the layer stack split
         into pipeline stages over ``stage`` and run by ``schedule``. Microbatch ``i`` is rows
-        ``i, i + M, ...`` of the batch, so each stays spread over the batch shards.
-        ``cast``: applied to the params where they are used (the compute dtype)."""
+        ``i, i + M, ...`` of the batch, so each stays spread over the batch shards; dropout
+        (``key``) drops what :meth:`loss` would. ``cast``: applied to the params where they are
+        used (the compute dtype)."""
         self._check_seq_len(inputs_BL)
-        M = schedule.microbatches
+        M, stages = schedule.microbatches, schedule.stages
         B, L = inputs_BL.shape
+        per_stage = self.cfg.n_layers // stages
 
         def split(x_BL):
             return constrain(x_BL.reshape(B // M, M, L).swapaxes(0, 1), (None, Dim.BATCH, None))
 
-        def embed(outer, tokens_BL):
-            return self.embed(cast(outer), tokens_BL)
+        def keys(key):  # as loss() splits them: the embedding's, then one per layer
+            if key is None:
+                return None, None
+            k_embed, k_blocks = jax.random.split(key)
+            return k_embed, jax.random.split(k_blocks, self.cfg.n_layers)
 
-        def body(stack, x_BLD):
-            return self.blocks({BLOCKS: cast(stack)}, x_BLD)
+        def embed(outer, tokens_BL, i, key):
+            with microbatch_rows(i, M):
+                return self.embed(cast(outer), tokens_BL, key=keys(key)[0])
 
-        def last(stack, outer, x_BLD, targets_BL):
-            logits_BLV = self.head(cast(outer), body(stack, x_BLD))
+        def body(stack, x_BLD, i, key):
+            layer_keys = keys(key)[1]
+            if layer_keys is not None:
+                start = jax.lax.axis_index(pipeline.STAGE) * per_stage
+                layer_keys = jax.lax.dynamic_slice_in_dim(layer_keys, start, per_stage)
+            with microbatch_rows(i, M):
+                return self.blocks({BLOCKS: cast(stack)}, x_BLD, layer_keys=layer_keys)
+
+        def last(stack, outer, x_BLD, targets_BL, i, key):
+            logits_BLV = self.head(cast(outer), body(stack, x_BLD, i, key))
             return cross_entropy(logits_BLV, targets_BL, self.cfg.vocab_size).sum()
 
         outer = {k: v for k, v in params.items() if k != BLOCKS}
         loss, d_stack, d_outer = pipeline.run(
             schedule, active().context_mesh, embed=embed, body=body, last=last, blocks=params[BLOCKS],
-            outer=outer, inputs_MBL=split(inputs_BL), targets_MBL=split(targets_BL), seed=seed)
+            outer=outer, inputs_MBL=split(inputs_BL), targets_MBL=split(targets_BL), seed=seed, aux=key)
         return loss, jnp.asarray(inputs_BL.size, jnp.float32), {**d_outer, BLOCKS: d_stack}
 
     def _check_seq_len(self, inputs_BL: jax.Array) -> None:

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from harness import RTOL, assert_live_shardings, assert_params_close, make_program, train
+from harness import RTOL, assert_live_shardings, assert_params_close, make_program, reference, train
 from jaxshard import accounting, inspect
 from jaxshard.errors import ConfigError
 from jaxshard.parallel.pipeline import make_schedule
@@ -147,3 +147,13 @@ def test_1f1b_keeps_activations_flat_in_microbatches_where_gpipe_grows():
     assert ones[2] - ones[1] < one_input  # flat once M > 2P - 1
     # From P to 2P - 1 kept inputs (and the larger batch's token copies, a fraction of one).
     assert ones[2] - ones[0] <= (stages - 1 + 0.5) * one_input
+
+
+@pytest.mark.parametrize("mesh, schedule, microbatches", [("stage=2,data=4", "1f1b", 4),
+                                                          ("data=2,stage=2,tensor=2", "gpipe", 2)])
+def test_dropout_under_a_pipeline_drops_what_one_device_drops(mesh, schedule, microbatches):
+    ref_losses, ref_params = reference("tiny", 1, 0.1)
+    model = TransformerLM(get_preset("tiny").replace(dropout=0.1))
+    losses, state, _ = train(model, mesh, pipeline_schedule=schedule, microbatches=microbatches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    assert_params_close(state.params, ref_params)

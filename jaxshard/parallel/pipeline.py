@@ -99,14 +99,16 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         body: Callable[[Any, jax.Array], jax.Array],
         last: Callable[[Any, Any, jax.Array, jax.Array], jax.Array],
         blocks: Any, outer: Any, inputs_MBL: jax.Array, targets_MBL: jax.Array,
-        seed: jax.Array | float = 1.0) -> tuple[jax.Array, Any, Any]:
+        seed: jax.Array | float = 1.0, aux: Any = None) -> tuple[jax.Array, Any, Any]:
     """Loss sum and gradients of one step under ``schedule``.
 
-    ``embed(outer, tokens) -> x``; ``body(blocks, x) -> y`` runs one stage's layers (``blocks``
-    is the stage's slice of the stack); ``last(blocks, outer, x, targets) -> loss sum`` runs the
-    last stage's layers, the head and the loss. ``inputs_MBL``/``targets_MBL``: the step's
-    microbatches. ``seed``: the cotangent of the loss sum (a loss scale). Returns the loss sum
-    over all microbatches, the stack's gradients (laid out as ``blocks``) and the outer params'.
+    ``embed(outer, tokens, i, aux) -> x``; ``body(blocks, x, i, aux) -> y`` runs one stage's
+    layers (``blocks`` is the stage's slice of the stack); ``last(blocks, outer, x, targets, i,
+    aux) -> loss sum`` runs the last stage's layers, the head and the loss; ``i`` is the
+    microbatch, ``aux`` is passed through (e.g. a dropout key), replicated.
+    ``inputs_MBL``/``targets_MBL``: the step's microbatches. ``seed``: the cotangent of the loss
+    sum (a loss scale). Returns the loss sum over all microbatches, the stack's gradients (laid
+    out as ``blocks``) and the outer params'.
     """
     Pn, K = schedule.stages, schedule.slots
     fwd_table, bwd_table = jnp.asarray(schedule.fwd), jnp.asarray(schedule.bwd)
@@ -114,33 +116,33 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
     to_next = [(s, s + 1) for s in range(Pn - 1)]
     to_prev = [(s + 1, s) for s in range(Pn - 1)]
 
-    def local(blocks, outer, inputs, targets, seed):
+    def local(blocks, outer, inputs, targets, seed, aux):
         s = jax.lax.axis_index(STAGE)
         first, final = s == 0, s == Pn - 1
-        x_shape = jax.eval_shape(embed, outer, inputs[0])
+        x_shape = jax.eval_shape(embed, outer, inputs[0], 0, aux)
         zeros_x = jnp.zeros(x_shape.shape, x_shape.dtype)
         zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
 
         def stage_input(i, received):
-            return jax.lax.cond(first, lambda: embed(outer, inputs[i]), lambda: received)
+            return jax.lax.cond(first, lambda: embed(outer, inputs[i], i, aux), lambda: received)
 
         def backward(j, stash, received_g):
             x_in = stash[j % K]
 
             def middle():
-                _, vjp = jax.vjp(body, blocks, x_in)
+                _, vjp = jax.vjp(lambda b, x: body(b, x, j, aux), blocks, x_in)
                 d_blocks, d_x = vjp(received_g)
                 return jnp.zeros((), jnp.float32), d_blocks, zeros(outer), d_x
 
             def end():
-                loss, vjp = jax.vjp(lambda b, o, x: last(b, o, x, targets[j]), blocks, outer, x_in)
+                loss, vjp = jax.vjp(lambda b, o, x: last(b, o, x, targets[j], j, aux), blocks, outer, x_in)
                 d_blocks, d_outer, d_x = vjp(seed.astype(loss.dtype))
                 return loss, d_blocks, d_outer, d_x
 
             loss, d_blocks, d_outer, d_x = jax.lax.cond(final, end, middle)
             # Stage 0: the gradient of its input goes into the embedding.
             d_outer = jax.lax.cond(first, lambda: jax.tree.map(
-                jnp.add, d_outer, jax.vjp(lambda o: embed(o, inputs[j]), outer)[1](d_x)[0]),
+                jnp.add, d_outer, jax.vjp(lambda o: embed(o, inputs[j], j, aux), outer)[1](d_x)[0]),
                 lambda: d_outer)
             return loss, d_blocks, d_outer, d_x
 
@@ -155,7 +157,7 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
             i_ = jnp.maximum(i, 0)
             x_in = jax.lax.cond(i >= 0, lambda: stage_input(i_, received_x), lambda: zeros_x)
             stash = jax.lax.cond(i >= 0, lambda: stash.at[i_ % K].set(x_in), lambda: stash)
-            y = jax.lax.cond((i >= 0) & ~final, lambda: body(blocks, x_in), lambda: zeros_x)
+            y = jax.lax.cond((i >= 0) & ~final, lambda: body(blocks, x_in, i_, aux), lambda: zeros_x)
             # Backward slot.
             loss, d_blocks, d_outer, d_x = jax.lax.cond(
                 j >= 0, backward, idle_backward, jnp.maximum(j, 0), stash, received_g)
@@ -174,5 +176,5 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
     stacked = jax.tree.map(lambda _: P(STAGE), blocks)
     replicated = jax.tree.map(lambda _: P(), outer)
     return jax.shard_map(local, mesh=mesh, axis_names=frozenset({STAGE}), check_vma=False,
-                         in_specs=(stacked, replicated, P(), P(), P()),
-                         out_specs=(P(), stacked, replicated))(blocks, outer, inputs_MBL, targets_MBL, seed)
+                         in_specs=(stacked, replicated, P(), P(), P(), jax.tree.map(lambda _: P(), aux)),
+                         out_specs=(P(), stacked, replicated))(blocks, outer, inputs_MBL, targets_MBL, seed, aux)
