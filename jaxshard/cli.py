@@ -108,7 +108,7 @@ def train_parser() -> argparse.ArgumentParser:
                    help="ZeRO-Offload: keep state in host memory between uses: optimizer (Adam's "
                         "moments and the float32 master copy), params (ZeRO-3/FSDP's shards), "
                         "optimizer,params, or none")
-    g.add_argument("--pipeline-schedule", default=None, choices=pipeline.SCHEDULES,
+    g.add_argument("--pipeline-schedule", default=None, metavar="|".join(pipeline.SCHEDULES),
                    help="with a stage axis: naive (one microbatch through the stages in turn), "
                         "gpipe (all forwards, then all backwards), 1f1b (one forward and one "
                         "backward per tick: at most 2 x stages inputs kept); default 1f1b")

@@ -118,7 +118,7 @@ def pipeline_schedule(rules: ShardingRules, model: Any, cfg: StepConfig) -> pipe
     if Remat.parse(getattr(model, "remat", Remat.NONE)).kind is Kind.OFFLOAD:
         raise ConfigError("--remat offload with a stage axis is not implemented yet")
     default = 1 if kind == "naive" else stages
-    return pipeline.make_schedule(kind, stages, cfg.microbatches or default)
+    return pipeline.make_schedule(kind, stages, default if cfg.microbatches is None else cfg.microbatches)
 
 
 def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig,
