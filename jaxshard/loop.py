@@ -21,7 +21,7 @@ from jaxshard.errors import ConfigError, DataError, TrainingError
 from jaxshard.mesh import axis_sizes, build_mesh
 from jaxshard.metrics import MetricsLog, progress, write_json_atomic
 from jaxshard.rules import ShardingRules
-from jaxshard.train_step import Program, build_program, check_batch, pipeline_schedule
+from jaxshard.train_step import Program, build_program, check_batch
 
 
 def _log(msg: str) -> None:
@@ -83,14 +83,13 @@ def train(cfg: TrainConfig, model: Any) -> dict[str, Any]:
     B, L = cfg.batch_size, cfg.seq_len
     mesh = build_mesh(cfg.mesh, dcn=cfg.dcn_mesh)
     rules = ShardingRules(mesh, cfg.strategy)
-    schedule = pipeline_schedule(rules, model, cfg.step)
-    check_batch(rules, B, L, cfg.step.grad_accum, schedule.microbatches if schedule else 1)
+    program = build_program(model, rules, cfg.optim, cfg.step)  # nothing compiled yet
+    check_batch(rules, B, L, cfg.step.grad_accum, program.schedule.microbatches if program.schedule else 1)
     corpus = data_lib.load_corpus(cfg.data)
     _check_model_fits_data(model, corpus, L)
     if cfg.export:
         check_export_path(cfg.export)
 
-    program = build_program(model, rules, cfg.optim, cfg.step)
     ckpt = Checkpointer(cfg.checkpoint) if cfg.checkpoint.directory else None
     try:
         return _train(cfg, model, rules, corpus, program, ckpt)
@@ -106,7 +105,7 @@ def _train(cfg: TrainConfig, model: Any, rules: ShardingRules, corpus: data_lib.
     _log(f"model {model.cfg.name}: {model.n_params():,} params | mesh {axis_sizes(mesh)} | "
          f"strategy {rules.name} | remat {model.remat} | {jax.device_count()} {jax.default_backend()} devices"
          + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""))
-    schedule = pipeline_schedule(rules, model, cfg.step)
+    schedule = program.schedule
     if schedule:
         _log(f"pipeline {schedule.kind}: {schedule.stages} stages x {model.cfg.n_layers // schedule.stages} "
              f"layers, {schedule.microbatches} microbatches in {schedule.ticks} ticks, "
@@ -221,7 +220,7 @@ def _train(cfg: TrainConfig, model: Any, rules: ShardingRules, corpus: data_lib.
     if cfg.export:
         _log(f"exported params to {export_params(state.params, cfg.export)}")
     report = _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compile_s,
-                     throughput, flops, peak_source)
+                     throughput, flops, peak_source, schedule)
     if cfg.report and jax.process_index() == 0:
         write_json_atomic(cfg.report, report)
     return report
@@ -246,13 +245,12 @@ def run_pipelined(steps: range, dispatch: Callable[[int], Any], complete: Callab
 
 
 def _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compile_s, throughput,
-            flops, peak_source) -> dict[str, Any]:
+            flops, peak_source, schedule) -> dict[str, Any]:
     B, L = cfg.batch_size, cfg.seq_len
     timed = [r["step_time_s"] for r in records[1:]] or [records[0]["step_time_s"]]
     median = throughput(float(np.median(timed)))
     kwargs = {"compute_dtype": cfg.step.compute_dtype, "remat": model.remat, "grad_accum": cfg.step.grad_accum,
               "param_dtype": cfg.step.param_dtype}
-    schedule = pipeline_schedule(rules, model, cfg.step)
     comm = accounting.communication(model, rules, B, L, **kwargs)
     predicted_memory = accounting.memory(model, rules, B, L, **kwargs)
     report = {

@@ -123,6 +123,7 @@ def pipeline_schedule(rules: ShardingRules, model: Any, cfg: StepConfig) -> pipe
 
 def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig,
                   cfg: StepConfig) -> Program:
+    schedule = pipeline_schedule(rules, model, cfg)  # its errors name the flags
     rules.check_model(model.param_axes(), model.abstract_params())
     if Remat.parse(getattr(model, "remat", Remat.NONE)).kind is Kind.OFFLOAD:
         check_host_memory(rules.mesh, "--remat offload")
@@ -145,8 +146,6 @@ def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig
         return (loss_sum if factor is None else loss_sum * factor), (loss_sum, count)
 
     grad_fn = jax.grad(scaled_loss, has_aux=True)
-
-    schedule = pipeline_schedule(rules, model, cfg)
 
     def reduced_grads(params, batch, key, factor):
         if schedule is None:

@@ -127,6 +127,10 @@ def test_microbatch_not_divisible_by_batch_axes():
     (["--mesh", "stage=2,data=4", "--microbatches", "1"], "1f1b needs --microbatches >= the stages (2), got 1"),
     (["--mesh", "stage=2,data=4", "--grad-accum", "2"], "--grad-accum with a stage axis"),
     (["--mesh", "stage=2,data=4", "--microbatches", "0"], "--microbatches must be >= 1, got 0"),
+    (["--mesh", "stage=2,sequence=4"], "a stage axis with context parallelism (sequence > 1) is not "
+                                       "implemented yet"),
+    (["--mesh", "stage=2,data=4", "--offload", "optimizer"], "--offload with a stage axis is not "
+                                                             "implemented yet"),
     (["--mesh", "stage=2,data=4", "--pipeline-schedule", "zb"],
      "--pipeline-schedule must be one of naive, gpipe, 1f1b, got 'zb'"),
     (["--mesh", "data=8", "--pipeline-schedule", "gpipe"], "--pipeline-schedule needs a stage axis"),

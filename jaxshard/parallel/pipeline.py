@@ -75,29 +75,31 @@ def make_schedule(kind: str, stages: int, microbatches: int) -> Schedule:
         raise ConfigError(f"--microbatches must be >= 1, got {M}")
     if kind == "1f1b" and M < Pn:
         raise ConfigError(f"--pipeline-schedule 1f1b needs --microbatches >= the stages ({Pn}), got {M}")
+    # Microbatch i runs forward on stage s at tick i + s in every schedule; they differ in when
+    # it runs backward, and so in how many stage inputs a stage holds.
     if kind == "1f1b":
         ticks, slots = M + 2 * Pn - 2, min(M, 2 * Pn - 1)
-        fwd_at = lambda i, s: i + s  # noqa: E731
-        bwd_at = lambda i, s: i + 2 * Pn - 2 - s  # noqa: E731
+
+        def bwd_at(i: int, s: int) -> int:
+            return i + 2 * Pn - 2 - s
     else:
         # The last stage's backward of microbatch M-1 starts as soon as its forward is done.
         start = M + Pn - 2
         ticks, slots = start + M + Pn - 1, M
-        fwd_at = lambda i, s: i + s  # noqa: E731
-        bwd_at = lambda i, s: start + (M - 1 - i) + (Pn - 1 - s)  # noqa: E731
+
+        def bwd_at(i: int, s: int) -> int:
+            return start + (M - 1 - i) + (Pn - 1 - s)
     fwd = np.full((ticks, Pn), -1, np.int32)
     bwd = np.full((ticks, Pn), -1, np.int32)
     for i in range(M):
         for s in range(Pn):
-            fwd[fwd_at(i, s), s] = i
+            fwd[i + s, s] = i
             bwd[bwd_at(i, s), s] = i
     return Schedule(kind, Pn, M, fwd, bwd, slots)
 
 
 def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
-        embed: Callable[[Any, jax.Array], jax.Array],
-        body: Callable[[Any, jax.Array], jax.Array],
-        last: Callable[[Any, Any, jax.Array, jax.Array], jax.Array],
+        embed: Callable[..., jax.Array], body: Callable[..., jax.Array], last: Callable[..., jax.Array],
         blocks: Any, outer: Any, inputs_MBL: jax.Array, targets_MBL: jax.Array,
         seed: jax.Array | float = 1.0, aux: Any = None) -> tuple[jax.Array, Any, Any]:
     """Loss sum and gradients of one step under ``schedule``.
