@@ -111,10 +111,20 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-schedule", default=None, metavar="|".join(pipeline.SCHEDULES),
                    help="with a stage axis: naive (one microbatch through the stages in turn), "
                         "gpipe (all forwards, then all backwards), 1f1b (one forward and one "
-                        "backward per tick: at most 2 x stages inputs kept); default 1f1b")
+                        "backward per tick: at most 2 x stages inputs kept), interleaved (1f1b over "
+                        "--virtual-stages chunks per stage); default 1f1b")
     g.add_argument("--microbatches", type=int, default=None,
                    help="with a stage axis: microbatches per step (default: the stages; naive: 1); "
-                        "the bubble is (stages - 1) / (microbatches + stages - 1)")
+                        "the bubble is (stages - 1) / (virtual x microbatches + stages - 1)")
+    g.add_argument("--virtual-stages", type=int, default=None,
+                   help="interleaved: chunks of layers per stage, stage s holding chunks s, s + "
+                        "stages, ... (default 2)")
+    g.add_argument("--stage-layers", default=None, metavar="N1,N2,...",
+                   help="layers of each (virtual) stage in pipeline order, e.g. 3,3,2 (default: "
+                        "an even split)")
+    g.add_argument("--balance", default=None, metavar="flops|profile",
+                   help="choose --stage-layers so the slowest stage is fastest: from the FLOPs "
+                        "model, or by timing a layer, the embedding and the head on this machine")
     g.add_argument("--dropout", type=float, default=None, help="override the preset's dropout")
     g.add_argument("--compute-dtype", default=None, choices=DTYPES,
                    help="dtype of matmuls (norms, softmax and the loss stay float32); default: "
@@ -205,11 +215,21 @@ def _step_config(a: argparse.Namespace) -> StepConfig:
              if v is not None}
     step = StepConfig(grad_accum=a.grad_accum, compute_dtype=compute, seed=a.seed,
                       param_dtype=a.param_dtype, pipeline_schedule=a.pipeline_schedule,
-                      microbatches=a.microbatches, **scale)
+                      microbatches=a.microbatches, virtual_stages=a.virtual_stages,
+                      stage_layers=_counts(a.stage_layers), balance=a.balance, **scale)
     if scale and not step.scaled:
         raise ConfigError("--loss-scale and --loss-scale-period apply to float16 training only "
                           "(--compute-dtype or --param-dtype float16)")
     return step
+
+
+def _counts(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--stage-layers expects comma-separated layer counts like 3,3,2, got {text!r}") from None
 
 
 def _offload(text: str) -> tuple[str, ...]:

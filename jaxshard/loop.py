@@ -3,6 +3,7 @@ checkpoint, report."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
@@ -21,7 +22,7 @@ from jaxshard.errors import ConfigError, DataError, TrainingError
 from jaxshard.mesh import axis_sizes, build_mesh
 from jaxshard.metrics import MetricsLog, progress, write_json_atomic
 from jaxshard.rules import ShardingRules
-from jaxshard.train_step import Program, build_program, check_batch
+from jaxshard.train_step import Program, balance_stages, build_program, check_batch
 
 
 def _log(msg: str) -> None:
@@ -52,7 +53,8 @@ def _fault(kind: str, step: int) -> None:
 def _start(cfg: TrainConfig, program: Program, model: Any, ckpt: Checkpointer | None):
     """The initial state, its step and global sample offset: fresh, or the latest checkpoint."""
     if ckpt is not None and cfg.checkpoint.resume and ckpt.latest_step() is not None:
-        state, meta = ckpt.restore(program.layout.abstract, param_shapes(model.abstract_params()))
+        state, meta = ckpt.restore(program.saved_abstract, param_shapes(model.abstract_params()))
+        state = program.unsaved(state)
         if meta["seed"] != cfg.step.seed:
             raise ConfigError(f"the checkpoint was trained with --seed {meta['seed']}; resume with it "
                               f"(got --seed {cfg.step.seed})")
@@ -83,6 +85,10 @@ def train(cfg: TrainConfig, model: Any) -> dict[str, Any]:
     B, L = cfg.batch_size, cfg.seq_len
     mesh = build_mesh(cfg.mesh, dcn=cfg.dcn_mesh)
     rules = ShardingRules(mesh, cfg.strategy)
+    if cfg.step.balance:
+        step, line = balance_stages(model, rules, cfg.step, B, L)
+        _log(line)
+        cfg = dataclasses.replace(cfg, step=step)
     program = build_program(model, rules, cfg.optim, cfg.step)  # nothing compiled yet
     check_batch(rules, B, L, cfg.step.grad_accum, program.schedule.microbatches if program.schedule else 1)
     corpus = data_lib.load_corpus(cfg.data)
@@ -107,9 +113,10 @@ def _train(cfg: TrainConfig, model: Any, rules: ShardingRules, corpus: data_lib.
          + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""))
     schedule = program.schedule
     if schedule:
-        _log(f"pipeline {schedule.kind}: {schedule.stages} stages x {model.cfg.n_layers // schedule.stages} "
-             f"layers, {schedule.microbatches} microbatches in {schedule.ticks} ticks, "
-             f"bubble (P-1)/(M+P-1) = {schedule.bubble():.0%}, {schedule.slots} inputs kept per stage")
+        chunks = f" x {schedule.virtual} chunks" if schedule.virtual > 1 else ""
+        _log(f"pipeline {schedule.kind}: {schedule.stages} stages{chunks} (layers {schedule.layout.describe()}), "
+             f"{schedule.microbatches} microbatches in {schedule.ticks} ticks, bubble "
+             f"(P-1)/({'VM' if chunks else 'M'}+P-1) = {schedule.bubble():.0%}, {schedule.slots} inputs kept per stage")
     state, start, samples = _start(cfg, program, model, ckpt)
     t0 = time.perf_counter()
     compiled = program.lower_step(B, L).compile()
@@ -148,7 +155,7 @@ def _train(cfg: TrainConfig, model: Any, rules: ShardingRules, corpus: data_lib.
         return float(np.mean(jax.device_get(losses)))
 
     def save(step: int, samples: int) -> None:
-        ckpt.save(step, state, {"step": step, "samples_seen": samples, "seed": cfg.step.seed,
+        ckpt.save(step, program.saved(state), {"step": step, "samples_seen": samples, "seed": cfg.step.seed,
                                 "batch_size": B, "seq_len": L, "model": model.cfg.name,
                                 "mesh": axis_sizes(mesh), "strategy": rules.name,
                                 "param_shapes": param_shapes(model.abstract_params())})
@@ -218,7 +225,7 @@ def _train(cfg: TrainConfig, model: Any, rules: ShardingRules, corpus: data_lib.
         run_pipelined(range(start, cfg.steps), dispatch, lambda i, out: complete(i, *out),
                       waits=lambda i: evaluates(i + 1) or saves(i + 1))
     if cfg.export:
-        _log(f"exported params to {export_params(state.params, cfg.export)}")
+        _log(f"exported params to {export_params(program.saved(state).params, cfg.export)}")
     report = _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compile_s,
                      throughput, flops, peak_source, schedule)
     if cfg.report and jax.process_index() == 0:
@@ -281,6 +288,9 @@ def _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compil
             "argument_bytes": predicted_memory.argument, "activation_bytes": predicted_memory.activations,
             "collectives": [{"kind": k, "bytes": b} for k, b in sorted(comm.by_kind().items())]},
         "pipeline": schedule and {"schedule": schedule.kind, "stages": schedule.stages,
+                                  "virtual_stages": schedule.virtual,
+                                  "stage_layers": list(schedule.layout.layers),
+                                  "assignment": schedule.layout.describe(),
                                   "microbatches": schedule.microbatches, "ticks": schedule.ticks,
                                   "inputs_kept_per_stage": schedule.slots,
                                   "bubble_theory": schedule.bubble()},

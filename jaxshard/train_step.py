@@ -11,12 +11,16 @@ reduce-scatter for ZeRO-2/3), and the updated params to theirs (the ZeRO-1/2 all
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
 
+from jaxshard import balance as balance_lib
 from jaxshard import loss_scale as scaling
 from jaxshard import optim, runtime
 from jaxshard.axes import Dim, MeshAxis
@@ -39,9 +43,13 @@ class StepConfig:
     param_dtype: str = "float32"
     loss_scale: float = 2.0 ** 15  # float16: the initial dynamic loss scale
     loss_scale_period: int = 2000  # float16: finite steps before the scale doubles
-    # With a stage axis: the schedule (None: 1f1b) and microbatches per step (None: the stages).
+    # With a stage axis: the schedule (None: 1f1b), microbatches per step (None: the stages),
+    # chunks per stage (interleaved; None: 2) and layers per (virtual) stage (None: even).
     pipeline_schedule: str | None = None
     microbatches: int | None = None
+    virtual_stages: int | None = None
+    stage_layers: tuple[int, ...] | None = None
+    balance: str | None = None  # choose stage_layers: see balance_stages()
 
     def __post_init__(self) -> None:
         if self.grad_accum < 1:
@@ -51,6 +59,10 @@ class StepConfig:
                 raise ConfigError(f"{flag} must be one of {', '.join(DTYPES)}, got {dtype}")
         if not self.loss_scale > 0 or self.loss_scale_period < 1:
             raise ConfigError("--loss-scale must be > 0 and --loss-scale-period >= 1")
+        if self.balance is not None and self.balance not in balance_lib.HOW:
+            raise ConfigError(f"--balance must be one of {', '.join(balance_lib.HOW)}, got {self.balance!r}")
+        if self.balance is not None and self.stage_layers is not None:
+            raise ConfigError("--balance chooses --stage-layers: give one of them")
 
     @property
     def scaled(self) -> bool:
@@ -70,6 +82,12 @@ class Program:
     eval: Callable  # (params, batch) -> mean loss
     loss: Callable  # (params, batch, key) -> (loss sum, tokens), unjitted, under the rules
     schedule: pipeline.Schedule | None = None  # with a stage axis: the pipeline's
+    # Checkpoints and exports hold the layer stack in model order whatever the stage layout:
+    # ``saved(state)`` gives that form of a state, ``unsaved`` takes it back, ``saved_abstract``
+    # is its shapes and shardings (all three the identity without a stage layout).
+    saved: Callable = lambda state: state
+    unsaved: Callable = lambda state: state
+    saved_abstract: TrainState | None = None
 
     def abstract_batch(self, batch_size: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
         x = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=self.batch_sharding)
@@ -97,17 +115,55 @@ def check_batch(rules: ShardingRules, batch_size: int, seq_len: int, grad_accum:
 def pipeline_schedule(rules: ShardingRules, model: Any, cfg: StepConfig) -> pipeline.Schedule | None:
     """The pipeline schedule a stage axis asks for (None without one); one-line errors for
     what cannot run."""
+    plan = _pipeline_plan(rules, model, cfg)
+    if plan is None:
+        return None
+    if cfg.balance is not None and cfg.stage_layers is None:
+        raise ConfigError("--balance needs the batch shape: resolve it with balance_stages() first")
+    kind, stages, virtual, microbatches = plan
+    layout = pipeline.StageLayout.make(model.cfg.n_layers, stages, virtual, cfg.stage_layers)
+    return pipeline.make_schedule(kind, stages, microbatches, virtual, layout)
+
+
+def balance_stages(model: Any, rules: ShardingRules, cfg: StepConfig, batch_size: int,
+                   seq_len: int) -> tuple[StepConfig, str]:
+    """``cfg`` with ``--balance`` resolved into ``stage_layers``, and a line saying what was
+    chosen and each stage's predicted time per microbatch."""
+    plan = _pipeline_plan(rules, model, cfg)
+    if plan is None:
+        raise ConfigError("--balance needs a stage axis of size > 1 in --mesh")
+    kind, stages, virtual, microbatches = plan
+    check_batch(rules, batch_size, seq_len, cfg.grad_accum, microbatches)  # before any timing
+    rows = batch_size // microbatches // rules.size(rules.batch_axes)
+    if cfg.balance == "flops":
+        costs = balance_lib.flop_costs(model.cfg, rows, seq_len)
+    else:
+        costs = balance_lib.profile_costs(model, rows, seq_len, cfg.compute_dtype)
+    parts, n_layers = stages * virtual, model.cfg.n_layers
+    layers = balance_lib.assign(n_layers, parts, costs)
+    loads = [costs.stage(u, parts, n) for u, n in enumerate(layers)]
+    line = (f"--balance {cfg.balance}: --stage-layers {','.join(map(str, layers))}, per microbatch "
+            + " | ".join(costs.format(x) for x in loads) + f" (slowest {costs.format(max(loads))}")
+    if n_layers % parts == 0:
+        even = max(costs.stage(u, parts, n_layers // parts) for u in range(parts))
+        line += f"; an even split's {costs.format(even)}"
+    return dataclasses.replace(cfg, stage_layers=layers, balance=None), line + ")"
+
+
+def _pipeline_plan(rules: ShardingRules, model: Any, cfg: StepConfig) -> tuple[str, int, int, int] | None:
+    """(schedule, stages, chunks per stage, microbatches) of a stage axis, None without one."""
     stages = rules.size(rules.active_axes((MeshAxis.STAGE,)))
     if stages == 1:
         for flag, value in (("--pipeline-schedule", cfg.pipeline_schedule),
-                            ("--microbatches", cfg.microbatches)):
+                            ("--microbatches", cfg.microbatches), ("--virtual-stages", cfg.virtual_stages),
+                            ("--stage-layers", cfg.stage_layers), ("--balance", cfg.balance)):
             if value is not None:
                 raise ConfigError(f"{flag} needs a stage axis of size > 1 in --mesh")
         return None
     kind = cfg.pipeline_schedule or "1f1b"
-    layers = model.cfg.n_layers
-    if layers % stages:
-        raise ConfigError(f"model {model.cfg.name} has {layers} layers, not divisible by stage={stages}")
+    if cfg.virtual_stages is not None and kind != "interleaved":
+        raise ConfigError(f"--virtual-stages needs --pipeline-schedule interleaved, got {kind}")
+    virtual = (cfg.virtual_stages or 2) if kind == "interleaved" else 1
     if cfg.grad_accum != 1:
         raise ConfigError("--grad-accum with a stage axis: a pipeline accumulates over its "
                           "microbatches; use --microbatches")
@@ -118,12 +174,14 @@ def pipeline_schedule(rules: ShardingRules, model: Any, cfg: StepConfig) -> pipe
     if Remat.parse(getattr(model, "remat", Remat.NONE)).kind is Kind.OFFLOAD:
         raise ConfigError("--remat offload with a stage axis is not implemented yet")
     default = 1 if kind == "naive" else stages
-    return pipeline.make_schedule(kind, stages, default if cfg.microbatches is None else cfg.microbatches)
+    return kind, stages, virtual, default if cfg.microbatches is None else cfg.microbatches
 
 
 def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig,
                   cfg: StepConfig) -> Program:
     schedule = pipeline_schedule(rules, model, cfg)  # its errors name the flags
+    if schedule is not None:
+        model = model.staged(schedule.layout)
     rules.check_model(model.param_axes(), model.abstract_params())
     if Remat.parse(getattr(model, "remat", Remat.NONE)).kind is Kind.OFFLOAD:
         check_host_memory(rules.mesh, "--remat offload")
@@ -200,14 +258,51 @@ def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig
         return loss_sum / count
 
     replicated = rules.replicated()
+    saved = {}
+    if schedule is not None and not schedule.layout.trivial:
+        saved = _saved_forms(model, tx, layout)
     return Program(
         rules=rules, layout=layout, batch_sharding=batch_sharding,
         init=build_init(model, tx, layout, initial_scale), loss=loss_and_count, schedule=schedule,
+        **{"saved_abstract": layout.abstract, **saved},
         step=jax.jit(step, in_shardings=(layout.shardings, batch_sharding),
                      out_shardings=(layout.shardings, replicated), donate_argnums=0,
                      compiler_options=runtime.xla_options()),
         eval=jax.jit(evaluate, in_shardings=(layout.shardings.params, batch_sharding),
                      out_shardings=replicated, compiler_options=runtime.xla_options()))
+
+
+def _saved_forms(model: Any, tx: optax.GradientTransformation, layout: StateLayout) -> dict[str, Any]:
+    """The state with its layer stack in model order (checkpoints, exports) and back, for a
+    model whose stage layout stores the stack otherwise. In model order the stack is not split
+    over ``stage`` (its layer count need not divide it), so a save holds the whole stack's share
+    of the other axes for a moment."""
+    stage_layout = model.stage_layout
+    stacked = jax.tree.map(lambda ax: ax[0] == Dim.LAYERS, model.param_axes(),
+                           is_leaf=lambda x: isinstance(x, tuple))
+
+    def convert(state: TrainState, fn: Callable) -> TrainState:
+        """``fn`` applied to every stacked leaf of a state-shaped tree (params, the params-shaped
+        parts of the optimizer state)."""
+        one = lambda x, is_stacked: fn(x) if is_stacked else x  # noqa: E731
+        return state._replace(
+            params=jax.tree.map(one, state.params, stacked),
+            opt_state=optax.tree_utils.tree_map_params(tx, one, state.opt_state, stacked,
+                                                       transform_non_params=lambda x: x))
+
+    def without_stage(sharding: jax.sharding.NamedSharding) -> jax.sharding.NamedSharding:
+        first, *rest = sharding.spec
+        kept = tuple(a for a in (first if isinstance(first, tuple) else (first,))
+                     if a not in (None, str(MeshAxis.STAGE)))
+        return jax.sharding.NamedSharding(sharding.mesh, P(kept or None, *rest))
+
+    shardings = convert(layout.shardings, without_stage)
+    shapes = jax.eval_shape(lambda s: convert(s, stage_layout.to_model), layout.abstract)
+    return dict(
+        saved=jax.jit(lambda s: convert(s, stage_layout.to_model), out_shardings=shardings),
+        unsaved=jax.jit(lambda s: convert(s, stage_layout.to_stored), out_shardings=layout.shardings),
+        saved_abstract=jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                    shapes, shardings))
 
 
 def _accumulate(reduced_grads, params, batch, key, factor, n_micro: int, grad_shardings):

@@ -10,6 +10,7 @@ public, and the remat policy is a parameter of the scan.
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any, Callable
 
@@ -44,14 +45,45 @@ class TransformerLM:
         self.remat = remat_lib.Remat.parse(remat)
         self.unroll = unroll
         self._abstract = None
+        self.stage_layout: pipeline.StageLayout | None = None  # set by staged()
         self._embedder_def, emb = nnx.split(nnx.eval_shape(lambda: Embedder(cfg, nnx.Rngs(0))), nnx.Param)
         self._block_def, blk = nnx.split(nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0))), nnx.Param)
         self.embedder_axes = _logical_axes(emb)
         self.block_axes = _logical_axes(blk)
 
+    def staged(self, layout: pipeline.StageLayout) -> "TransformerLM":
+        """This model with its layer stack stored as ``layout`` says (a pipeline's chunks):
+        :meth:`init` and :meth:`abstract_params` give the stored stack, :meth:`loss` takes it
+        and :meth:`model_order` turns it back into the model's layer order."""
+        if layout.n_layers != self.cfg.n_layers:
+            raise ConfigError(f"a stage layout of {layout.n_layers} layers for model {self.cfg.name} "
+                              f"with {self.cfg.n_layers}")
+        staged = copy.copy(self)
+        staged.stage_layout, staged._abstract = layout, None
+        return staged
+
+    def _stored(self) -> bool:
+        return self.stage_layout is not None and not self.stage_layout.trivial
+
+    def model_order(self, params: Params) -> Params:
+        """Params with the layer stack in model order (as an unstaged model stores it)."""
+        if not self._stored():
+            return params
+        return {**params, BLOCKS: jax.tree.map(self.stage_layout.to_model, params[BLOCKS])}
+
+    def stored_order(self, params: Params) -> Params:
+        """The inverse of :meth:`model_order`."""
+        if not self._stored():
+            return params
+        return {**params, BLOCKS: jax.tree.map(self.stage_layout.to_stored, params[BLOCKS])}
+
     # ---- parameters -----------------------------------------------------------------------
     def init(self, key: jax.Array) -> Params:
-        """Fresh params. Jit it with ``out_shardings`` to create them already sharded."""
+        """Fresh params (the same on any layout). Jit it with ``out_shardings`` to create them
+        already sharded."""
+        return self.stored_order(self._init(key))
+
+    def _init(self, key: jax.Array) -> Params:
         k_emb, k_blocks = jax.random.split(key)
 
         def block_params(k):
@@ -75,8 +107,10 @@ class TransformerLM:
         return self._abstract
 
     def n_params(self) -> int:
-        """Counted from shapes alone: works for models far larger than memory."""
-        return sum(math.prod(x.shape) for x in jax.tree.leaves(self.abstract_params()))
+        """Counted from shapes alone (the model's, without a layout's empty slots): works for
+        models far larger than memory."""
+        shapes = jax.eval_shape(self._init, jax.random.key(0)) if self._stored() else self.abstract_params()
+        return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
 
     # ---- pieces ---------------------------------------------------------------------------
     def _embedder(self, params: Params) -> Embedder:
@@ -94,16 +128,19 @@ class TransformerLM:
         return block(x_BLD, self._rope(x_BLD.shape[1]), key)
 
     def blocks(self, params: Params, x_BLD: jax.Array, *, key: jax.Array | None = None,
-               layer_keys: jax.Array | None = None) -> jax.Array:
+               layer_keys: jax.Array | None = None, present: jax.Array | None = None) -> jax.Array:
         """All layers of ``params``' stack: a scan, remat'd by the model's policy. Dropout keys:
-        ``key`` split per layer, or ``layer_keys`` one per layer."""
+        ``key`` split per layer, or ``layer_keys`` one per layer. ``present``: per slot of the
+        stack, whether it holds a layer (an empty slot is skipped, not computed)."""
         keys = layer_keys if key is None else jax.random.split(key, self.cfg.n_layers)
 
         def body(x, layer):
-            layer_params, layer_key = layer
-            return self.block(layer_params, x, key=layer_key), None
+            layer_params, layer_key, here = layer
+            if here is None:
+                return self.block(layer_params, x, key=layer_key), None
+            return jax.lax.cond(here, lambda: self.block(layer_params, x, key=layer_key), lambda: x), None
 
-        x_BLD, _ = jax.lax.scan(remat_lib.apply(body, self.remat), x_BLD, (params[BLOCKS], keys),
+        x_BLD, _ = jax.lax.scan(remat_lib.apply(body, self.remat), x_BLD, (params[BLOCKS], keys, present),
                                 unroll=self.unroll)
         return x_BLD
 
@@ -116,6 +153,7 @@ class TransformerLM:
         """(sum of token cross-entropies, number of tokens): callers divide once globally, so
         microbatches and shards add up to the full-batch mean exactly."""
         self._check_seq_len(inputs_BL)
+        params = self.model_order(params)
         k_embed, k_blocks = jax.random.split(key) if key is not None else (None, None)
         # One embedder for both ends (not embed() then head()): a tied table is gathered once
         # and its two gradients are summed before they are reduced.
@@ -133,14 +171,17 @@ class TransformerLM:
                        seed: jax.Array | float = 1.0,
                        cast: Callable[[Any], Any] = lambda p: p) -> tuple[jax.Array, jax.Array, Params]:
         """(loss sum, tokens, gradients of ``seed`` x the loss sum) with the layer stack split
-        into pipeline stages over ``stage`` and run by ``schedule``. Microbatch ``i`` is rows
+        into pipeline stages over ``stage`` as the model's :meth:`staged` layout says (the
+        schedule's) and run by ``schedule``. Microbatch ``i`` is rows
         ``i, i + M, ...`` of the batch, so each stays spread over the batch shards; dropout
         (``key``) drops what :meth:`loss` would. ``cast``: applied to the params where they are
         used (the compute dtype)."""
         self._check_seq_len(inputs_BL)
-        M, stages = schedule.microbatches, schedule.stages
+        layout = schedule.layout
+        if layout != self.stage_layout and not (layout.trivial and self.stage_layout is None):
+            raise ConfigError("the params are not stored in the pipeline schedule's stage layout")
+        M = schedule.microbatches
         B, L = inputs_BL.shape
-        per_stage = self.cfg.n_layers // stages
 
         def split(x_BL):
             return constrain(x_BL.reshape(B // M, M, L).swapaxes(0, 1), (None, Dim.BATCH, None))
@@ -155,16 +196,16 @@ class TransformerLM:
             with microbatch_rows(i, M):
                 return self.embed(cast(outer), tokens_BL, key=keys(key)[0])
 
-        def body(stack, x_BLD, i, key):
+        def body(chunk, x_BLD, i, layers, key):
             layer_keys = keys(key)[1]
             if layer_keys is not None:
-                start = jax.lax.axis_index(pipeline.STAGE) * per_stage
-                layer_keys = jax.lax.dynamic_slice_in_dim(layer_keys, start, per_stage)
+                layer_keys = layer_keys[jnp.maximum(layers, 0)]
             with microbatch_rows(i, M):
-                return self.blocks({BLOCKS: cast(stack)}, x_BLD, layer_keys=layer_keys)
+                return self.blocks({BLOCKS: cast(chunk)}, x_BLD, layer_keys=layer_keys,
+                                   present=layers >= 0 if layout.padded else None)
 
-        def last(stack, outer, x_BLD, targets_BL, i, key):
-            logits_BLV = self.head(cast(outer), body(stack, x_BLD, i, key))
+        def last(chunk, outer, x_BLD, targets_BL, i, layers, key):
+            logits_BLV = self.head(cast(outer), body(chunk, x_BLD, i, layers, key))
             return cross_entropy(logits_BLV, targets_BL, self.cfg.vocab_size).sum()
 
         outer = {k: v for k, v in params.items() if k != BLOCKS}

@@ -14,30 +14,39 @@ import pytest
 from harness import RTOL, assert_live_shardings, assert_params_close, make_program, reference, train
 from jaxshard import accounting, inspect
 from jaxshard.errors import ConfigError
-from jaxshard.parallel.pipeline import make_schedule
+from jaxshard.parallel.pipeline import StageLayout, make_schedule
 from models import TransformerLM, get_preset
 
 
 def check_table(schedule):
-    """Every microbatch runs forward and backward once on every stage, after what it needs;
-    returns the most stage inputs any stage holds at once (forward done, backward not)."""
-    P, M, T = schedule.stages, schedule.microbatches, schedule.ticks
-    fwd_tick = {(int(schedule.fwd[t, s]), s): t for t in range(T) for s in range(P) if schedule.fwd[t, s] >= 0}
-    bwd_tick = {(int(schedule.bwd[t, s]), s): t for t in range(T) for s in range(P) if schedule.bwd[t, s] >= 0}
-    every = {(i, s) for i in range(M) for s in range(P)}
+    """Every microbatch runs forward and backward once on every (virtual) stage, after what it
+    needs, on the stage that holds it; returns the most inputs any stage holds at once."""
+    P, V, M, T = schedule.stages, schedule.virtual, schedule.microbatches, schedule.ticks
+    fwd_tick, bwd_tick, slot = {}, {}, {}
+    for t in range(T):
+        for s in range(P):
+            for phase, ticks in (("fwd", fwd_tick), ("bwd", bwd_tick)):
+                i = int(getattr(schedule, phase)[t, s])
+                if i >= 0:
+                    u = int(getattr(schedule, f"{phase}_chunk")[t, s]) * P + s  # the virtual stage
+                    assert (i, u) not in ticks  # once each
+                    ticks[i, u] = t
+                    slot.setdefault((i, u), set()).add(int(getattr(schedule, f"{phase}_slot")[t, s]))
+    every = {(i, u) for i in range(M) for u in range(P * V)}
     assert set(fwd_tick) == every and set(bwd_tick) == every
-    assert (schedule.fwd >= 0).sum() == (schedule.bwd >= 0).sum() == M * P  # once each
     for i in range(M):
-        for s in range(1, P):
-            assert fwd_tick[i, s] > fwd_tick[i, s - 1]  # the previous stage's output has arrived
-            assert bwd_tick[i, s - 1] > bwd_tick[i, s]  # the next stage's gradient has arrived
-        assert bwd_tick[i, P - 1] >= fwd_tick[i, P - 1]
-    held = max(sum(fwd_tick[i, s] <= t <= bwd_tick[i, s] for i in range(M)) for s in range(P) for t in range(T))
-    # No two microbatches held at once share a slot.
+        for u in range(1, P * V):
+            assert fwd_tick[i, u] > fwd_tick[i, u - 1]  # the previous stage's output has arrived
+            assert bwd_tick[i, u - 1] > bwd_tick[i, u]  # the next stage's gradient has arrived
+        assert bwd_tick[i, P * V - 1] >= fwd_tick[i, P * V - 1]
+    # The forward writes the slot the backward reads, and no two inputs held at once share one.
+    assert all(len(s) == 1 for s in slot.values())
+    held = 0
     for s in range(P):
         for t in range(T):
-            live = [i for i in range(M) if fwd_tick[i, s] <= t <= bwd_tick[i, s]]
-            assert len({i % schedule.slots for i in live}) == len(live)
+            live = [k for k in every if k[1] % P == s and fwd_tick[k] <= t <= bwd_tick[k]]
+            assert len({next(iter(slot[k])) for k in live}) == len(live) <= schedule.slots
+            held = max(held, len(live))
     return held
 
 
@@ -47,42 +56,80 @@ def test_schedule_tables_hold_what_each_schedule_promises(stages):
         assert check_table(make_schedule("gpipe", stages, m)) == m  # all of them, at the turn
         held = check_table(make_schedule("1f1b", stages, m))
         assert held <= 2 * stages - 1  # flat in M
+        for v in (2, 3):
+            interleaved = make_schedule("interleaved", stages, m, v)
+            # (V + 1) P - 1 chunk inputs at most, whatever M is; the bubble shrinks by V.
+            assert check_table(interleaved) <= (v + 1) * stages - 1
+            assert interleaved.ticks == v * m + v * stages + stages - 2
+            assert interleaved.bubble() == pytest.approx((stages - 1) / (v * m + stages - 1))
     assert check_table(make_schedule("naive", stages, 1)) == 1
 
 
-@pytest.mark.parametrize("kind, stages, microbatches, message", [
-    ("1f1b", 4, 2, "1f1b needs --microbatches >= the stages (4), got 2"),
-    ("naive", 2, 2, "naive runs the whole batch as one microbatch; got --microbatches 2"),
-    ("gpipe", 2, 0, "--microbatches must be >= 1, got 0"),
+@pytest.mark.parametrize("kind, stages, microbatches, virtual, message", [
+    ("1f1b", 4, 2, 1, "1f1b needs --microbatches >= the stages (4), got 2"),
+    ("interleaved", 4, 2, 2, "interleaved needs --microbatches >= the stages (4), got 2"),
+    ("interleaved", 2, 3, 2, "--microbatches 3 is not a multiple of the stages (2)"),
+    ("interleaved", 2, 2, 1, "interleaved needs --virtual-stages >= 2, got 1"),
+    ("gpipe", 2, 2, 2, "--virtual-stages needs --pipeline-schedule interleaved, got gpipe"),
+    ("naive", 2, 2, 1, "naive runs the whole batch as one microbatch; got --microbatches 2"),
+    ("gpipe", 2, 0, 1, "--microbatches must be >= 1, got 0"),
 ])
-def test_bad_schedules_are_one_line_errors(kind, stages, microbatches, message):
+def test_bad_schedules_are_one_line_errors(kind, stages, microbatches, virtual, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
-        make_schedule(kind, stages, microbatches)
+        make_schedule(kind, stages, microbatches, virtual)
+
+
+def test_a_stage_layout_stores_each_device_its_chunks():
+    layout = StageLayout.make(7, 2, 2, (2, 2, 2, 1))  # virtual stages 0..3: layers 0-1, 2-3, 4-5, 6
+    assert layout.describe() == "stage 0: 0-1, 4-5 | stage 1: 2-3, 6"
+    stack = np.arange(7, dtype=np.float32)
+    stored = np.asarray(layout.to_stored(stack))
+    # Device-major, two slots per chunk; stage 1's second chunk has an empty slot.
+    np.testing.assert_array_equal(stored, [0, 1, 4, 5, 2, 3, 6, 0])
+    np.testing.assert_array_equal(np.asarray(layout.to_model(stored)), stack)
+    assert StageLayout.make(8, 4).trivial and not layout.trivial
+
+
+@pytest.mark.parametrize("layers, stages, virtual, counts, message", [
+    (6, 4, 1, None, "6 layers are not divisible by stage=4; give --stage-layers or --balance"),
+    (4, 2, 4, None, "4 layers are not divisible by stage=2 x --virtual-stages 4"),
+    (4, 2, 1, (3, 2), "--stage-layers 3,2 must be counts >= 1 that sum to the model's 4 layers"),
+    (4, 2, 1, (4, 0), "--stage-layers 4,0 must be counts >= 1"),
+    (4, 2, 2, (2, 2), "--stage-layers needs 4 counts (stage=2 x --virtual-stages 2), got 2"),
+])
+def test_bad_stage_layouts_are_one_line_errors(layers, stages, virtual, counts, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        StageLayout.make(layers, stages, virtual, counts)
 
 
 @functools.cache
-def deep(name: str):
-    """``name`` with 4 layers (so 4 stages have one each), and its one-device run."""
-    model = TransformerLM(get_preset(name).replace(n_layers=4))
+def deep(name: str, layers: int = 4):
+    """``name`` with 4 layers (so 4 stages have one each), or ``layers``, and its one-device run."""
+    model = TransformerLM(get_preset(name).replace(n_layers=layers))
     losses, state, _ = train(model, "data=1")
     return model, losses, jax.tree.map(np.asarray, state.params)
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-llama"])  # GPT-2 with its tied table; Llama with GQA
-@pytest.mark.parametrize("mesh, schedule, microbatches, zero", [
-    ("stage=2", "naive", None, 0),
-    ("stage=2,data=4", "gpipe", 4, 0),
-    ("stage=4,data=2", "1f1b", 8, 0),
-    ("data=2,stage=2,tensor=2", "1f1b", 2, 0),
-    ("fsdp=2,stage=4", "gpipe", 4, 0),
-    ("stage=2,data=4", "1f1b", 2, 1),
+@pytest.mark.parametrize("mesh, schedule, microbatches, zero, layers, pipeline", [
+    ("stage=2", "naive", None, 0, 4, {}),
+    ("stage=2,data=4", "gpipe", 4, 0, 4, {}),
+    ("stage=4,data=2", "1f1b", 8, 0, 4, {}),
+    ("stage=2,data=4", "interleaved", 2, 0, 4, {}),  # one layer per chunk
+    ("stage=4,data=2", "interleaved", 4, 0, 8, {}),
+    ("data=2,stage=2,tensor=2", "1f1b", 2, 0, 4, {}),
+    ("data=2,stage=2,tensor=2", "interleaved", 4, 0, 8, dict(virtual_stages=2, stage_layers=(3, 2, 2, 1))),
+    ("fsdp=2,stage=4", "gpipe", 4, 0, 4, {}),
+    ("stage=2,data=4", "1f1b", 2, 1, 4, {}),
+    ("stage=2,data=4", "1f1b", 4, 0, 4, dict(stage_layers=(3, 1))),  # uneven: stage 1 has an empty slot
 ])
-def test_pipeline_matches_one_device(name, mesh, schedule, microbatches, zero):
-    model, ref_losses, ref_params = deep(name)
+def test_pipeline_matches_one_device(name, mesh, schedule, microbatches, zero, layers, pipeline):
+    model, ref_losses, ref_params = deep(name, layers)
     losses, state, program = train(model, mesh, zero=zero, pipeline_schedule=schedule,
-                                   microbatches=microbatches)
+                                   microbatches=microbatches, **pipeline)
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
-    assert_params_close(state.params, ref_params)
+    # Compared in model layer order (a layout with chunks or empty slots stores it otherwise).
+    assert_params_close(program.saved(state).params, ref_params)
     assert_live_shardings(state, program)
     # Each device stores only its stage's layers: the stack's leading dim is split over stage.
     stages = program.rules.sizes["stage"]

@@ -36,34 +36,135 @@ from jaxshard.axes import MeshAxis
 from jaxshard.errors import ConfigError
 
 STAGE = str(MeshAxis.STAGE)
-SCHEDULES = ("naive", "gpipe", "1f1b")
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Which layers each virtual stage runs, and where the stored stack keeps them.
+
+    ``layers[u]`` consecutive layers make virtual stage ``u``; device ``u % P`` runs it as its
+    chunk ``u // P`` (V = 1: chunk 0, stage ``u``). The stack is stored as P x V chunks of
+    ``depth`` slots, device-major, so sharding its leading dim over ``stage`` gives each device
+    its chunks; a chunk with fewer layers than ``depth`` has zero slots its stage skips. An even
+    split without virtual stages (``trivial``) is the plain stack, unchanged.
+    """
+
+    stages: int
+    virtual: int
+    layers: tuple[int, ...]  # per virtual stage, in pipeline order
+
+    @classmethod
+    def make(cls, n_layers: int, stages: int, virtual: int = 1,
+             stage_layers: tuple[int, ...] | None = None) -> "StageLayout":
+        parts = stages * virtual
+        if stage_layers is None:
+            if n_layers % parts:
+                split = f"stage={stages}" + (f" x --virtual-stages {virtual}" if virtual > 1 else "")
+                raise ConfigError(f"{n_layers} layers are not divisible by {split}; "
+                                  f"give --stage-layers or --balance")
+            return cls(stages, virtual, (n_layers // parts,) * parts)
+        stage_layers = tuple(stage_layers)
+        if len(stage_layers) != parts:
+            what = f"stage={stages} x --virtual-stages {virtual}" if virtual > 1 else f"stage={stages}"
+            raise ConfigError(f"--stage-layers needs {parts} counts ({what}), got {len(stage_layers)}")
+        if sum(stage_layers) != n_layers or min(stage_layers) < 1:
+            raise ConfigError(f"--stage-layers {','.join(map(str, stage_layers))} must be counts >= 1 "
+                              f"that sum to the model's {n_layers} layers")
+        return cls(stages, virtual, stage_layers)
+
+    @property
+    def n_layers(self) -> int:
+        return sum(self.layers)
+
+    @property
+    def depth(self) -> int:
+        """Layer slots per chunk: the most layers any virtual stage runs."""
+        return max(self.layers)
+
+    @property
+    def size(self) -> int:
+        """Slots in the stored stack."""
+        return self.stages * self.virtual * self.depth
+
+    @property
+    def padded(self) -> bool:
+        return min(self.layers) < self.depth
+
+    @property
+    def trivial(self) -> bool:
+        return self.virtual == 1 and not self.padded
+
+    def layer_ids(self) -> np.ndarray:
+        """``[P, V, depth]``: the model layer in each slot of each device's chunks (-1: none)."""
+        ids = np.full((self.stages, self.virtual, self.depth), -1, np.int32)
+        first = np.cumsum((0,) + self.layers[:-1])
+        for u, (start, n) in enumerate(zip(first, self.layers)):
+            ids[u % self.stages, u // self.stages, :n] = np.arange(start, start + n)
+        return ids
+
+    def index(self) -> np.ndarray:
+        """``[n_layers]``: where the stored stack keeps each model layer."""
+        flat = self.layer_ids().reshape(-1)
+        where = np.empty(self.n_layers, np.int32)
+        where[flat[flat >= 0]] = np.flatnonzero(flat >= 0)
+        return where
+
+    def to_stored(self, x: jax.Array) -> jax.Array:
+        """A ``[n_layers, ...]`` stack laid out as stored (zeros in the empty slots)."""
+        if self.trivial:
+            return x
+        return jnp.zeros((self.size, *x.shape[1:]), x.dtype).at[self.index()].set(x)
+
+    def to_model(self, x: jax.Array) -> jax.Array:
+        """The stored stack back in model order, ``[n_layers, ...]``."""
+        return x if self.trivial else jnp.take(x, self.index(), axis=0)
+
+    def describe(self) -> str:
+        """Each device's layers, e.g. ``stage 0: 0-2 | stage 1: 3-5``."""
+        ids = self.layer_ids()
+        def span(row):
+            row = row[row >= 0]
+            return f"{row[0]}-{row[-1]}" if len(row) > 1 else f"{row[0]}"
+        return " | ".join(f"stage {p}: " + ", ".join(span(ids[p, v]) for v in range(self.virtual))
+                          for p in range(self.stages))
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """Which microbatch each stage runs forward and backward at each tick (-1: idle)."""
+    """Which microbatch (and chunk, and stash slot) each stage runs forward and backward at
+    each tick; -1 marks an idle slot."""
 
     kind: str
     stages: int
     microbatches: int
-    fwd: np.ndarray  # [ticks, stages]
-    bwd: np.ndarray  # [ticks, stages]
-    slots: int  # stage inputs kept for the backward pass: microbatch i in slot i % slots
+    virtual: int
+    fwd: np.ndarray  # [ticks, stages]: microbatch
+    bwd: np.ndarray
+    fwd_chunk: np.ndarray  # [ticks, stages]: which of the stage's V chunks
+    bwd_chunk: np.ndarray
+    fwd_slot: np.ndarray  # [ticks, stages]: where the chunk's input is kept until its backward
+    bwd_slot: np.ndarray
+    slots: int  # stage inputs a stage keeps at most
+    layout: StageLayout | None = None
 
     @property
     def ticks(self) -> int:
         return self.fwd.shape[0]
 
     def bubble(self) -> float:
-        """The theoretical idle fraction (P - 1) / (M + P - 1)."""
-        return (self.stages - 1) / (self.microbatches + self.stages - 1)
+        """The theoretical idle fraction (P - 1) / (V M + P - 1)."""
+        return (self.stages - 1) / (self.virtual * self.microbatches + self.stages - 1)
 
 
-def make_schedule(kind: str, stages: int, microbatches: int) -> Schedule:
+def make_schedule(kind: str, stages: int, microbatches: int, virtual: int = 1,
+                  layout: StageLayout | None = None) -> Schedule:
     """``naive``: one microbatch through the stages in turn (vertical model parallelism);
     ``gpipe``: every forward, then every backward; ``1f1b``: microbatch i runs forward on stage s
-    at tick i + s and backward at tick i + 2P - 2 - s, so a stage holds at most 2P - 1 inputs."""
-    Pn, M = stages, microbatches
+    at tick i + s and backward at tick i + 2P - 2 - s, so a stage holds at most 2P - 1 inputs;
+    ``interleaved``: 1F1B over V chunks per stage, microbatches taken P at a time through each
+    chunk in turn (Megatron's order), with one forward and one backward slot per tick."""
+    Pn, M, V = stages, microbatches, virtual
     if kind not in SCHEDULES:
         raise ConfigError(f"--pipeline-schedule must be one of {', '.join(SCHEDULES)}, got {kind!r}")
     if Pn < 2:
@@ -73,100 +174,145 @@ def make_schedule(kind: str, stages: int, microbatches: int) -> Schedule:
                           f"got --microbatches {M}")
     if M < 1:
         raise ConfigError(f"--microbatches must be >= 1, got {M}")
-    if kind == "1f1b" and M < Pn:
-        raise ConfigError(f"--pipeline-schedule 1f1b needs --microbatches >= the stages ({Pn}), got {M}")
-    # Microbatch i runs forward on stage s at tick i + s in every schedule; they differ in when
-    # it runs backward, and so in how many stage inputs a stage holds.
-    if kind == "1f1b":
-        ticks, slots = M + 2 * Pn - 2, min(M, 2 * Pn - 1)
-
-        def bwd_at(i: int, s: int) -> int:
-            return i + 2 * Pn - 2 - s
-    else:
-        # The last stage's backward of microbatch M-1 starts as soon as its forward is done.
-        start = M + Pn - 2
-        ticks, slots = start + M + Pn - 1, M
-
-        def bwd_at(i: int, s: int) -> int:
-            return start + (M - 1 - i) + (Pn - 1 - s)
-    fwd = np.full((ticks, Pn), -1, np.int32)
-    bwd = np.full((ticks, Pn), -1, np.int32)
+    if kind in ("1f1b", "interleaved") and M < Pn:
+        raise ConfigError(f"--pipeline-schedule {kind} needs --microbatches >= the stages ({Pn}), got {M}")
+    if kind == "interleaved":
+        if V < 2:
+            raise ConfigError(f"--pipeline-schedule interleaved needs --virtual-stages >= 2, got {V}")
+        if M % Pn:
+            raise ConfigError(f"--pipeline-schedule interleaved takes microbatches {Pn} at a time: "
+                              f"--microbatches {M} is not a multiple of the stages ({Pn})")
+    elif V != 1:
+        raise ConfigError(f"--virtual-stages needs --pipeline-schedule interleaved, got {kind}")
+    # (microbatch, virtual stage u) -> its forward and backward tick; u runs on stage u % P.
+    fwd_at, bwd_at = {}, {}
     for i in range(M):
-        for s in range(Pn):
-            fwd[i + s, s] = i
-            bwd[bwd_at(i, s), s] = i
-    return Schedule(kind, Pn, M, fwd, bwd, slots)
+        for u in range(Pn * V):
+            s, v = u % Pn, u // Pn
+            if kind in ("1f1b", "interleaved"):
+                # Each stage's forwards in Megatron's order n: groups of P microbatches, chunk by
+                # chunk; backwards in the same order over the chunks reversed. The last virtual
+                # stage runs forward and backward in the same tick, so ticks are VM + VP + P - 2.
+                g, r = divmod(i, Pn)
+                fwd_at[i, u] = g * V * Pn + v * Pn + r + s
+                bwd_at[i, u] = V * Pn - 1 + g * V * Pn + (V - 1 - v) * Pn + r + (Pn - 1 - s)
+            else:
+                # The last stage's backward of microbatch M-1 starts as soon as its forward is done.
+                fwd_at[i, u] = i + s
+                bwd_at[i, u] = (M + Pn - 2) + (M - 1 - i) + (Pn - 1 - s)
+    ticks = max(bwd_at.values()) + 1
+    tables = {name: np.full((ticks, Pn), -1, np.int32)
+              for name in ("fwd", "bwd", "fwd_chunk", "bwd_chunk", "fwd_slot", "bwd_slot")}
+    slots = 0
+    for s in range(Pn):
+        # A stage input is kept from its forward tick to its backward tick, inclusive (the
+        # forward slot writes before the backward slot reads): reuse the lowest free slot.
+        ops = sorted((fwd_at[i, u], bwd_at[i, u], i, u // Pn) for (i, u) in fwd_at if u % Pn == s)
+        busy: list[tuple[int, int]] = []  # (backward tick, slot)
+        for f, b, i, v in ops:
+            taken = {slot for end, slot in busy if end >= f}
+            busy = [(end, slot) for end, slot in busy if end >= f]
+            slot = min(set(range(len(taken) + 1)) - taken)
+            busy.append((b, slot))
+            slots = max(slots, slot + 1)
+            for phase, t in (("fwd", f), ("bwd", b)):
+                tables[phase][t, s], tables[f"{phase}_chunk"][t, s], tables[f"{phase}_slot"][t, s] = i, v, slot
+    return Schedule(kind, Pn, M, V, slots=slots, layout=layout, **tables)
 
 
 def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         embed: Callable[..., jax.Array], body: Callable[..., jax.Array], last: Callable[..., jax.Array],
         blocks: Any, outer: Any, inputs_MBL: jax.Array, targets_MBL: jax.Array,
         seed: jax.Array | float = 1.0, aux: Any = None) -> tuple[jax.Array, Any, Any]:
-    """Loss sum and gradients of one step under ``schedule``.
+    """Loss sum and gradients of one step under ``schedule`` (and its ``layout``).
 
-    ``embed(outer, tokens, i, aux) -> x``; ``body(blocks, x, i, aux) -> y`` runs one stage's
-    layers (``blocks`` is the stage's slice of the stack); ``last(blocks, outer, x, targets, i,
-    aux) -> loss sum`` runs the last stage's layers, the head and the loss; ``i`` is the
+    ``embed(outer, tokens, i, aux) -> x``; ``body(chunk, x, i, layers, aux) -> y`` runs one
+    chunk of a stage's layers (``chunk``: its ``depth`` slots of the stored stack; ``layers``:
+    the model layer in each slot, -1 for an empty one); ``last(chunk, outer, x, targets, i,
+    layers, aux) -> loss sum`` runs the last chunk's layers, the head and the loss; ``i`` is the
     microbatch, ``aux`` is passed through (e.g. a dropout key), replicated.
     ``inputs_MBL``/``targets_MBL``: the step's microbatches. ``seed``: the cotangent of the loss
     sum (a loss scale). Returns the loss sum over all microbatches, the stack's gradients (laid
     out as ``blocks``) and the outer params'.
     """
-    Pn, K = schedule.stages, schedule.slots
-    fwd_table, bwd_table = jnp.asarray(schedule.fwd), jnp.asarray(schedule.bwd)
+    Pn, V, K = schedule.stages, schedule.virtual, schedule.slots
+    layout = schedule.layout
+    if layout is None or (layout.stages, layout.virtual) != (Pn, V):
+        raise ConfigError(f"the pipeline's schedule needs a layout of {Pn} stages x {V} chunks")
+    S = layout.depth
+    tables = {name: jnp.asarray(getattr(schedule, name)) for name in
+              ("fwd", "bwd", "fwd_chunk", "bwd_chunk", "fwd_slot", "bwd_slot")}
+    layer_ids = jnp.asarray(layout.layer_ids())
     seed = jnp.asarray(seed, jnp.float32)
-    to_next = [(s, s + 1) for s in range(Pn - 1)]
-    to_prev = [(s + 1, s) for s in range(Pn - 1)]
+    # With chunks, the last stage's output goes on to stage 0's next chunk: a ring.
+    to_next = [(s, (s + 1) % Pn) for s in range(Pn if V > 1 else Pn - 1)]
+    to_prev = [(b, a) for a, b in to_next]
 
     def local(blocks, outer, inputs, targets, seed, aux):
         s = jax.lax.axis_index(STAGE)
-        first, final = s == 0, s == Pn - 1
         x_shape = jax.eval_shape(embed, outer, inputs[0], 0, aux)
         zeros_x = jnp.zeros(x_shape.shape, x_shape.dtype)
         zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
 
-        def stage_input(i, received):
-            return jax.lax.cond(first, lambda: embed(outer, inputs[i], i, aux), lambda: received)
+        def chunk(v):
+            if V == 1:
+                return blocks
+            return jax.tree.map(lambda b: jax.lax.dynamic_slice_in_dim(b, v * S, S), blocks)
 
-        def backward(j, stash, received_g):
-            x_in = stash[j % K]
+        def add_chunk(acc, d, v):
+            if V == 1:
+                return jax.tree.map(jnp.add, acc, d)
+            return jax.tree.map(lambda a, g: jax.lax.dynamic_update_slice_in_dim(
+                a, jax.lax.dynamic_slice_in_dim(a, v * S, S) + g, v * S, 0), acc, d)
+
+        def is_first(v):
+            return (s == 0) & (v == 0)
+
+        def is_last(v):
+            return (s == Pn - 1) & (v == V - 1)
+
+        def backward(j, v, x_in, received_g):
+            c, ids = chunk(v), layer_ids[s, v]
 
             def middle():
-                _, vjp = jax.vjp(lambda b, x: body(b, x, j, aux), blocks, x_in)
-                d_blocks, d_x = vjp(received_g)
-                return jnp.zeros((), jnp.float32), d_blocks, zeros(outer), d_x
+                _, vjp = jax.vjp(lambda b, x: body(b, x, j, ids, aux), c, x_in)
+                d_chunk, d_x = vjp(received_g)
+                return jnp.zeros((), jnp.float32), d_chunk, zeros(outer), d_x
 
             def end():
-                loss, vjp = jax.vjp(lambda b, o, x: last(b, o, x, targets[j], j, aux), blocks, outer, x_in)
-                d_blocks, d_outer, d_x = vjp(seed.astype(loss.dtype))
-                return loss, d_blocks, d_outer, d_x
+                loss, vjp = jax.vjp(lambda b, o, x: last(b, o, x, targets[j], j, ids, aux), c, outer, x_in)
+                d_chunk, d_outer, d_x = vjp(seed.astype(loss.dtype))
+                return loss, d_chunk, d_outer, d_x
 
-            loss, d_blocks, d_outer, d_x = jax.lax.cond(final, end, middle)
-            # Stage 0: the gradient of its input goes into the embedding.
-            d_outer = jax.lax.cond(first, lambda: jax.tree.map(
+            loss, d_chunk, d_outer, d_x = jax.lax.cond(is_last(v), end, middle)
+            # The first chunk: the gradient of its input goes into the embedding.
+            d_outer = jax.lax.cond(is_first(v), lambda: jax.tree.map(
                 jnp.add, d_outer, jax.vjp(lambda o: embed(o, inputs[j], j, aux), outer)[1](d_x)[0]),
                 lambda: d_outer)
-            return loss, d_blocks, d_outer, d_x
+            return loss, d_chunk, d_outer, d_x
 
-        def idle_backward(j, stash, received_g):
-            return jnp.zeros((), jnp.float32), zeros(blocks), zeros(outer), zeros_x
+        def idle_backward(j, v, x_in, received_g):
+            return jnp.zeros((), jnp.float32), zeros(chunk(0)), zeros(outer), zeros_x
 
         def tick(carry, t):
             received_x, received_g, stash, loss_acc, d_blocks_acc, d_outer_acc = carry
-            i, j = fwd_table[t, s], bwd_table[t, s]
-            # Forward slot: take the microbatch's input, keep it, pass the stage's output on
-            # (the last stage's forward runs in its backward slot, with the head).
-            i_ = jnp.maximum(i, 0)
-            x_in = jax.lax.cond(i >= 0, lambda: stage_input(i_, received_x), lambda: zeros_x)
-            stash = jax.lax.cond(i >= 0, lambda: stash.at[i_ % K].set(x_in), lambda: stash)
-            y = jax.lax.cond((i >= 0) & ~final, lambda: body(blocks, x_in, i_, aux), lambda: zeros_x)
+            i, v = tables["fwd"][t, s], tables["fwd_chunk"][t, s]
+            # Forward slot: take the microbatch's input, keep it, pass the chunk's output on
+            # (the last chunk's forward runs in its backward slot, with the head).
+            i_, v_ = jnp.maximum(i, 0), jnp.maximum(v, 0)
+            x_in = jax.lax.cond(i >= 0, lambda: jax.lax.cond(
+                is_first(v_), lambda: embed(outer, inputs[i_], i_, aux), lambda: received_x), lambda: zeros_x)
+            stash = jax.lax.cond(i >= 0, lambda: stash.at[tables["fwd_slot"][t, s]].set(x_in), lambda: stash)
+            y = jax.lax.cond((i >= 0) & ~is_last(v_),
+                             lambda: body(chunk(v_), x_in, i_, layer_ids[s, v_], aux), lambda: zeros_x)
             # Backward slot.
-            loss, d_blocks, d_outer, d_x = jax.lax.cond(
-                j >= 0, backward, idle_backward, jnp.maximum(j, 0), stash, received_g)
+            j, w = tables["bwd"][t, s], jnp.maximum(tables["bwd_chunk"][t, s], 0)
+            loss, d_chunk, d_outer, d_x = jax.lax.cond(
+                j >= 0, backward, idle_backward, jnp.maximum(j, 0), w,
+                stash[jnp.maximum(tables["bwd_slot"][t, s], 0)], received_g)
             received_x = jax.lax.ppermute(y, STAGE, to_next)
             received_g = jax.lax.ppermute(d_x, STAGE, to_prev)
-            return (received_x, received_g, stash, loss_acc + loss,
-                    jax.tree.map(jnp.add, d_blocks_acc, d_blocks),
+            return (received_x, received_g, stash, loss_acc + loss, add_chunk(d_blocks_acc, d_chunk, w),
                     jax.tree.map(jnp.add, d_outer_acc, d_outer)), None
 
         stash = jnp.zeros((K, *x_shape.shape), x_shape.dtype)
