@@ -123,6 +123,27 @@ def test_a_pipeline_checkpoint_resumes_without_stages(tmp_path):
         assert_close(losses(tmp_path / f"{mesh}.jsonl"), want, range(4, 7))
 
 
+def test_a_checkpoint_keeps_the_layer_order_whatever_the_stage_layout(tmp_path):
+    """Saved under uneven stages (3 + 1 layers: stage 1 stores an empty slot), resumed under
+    interleaved chunks (stage 0 holding layers 0 and 2) and without stages: the checkpoint holds
+    the stack in model order, so each continues the uninterrupted run."""
+    model = ["--model", "llama-tiny", "--batch-size", "8"]  # 4 layers
+    r = run([*model, "--mesh", "stage=2,data=4", "--stage-layers", "3,1", "--steps", "4",
+             "--save-every", "2", "--checkpoint-dir", str(tmp_path / "ck"), "--metrics", str(tmp_path / "pp.jsonl")])
+    assert r.returncode == 0, r.stderr
+    want = losses(tmp_path / "pp.jsonl")
+    shutil.rmtree(tmp_path / "ck" / "4")  # resume from step 2
+    for name, mesh in (("interleaved", ["--mesh", "stage=2,data=4", "--pipeline-schedule", "interleaved",
+                                        "--microbatches", "2"]), ("data", ["--mesh", "data=8"])):
+        ck = tmp_path / name
+        shutil.copytree(tmp_path / "ck", ck)
+        r = run([*model, *mesh, "--steps", "4", "--checkpoint-dir", str(ck), "--resume",
+                 "--metrics", str(tmp_path / f"{name}.jsonl")])
+        assert r.returncode == 0, r.stderr
+        assert "resumed from" in r.stdout
+        assert_close(losses(tmp_path / f"{name}.jsonl"), want, range(3, 5))
+
+
 def test_killed_during_training_resumes_from_the_last_checkpoint(tmp_path, uninterrupted):
     _, want = uninterrupted
     metrics = tmp_path / "m.jsonl"

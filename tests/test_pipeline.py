@@ -11,10 +11,12 @@ import jax
 import numpy as np
 import pytest
 
-from harness import RTOL, assert_live_shardings, assert_params_close, make_program, reference, train
+from harness import RTOL, assert_live_shardings, assert_params_close, make_program, train
 from jaxshard import accounting, inspect
 from jaxshard.errors import ConfigError
+from jaxshard.balance import Costs, assign
 from jaxshard.parallel.pipeline import StageLayout, make_schedule
+from jaxshard.train_step import StepConfig, balance_stages
 from models import TransformerLM, get_preset
 
 
@@ -141,7 +143,7 @@ def test_pipeline_matches_one_device(name, mesh, schedule, microbatches, zero, l
 
 @pytest.mark.parametrize("mesh, schedule, microbatches, sp", [
     ("stage=4,data=2", "1f1b", 4, False), ("stage=2,data=4", "gpipe", 2, False),
-    ("data=2,stage=2,tensor=2", "1f1b", 4, True)])
+    ("data=2,stage=2,tensor=2", "1f1b", 4, True), ("stage=2,data=4", "interleaved", 4, False)])
 def test_stage_sends_match_the_prediction_and_no_weights_cross_stages(mesh, schedule, microbatches, sp):
     model, _, _ = deep("tiny-llama")
     program = make_program(model, mesh, pipeline_schedule=schedule, microbatches=microbatches,
@@ -197,11 +199,52 @@ def test_1f1b_keeps_activations_flat_in_microbatches_where_gpipe_grows():
     assert ones[2] - ones[0] <= (stages - 1 + 0.5) * one_input
 
 
-@pytest.mark.parametrize("mesh, schedule, microbatches", [("stage=2,data=4", "1f1b", 4),
-                                                          ("data=2,stage=2,tensor=2", "gpipe", 2)])
-def test_dropout_under_a_pipeline_drops_what_one_device_drops(mesh, schedule, microbatches):
-    ref_losses, ref_params = reference("tiny", 1, 0.1)
-    model = TransformerLM(get_preset("tiny").replace(dropout=0.1))
-    losses, state, _ = train(model, mesh, pipeline_schedule=schedule, microbatches=microbatches)
+@pytest.mark.parametrize("mesh, schedule, microbatches, layout", [
+    ("stage=2,data=4", "1f1b", 4, {}), ("data=2,stage=2,tensor=2", "gpipe", 2, {}),
+    ("stage=2,data=4", "interleaved", 2, dict(stage_layers=(1, 2, 1, 1)))])  # chunks, empty slots
+def test_dropout_under_a_pipeline_drops_what_one_device_drops(mesh, schedule, microbatches, layout):
+    layers = sum(layout.get("stage_layers", ())) or get_preset("tiny").n_layers
+    model = TransformerLM(get_preset("tiny").replace(dropout=0.1, n_layers=layers))
+    ref_losses, ref_state, _ = train(model, "data=1")
+    losses, state, program = train(model, mesh, pipeline_schedule=schedule, microbatches=microbatches, **layout)
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
-    assert_params_close(state.params, ref_params)
+    assert_params_close(program.saved(state).params, jax.tree.map(np.asarray, ref_state.params))
+
+
+def test_interleaved_keeps_activations_flat_in_microbatches():
+    """As 1F1B: from M = 2P on, the compiled temp bytes do not grow with M (at most (V + 1) P
+    - 1 chunk inputs kept)."""
+    model, _, _ = deep("tiny-llama")
+    rows, seq = 2, 64  # per microbatch per device (data=4)
+    one_input = rows * seq * model.cfg.d_model * 4
+
+    def temp(m):
+        program = make_program(model, "stage=2,data=4", pipeline_schedule="interleaved", microbatches=m)
+        return program.lower_step(m * rows * 4, seq).compile().memory_analysis().temp_size_in_bytes
+
+    flat = [temp(m) for m in (4, 8, 16)]
+    assert max(flat) - min(flat) < one_input, flat
+
+
+def test_assign_gives_the_stage_with_the_head_fewer_layers():
+    costs = Costs(layer=1.0, last_layer=1.0, embed=0.0, head=3.0, unit="s")
+    layers = assign(8, 2, costs)
+    assert sum(layers) == 8 and layers[1] < layers[0]
+    assert max(costs.stage(u, 2, n) for u, n in enumerate(layers)) == 6.0  # the even split's is 7
+    assert assign(8, 4, Costs(1.0, 1.0, 0.0, 0.0, "s")) == (2, 2, 2, 2)
+    assert assign(12, 4, Costs(1.0, 1.0, 2.0, 4.0, "s")) == (3, 4, 4, 1)  # ends: 5, 4, 4, 5
+    with pytest.raises(ConfigError, match="3 layers cannot fill 4"):
+        assign(3, 4, costs)
+
+
+@pytest.mark.parametrize("how", ["flops", "profile"])
+def test_balance_gives_a_heavy_head_fewer_layers(how):
+    """A large vocabulary makes the last stage's head worth several layers: both cost models
+    see it (the profile by timing it on this machine) and give that stage fewer layers."""
+    model = TransformerLM(get_preset("tiny-llama").replace(n_layers=8, vocab_size=16384))
+    rules = make_program(deep("tiny-llama")[0], "stage=2,data=4").rules
+    cfg, line = balance_stages(model, rules, StepConfig(pipeline_schedule="1f1b", microbatches=2,
+                                                        balance=how), 16, 64)
+    first, last = cfg.stage_layers
+    assert first + last == 8 and last < first, line
+    assert line.startswith(f"--balance {how}: --stage-layers {first},{last}")
