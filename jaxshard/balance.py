@@ -88,36 +88,44 @@ def flop_costs(cfg: Any, rows: int, seq_len: int) -> Costs:
     return Costs(layer=4 * forward, last_layer=3 * forward, embed=0.0, head=3 * head, unit="FLOP")
 
 
-def profile_costs(model: Any, rows: int, seq_len: int, compute_dtype: str, repeats: int = 5) -> Costs:
-    """Timed on one device at the microbatch's shape (``rows`` per device): a layer's forward
-    and its forward + backward, the embedding's and the head + loss's forward + backward; the
-    median of ``repeats`` runs each, after a compile run."""
+def profile_costs(model: Any, rows: int, seq_len: int, compute_dtype: str, repeats: int = 5,
+                  depth: int = 2) -> Costs:
+    """Timed on one device at the microbatch's shape (``rows`` per device), as the pipeline runs
+    them: ``depth`` layers' scan (the model's remat policy included) forward, and its forward +
+    backward under ``jax.vjp`` (a backward slot), per layer; the embedding's and the head +
+    loss's forward + backward. The median of ``repeats`` runs each, after a compile run."""
     from jaxshard.parallel.vocab import cross_entropy
     from jaxshard.train_state import cast_floats
 
     device = jax.local_devices()[0]
     dtype = jnp.dtype(compute_dtype)
     with jax.default_device(device):
-        # Random values of the right shapes for one layer and the two ends only: the whole
+        # Random values of the right shapes for a few layers and the two ends only: the whole
         # model need not fit one device.
         shapes = model.abstract_params()
-        layer = _random(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], dtype), shapes["blocks"]))
+        stack = _random(jax.tree.map(lambda x: jax.ShapeDtypeStruct((depth, *x.shape[1:]), dtype),
+                                     shapes["blocks"]))
         outer = _random(cast_floats({k: v for k, v in shapes.items() if k != "blocks"}, dtype))
         tokens = jnp.zeros((rows, seq_len), jnp.int32)
         x = model.embed(outer, tokens).astype(dtype)
 
+        def forward(stack, x):
+            return model.blocks({"blocks": stack}, x)
+
+        def backward_slot(stack, x, g):
+            return jax.vjp(forward, stack, x)[1](g)
+
+        def embed_slots(o, g):
+            return jax.vjp(lambda o: model.embed(o, tokens), o)[1](g)
+
         def head_loss(o, x):
             return cross_entropy(model.head(o, x), tokens, model.cfg.vocab_size).sum()
 
-        def block_sum(p, x):
-            return model.block(p, x).astype(jnp.float32).sum()
-
-        forward = _timed(jax.jit(model.block), layer, x, repeats=repeats)
-        both = _timed(jax.jit(jax.grad(block_sum, argnums=(0, 1))), layer, x, repeats=repeats)
-        embed = _timed(jax.jit(jax.grad(lambda o: model.embed(o, tokens).astype(jnp.float32).sum())),
-                       outer, repeats=repeats)
+        fwd = _timed(jax.jit(forward), stack, x, repeats=repeats) / depth
+        bwd = _timed(jax.jit(backward_slot), stack, x, x, repeats=repeats) / depth
+        embed = _timed(jax.jit(embed_slots), outer, x, repeats=repeats)
         head = _timed(jax.jit(jax.grad(head_loss, argnums=(0, 1))), outer, x, repeats=repeats)
-    return Costs(layer=forward + both, last_layer=both, embed=embed, head=head, unit="s")
+    return Costs(layer=fwd + bwd, last_layer=bwd, embed=embed, head=head, unit="s")
 
 
 def _random(shapes: Any) -> Any:

@@ -178,8 +178,11 @@ def _pipeline_plan(rules: ShardingRules, model: Any, cfg: StepConfig) -> tuple[s
 
 
 def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig,
-                  cfg: StepConfig) -> Program:
-    schedule = pipeline_schedule(rules, model, cfg)  # its errors name the flags
+                  cfg: StepConfig, schedule: pipeline.Schedule | None = None) -> Program:
+    """``schedule``: a pipeline schedule of one's own tables, for a stage axis (default: the
+    one ``cfg`` asks for)."""
+    if schedule is None:
+        schedule = pipeline_schedule(rules, model, cfg)  # its errors name the flags
     if schedule is not None:
         model = model.staged(schedule.layout)
     rules.check_model(model.param_axes(), model.abstract_params())
