@@ -12,15 +12,15 @@ from jaxshard.rules import ShardingRules, StateKind, Strategy
 from jaxshard.train_state import state_layout
 from models import ModelConfig, TransformerLM, get_preset
 
-# The dim that ZeRO/FSDP shards in each param: `embed` where it divides, else the largest
-# dim that does (never `layers`). Shapes in the comments.
+# The dim that ZeRO/FSDP shards in each param: the first that divides (never `layers` or
+# `position`), so shards are contiguous blocks. Shapes in the comments.
 STATE_DIM = {
     "tiny": {
         "blocks/attn/bo": 1,  # (2, 64)
-        "blocks/attn/bq": 1,  # (2, 8, 8): no embed; the first of the largest dims
+        "blocks/attn/bq": 1,  # (2, 8, 8)
         "blocks/attn/bv": 1,  # (2, 8, 8)
         "blocks/attn/wk": 1,  # (2, 64, 8, 8)
-        "blocks/attn/wo": 3,  # (2, 8, 8, 64)
+        "blocks/attn/wo": 1,  # (2, 8, 8, 64): heads, not the minor embed dim
         "blocks/attn/wq": 1,
         "blocks/attn/wv": 1,
         "blocks/attn_norm/bias": 1,  # (2, 64)
@@ -28,27 +28,27 @@ STATE_DIM = {
         "blocks/ffn/b_in": 1,  # (2, 256)
         "blocks/ffn/b_out": 1,  # (2, 64)
         "blocks/ffn/w_in": 1,  # (2, 64, 256)
-        "blocks/ffn/w_out": 2,  # (2, 256, 64)
+        "blocks/ffn/w_out": 1,  # (2, 256, 64)
         "blocks/ffn_norm/bias": 1,
         "blocks/ffn_norm/scale": 1,
         "final_norm/bias": 0,  # (64,)
         "final_norm/scale": 0,
-        "positions": 1,  # (256, 64)
-        "tokens": 1,  # (256, 64)
+        "positions": 1,  # (256, 64): never the position rows, which are sliced
+        "tokens": 0,  # (256, 64)
     },
     "tiny-llama": {
         "blocks/attn/wk": 1,  # (2, 64, 2, 8)
-        "blocks/attn/wo": 3,  # (2, 8, 8, 64)
+        "blocks/attn/wo": 1,  # (2, 8, 8, 64)
         "blocks/attn/wq": 1,  # (2, 64, 8, 8)
         "blocks/attn/wv": 1,
         "blocks/attn_norm/scale": 1,  # (2, 64)
         "blocks/ffn/w_gate": 1,  # (2, 64, 192)
         "blocks/ffn/w_in": 1,
-        "blocks/ffn/w_out": 2,  # (2, 192, 64)
+        "blocks/ffn/w_out": 1,  # (2, 192, 64)
         "blocks/ffn_norm/scale": 1,
         "final_norm/scale": 0,  # (64,)
         "lm_head": 0,  # (64, 256)
-        "tokens": 1,  # (256, 64)
+        "tokens": 0,  # (256, 64)
     },
 }
 
