@@ -3,9 +3,8 @@
 A pipeline's tick takes as long as its slowest stage, so the assignment to pick is the one whose
 most loaded (virtual) stage is least loaded. What loads a stage, per microbatch:
 
-* each of its layers: forward in the forward slot, then forward again and backward in the
-  backward slot (the stage re-runs its forward from the kept input) -- the last stage runs its
-  layers once, forward and backward together, with the head;
+* each of its layers: forward in the forward slot and backward in the backward slot (from the
+  residuals kept in between), the last stage both in its backward slot, with the head;
 * stage 0: the embedding, forward and backward;
 * the last stage: the head and the loss, forward and backward -- with a large vocabulary worth
   several layers, so that stage should run fewer layers.
@@ -31,20 +30,17 @@ HOW = ("flops", "profile")
 
 @dataclass(frozen=True)
 class Costs:
-    """Per microbatch, in ``unit``: a layer on any stage but the last, a layer on the last
-    stage, the embedding (stage 0) and the head + loss (last stage)."""
+    """Per microbatch, in ``unit``: a layer (forward + backward), the embedding (stage 0) and
+    the head + loss (last stage)."""
 
     layer: float
-    last_layer: float
     embed: float
     head: float
     unit: str  # "s" (profiled) or "FLOP"
 
     def stage(self, u: int, parts: int, layers: int) -> float:
         """Virtual stage ``u`` of ``parts`` running ``layers`` layers."""
-        final = u == parts - 1
-        return (layers * (self.last_layer if final else self.layer) + (self.embed if u == 0 else 0.0)
-                + (self.head if final else 0.0))
+        return layers * self.layer + (self.embed if u == 0 else 0.0) + (self.head if u == parts - 1 else 0.0)
 
     def format(self, value: float) -> str:
         return f"{value * 1e3:.2f} ms" if self.unit == "s" else f"{value / 1e9:.2f} GFLOP"
@@ -85,14 +81,14 @@ def flop_costs(cfg: Any, rows: int, seq_len: int) -> Costs:
     mlp_mats = 3 if getattr(cfg.mlp, "value", cfg.mlp) == "swiglu" else 2
     forward = tokens * (2 * (D * (N + 2 * K) * H + N * H * D + mlp_mats * D * F) + 4 * L * N * H)
     head = tokens * 2 * D * cfg.padded_vocab
-    return Costs(layer=4 * forward, last_layer=3 * forward, embed=0.0, head=3 * head, unit="FLOP")
+    return Costs(layer=3 * forward, embed=0.0, head=3 * head, unit="FLOP")
 
 
 def profile_costs(model: Any, rows: int, seq_len: int, compute_dtype: str, repeats: int = 5,
                   depth: int = 2) -> Costs:
     """Timed on one device at the microbatch's shape (``rows`` per device), as the pipeline runs
-    them: ``depth`` layers' scan (the model's remat policy included) forward, and its forward +
-    backward under ``jax.vjp`` (a backward slot), per layer; the embedding's and the head +
+    them: ``depth`` layers' scan (the model's remat policy included) forward and backward under
+    ``jax.vjp`` (a forward and a backward slot), per layer; the embedding's and the head +
     loss's forward + backward. The median of ``repeats`` runs each, after a compile run."""
     from jaxshard.parallel.vocab import cross_entropy
     from jaxshard.train_state import cast_floats
@@ -112,7 +108,7 @@ def profile_costs(model: Any, rows: int, seq_len: int, compute_dtype: str, repea
         def forward(stack, x):
             return model.blocks({"blocks": stack}, x)
 
-        def backward_slot(stack, x, g):
+        def both_slots(stack, x, g):
             return jax.vjp(forward, stack, x)[1](g)
 
         def embed_slots(o, g):
@@ -121,11 +117,10 @@ def profile_costs(model: Any, rows: int, seq_len: int, compute_dtype: str, repea
         def head_loss(o, x):
             return cross_entropy(model.head(o, x), tokens, model.cfg.vocab_size).sum()
 
-        fwd = _timed(jax.jit(forward), stack, x, repeats=repeats) / depth
-        bwd = _timed(jax.jit(backward_slot), stack, x, x, repeats=repeats) / depth
+        layer = _timed(jax.jit(both_slots), stack, x, x, repeats=repeats) / depth
         embed = _timed(jax.jit(embed_slots), outer, x, repeats=repeats)
         head = _timed(jax.jit(jax.grad(head_loss, argnums=(0, 1))), outer, x, repeats=repeats)
-    return Costs(layer=fwd + bwd, last_layer=bwd, embed=embed, head=head, unit="s")
+    return Costs(layer=layer, embed=embed, head=head, unit="s")
 
 
 def _random(shapes: Any) -> Any:

@@ -111,7 +111,7 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-schedule", default=None, metavar="|".join(pipeline.SCHEDULES),
                    help="with a stage axis: naive (one microbatch through the stages in turn), "
                         "gpipe (all forwards, then all backwards), 1f1b (one forward and one "
-                        "backward per tick: at most 2 x stages inputs kept), interleaved (1f1b over "
+                        "backward per tick: at most 2 x stages microbatches' activations kept), interleaved (1f1b over "
                         "--virtual-stages chunks per stage); default 1f1b")
     g.add_argument("--microbatches", type=int, default=None,
                    help="with a stage axis: microbatches per step (default: the stages; naive: 1); "

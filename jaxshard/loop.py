@@ -116,7 +116,7 @@ def _train(cfg: TrainConfig, model: Any, rules: ShardingRules, corpus: data_lib.
         chunks = f" x {schedule.virtual} chunks" if schedule.virtual > 1 else ""
         _log(f"pipeline {schedule.kind}: {schedule.stages} stages{chunks} (layers {schedule.layout.describe()}), "
              f"{schedule.microbatches} microbatches in {schedule.ticks} ticks, bubble "
-             f"(P-1)/({'VM' if chunks else 'M'}+P-1) = {schedule.bubble():.0%}, {schedule.slots} inputs kept per stage")
+             f"(P-1)/({'VM' if chunks else 'M'}+P-1) = {schedule.bubble():.0%}, {schedule.slots} microbatches' activations kept per stage")
     state, start, samples = _start(cfg, program, model, ckpt)
     t0 = time.perf_counter()
     compiled = program.lower_step(B, L).compile()
@@ -292,7 +292,7 @@ def _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compil
                                   "stage_layers": list(schedule.layout.layers),
                                   "assignment": schedule.layout.describe(),
                                   "microbatches": schedule.microbatches, "ticks": schedule.ticks,
-                                  "inputs_kept_per_stage": schedule.slots,
+                                  "microbatches_kept_per_stage": schedule.slots,
                                   "bubble_theory": schedule.bubble()},
         "compile_time_s": compile_s,
         "step_time_s_median": float(np.median(timed)),

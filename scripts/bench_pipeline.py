@@ -47,6 +47,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", type=int, default=8, help="sequences per microbatch per device")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=5, help="timed steps per configuration (median)")
+    p.add_argument("--remat", default="dots", help="the model's --remat policy (what a stage keeps per "
+                   "microbatch); dots is train.py's default on CPU")
     p.add_argument("--part", choices=("bubble", "steps", "balance"), default=None,
                    help="run one part in this process (the default runs all three, each in its own)")
     return p
@@ -117,7 +119,7 @@ def part_bubble(a) -> list[dict]:
     from jaxshard.train_step import StepConfig
     from models import TransformerLM, get_preset
 
-    model = TransformerLM(get_preset("llama-tiny"))  # 4 layers: 2 per stage, or 1 per chunk
+    model = TransformerLM(get_preset("llama-tiny"), remat=a.remat)  # 4 layers: 2 per stage, or 1 per chunk
     out = []
     for kind, m in BUBBLE_RUNS:
         cfg = StepConfig(pipeline_schedule=kind, microbatches=m)
@@ -143,7 +145,7 @@ def part_steps(a) -> list[dict]:
     from jaxshard.train_step import StepConfig
     from models import TransformerLM, get_preset
 
-    model = TransformerLM(get_preset("llama-tiny").replace(n_layers=8))
+    model = TransformerLM(get_preset("llama-tiny").replace(n_layers=8), remat=a.remat)
     batch = 8 * a.rows  # 8 microbatches of rows / 2 per device over data=2
     out = []
     for kind, m in STEP_RUNS:
@@ -151,7 +153,7 @@ def part_steps(a) -> list[dict]:
         step = timed_step(program, batch, a.seq_len, model.cfg.vocab_size, a.steps)
         out.append({"schedule": kind, "mesh": "stage=4,data=2", "microbatches": m, "batch_size": batch,
                     "virtual": program.schedule.virtual, "ticks": program.schedule.ticks,
-                    "kept_inputs": program.schedule.slots, "step_s": step,
+                    "kept_microbatches": program.schedule.slots, "step_s": step,
                     "bubble_theory": program.schedule.bubble()})
         print(f"{kind:>11} M={m}: step {step * 1e3:7.1f} ms ({program.schedule.ticks} ticks)", flush=True)
     return out
@@ -161,7 +163,8 @@ def part_balance(a) -> dict:
     from jaxshard.train_step import StepConfig, balance_stages
     from models import TransformerLM, get_preset
 
-    model = TransformerLM(get_preset("llama-tiny").replace(n_layers=8, vocab_size=16384, name="llama-8L-16k"))
+    model = TransformerLM(get_preset("llama-tiny").replace(n_layers=8, vocab_size=16384, name="llama-8L-16k"),
+                          remat=a.remat)
     m, batch = 4, 4 * a.rows
     even_cfg = StepConfig(pipeline_schedule="1f1b", microbatches=m)
     program, rules = program_for(model, "stage=2", even_cfg)
@@ -204,11 +207,11 @@ def report(a) -> str:
                      + f" | {r['all_stages_s'] * 1e3:.1f} | {r['bubble_measured']:.3f} | {r['bubble_theory']:.3f} | "
                        f"{r['bubble_measured'] / r['bubble_theory']:.2f} |")
     lines += ["", "Step time: `stage=4,data=2` on 8 fake CPU devices sharing 2 cores, llama-tiny with "
-              "8 layers.", "", "| schedule | M | ticks | inputs kept per stage | step ms | theory bubble |",
+              "8 layers.", "", "| schedule | M | ticks | microbatches kept per stage | step ms | theory bubble |",
               "|---|---|---|---|---|---|"]
     for r in parts["steps"]:
         name = r["schedule"] + (f" (V={r['virtual']})" if r["virtual"] > 1 else "")
-        lines.append(f"| {name} | {r['microbatches']} | {r['ticks']} | {r['kept_inputs']} | "
+        lines.append(f"| {name} | {r['microbatches']} | {r['ticks']} | {r['kept_microbatches']} | "
                      f"{r['step_s'] * 1e3:.1f} | {r['bubble_theory']:.3f} |")
     b = parts["balance"]
     lines += ["", f"Balance: {b['model']} (8 layers, a 16k vocabulary's head), `stage=2` on the 2 "
@@ -262,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     for part in ("bubble", "steps", "balance"):
         print(f"== {part}", flush=True)
         args = [sys.executable, os.path.abspath(__file__), "--part", part, "--out", a.out, "--rows", str(a.rows),
-                "--seq-len", str(a.seq_len), "--steps", str(a.steps)]
+                "--seq-len", str(a.seq_len), "--steps", str(a.steps), "--remat", a.remat]
         done = subprocess.run(args, cwd=ROOT)
         if done.returncode:
             return done.returncode

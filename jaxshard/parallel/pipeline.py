@@ -9,10 +9,12 @@ an idle slot. One executor runs every table: a ``lax.scan`` over the ticks insid
 between ticks, and an explicit ``jax.vjp`` per stage and microbatch. Idle slots skip their work
 (``lax.switch``), they do not compute and mask it.
 
-What a stage keeps between a microbatch's forward and its backward is the stage's input
-(GPipe's re-materialisation): the backward slot runs the stage's forward again under
-``jax.vjp``. So a stage's saved activations are ``slots`` inputs, which the schedule fixes:
-GPipe all M microbatches, 1F1B at most 2P - 1 whatever M is.
+What a stage keeps between a microbatch's forward and its backward is what the backward pass
+needs: the forward slot runs the stage's layers under ``jax.vjp`` and keeps the pullback's
+residuals (what the model's remat policy saves: ``--remat full`` keeps each layer's input); the
+backward slot applies them. So every stage does one forward and one backward per microbatch
+-- the cost the bubble theory assumes -- and keeps ``slots`` microbatches' residuals, which the
+schedule fixes: GPipe all M microbatches, 1F1B at most 2P - 1 whatever M is.
 
 The two ends run inside the executor: stage 0 embeds its microbatch's tokens (and, backward,
 takes the embedding's gradient), the last stage applies the head and the loss in its backward
@@ -220,6 +222,43 @@ def make_schedule(kind: str, stages: int, microbatches: int, virtual: int = 1,
     return Schedule(kind, Pn, M, V, slots=slots, layout=layout, **tables)
 
 
+class _Residuals:
+    """A chunk's ``jax.vjp`` pullback as arrays that can be kept in the stash between a
+    microbatch's forward and backward slots: its residuals, less the chunk's own params (the
+    backward slot has them), with the static rest -- the pullback's structure and where the
+    params go -- recorded when the forward is first traced. (The pullback is a pytree whose
+    leaves are its residuals.)"""
+
+    def __init__(self) -> None:
+        self.treedef = None
+        self.params_at: tuple[int, ...] = ()  # per leaf: the params leaf it is, or -1
+        self.key_impls: tuple = ()  # per kept leaf: its PRNG impl if it is a key, else None
+
+    def split(self, pullback: Any, params: Any) -> list[jax.Array]:
+        leaves, treedef = jax.tree.flatten(pullback)
+        p_leaves = jax.tree.leaves(params)
+        at = tuple(next((n for n, p in enumerate(p_leaves) if leaf is p), -1) for leaf in leaves)
+        kept = [leaf for leaf, a in zip(leaves, at) if a < 0]
+        impls = tuple(jax.random.key_impl(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else None
+                      for x in kept)
+        if self.treedef is None:
+            self.treedef, self.params_at, self.key_impls = treedef, at, impls
+        elif (at, impls) != (self.params_at, self.key_impls):
+            raise AssertionError("a stage's forward traced to different residuals")
+        return [x if impl is None else jax.random.key_data(x) for x, impl in zip(kept, impls)]
+
+    def join(self, kept: list[jax.Array], params: Any) -> Callable:
+        p_leaves, rest = jax.tree.leaves(params), iter(zip(kept, self.key_impls))
+        leaves = []
+        for a in self.params_at:
+            if a >= 0:
+                leaves.append(p_leaves[a])
+            else:
+                x, impl = next(rest)
+                leaves.append(x if impl is None else jax.random.wrap_key_data(x, impl=impl))
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
 def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         embed: Callable[..., jax.Array], body: Callable[..., jax.Array], last: Callable[..., jax.Array],
         blocks: Any, outer: Any, inputs_MBL: jax.Array, targets_MBL: jax.Array,
@@ -271,12 +310,23 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         def is_last(v):
             return (s == Pn - 1) & (v == V - 1)
 
-        def backward(j, v, x_in, received_g):
+        residuals = _Residuals()
+
+        def forward(c, x, j, ids):
+            """The chunk's output and what its backward pass needs: the residuals of its
+            ``jax.vjp``, less the chunk's own params (read again in the backward slot)."""
+            y, vjp = jax.vjp(lambda b, x: body(b, x, j, ids, aux), c, x)
+            return y, residuals.split(vjp, c)
+
+        # The residuals' structure, from one trace; idle forward slots fill them with zeros.
+        _, res_shapes = jax.eval_shape(forward, chunk(0), zeros_x, 0, layer_ids[s, 0])
+        zeros_res = jax.tree.map(lambda r: jnp.zeros(r.shape, r.dtype), res_shapes)
+
+        def backward(j, v, x_in, res, received_g):
             c, ids = chunk(v), layer_ids[s, v]
 
             def middle():
-                _, vjp = jax.vjp(lambda b, x: body(b, x, j, ids, aux), c, x_in)
-                d_chunk, d_x = vjp(received_g)
+                d_chunk, d_x = residuals.join(res, c)(received_g)
                 return jnp.zeros((), jnp.float32), d_chunk, zeros(outer), d_x
 
             def end():
@@ -291,32 +341,45 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
                 lambda: d_outer)
             return loss, d_chunk, d_outer, d_x
 
-        def idle_backward(j, v, x_in, received_g):
+        def idle_backward(j, v, x_in, res, received_g):
             return jnp.zeros((), jnp.float32), zeros(chunk(0)), zeros(outer), zeros_x
+
+        def keep(stash, value, slot):
+            return jax.tree.map(lambda buf, x: buf.at[slot].set(x), stash, value)
+
+        def kept(stash, slot):
+            return jax.tree.map(lambda buf: buf[slot], stash)
 
         def tick(carry, t):
             received_x, received_g, stash, loss_acc, d_blocks_acc, d_outer_acc = carry
             i, v = tables["fwd"][t, s], tables["fwd_chunk"][t, s]
-            # Forward slot: take the microbatch's input, keep it, pass the chunk's output on
-            # (the last chunk's forward runs in its backward slot, with the head).
-            i_, v_ = jnp.maximum(i, 0), jnp.maximum(v, 0)
+            # Forward slot: take the microbatch's input, run the chunk and keep its residuals
+            # (the last chunk keeps its input: its forward runs in its backward slot, with the
+            # head), pass the chunk's output on.
+            i_, v_, slot = jnp.maximum(i, 0), jnp.maximum(v, 0), tables["fwd_slot"][t, s]
             x_in = jax.lax.cond(i >= 0, lambda: jax.lax.cond(
                 is_first(v_), lambda: embed(outer, inputs[i_], i_, aux), lambda: received_x), lambda: zeros_x)
-            stash = jax.lax.cond(i >= 0, lambda: stash.at[tables["fwd_slot"][t, s]].set(x_in), lambda: stash)
-            y = jax.lax.cond((i >= 0) & ~is_last(v_),
-                             lambda: body(chunk(v_), x_in, i_, layer_ids[s, v_], aux), lambda: zeros_x)
+            runs = (i >= 0) & ~is_last(v_)
+            y, res = jax.lax.cond(runs, lambda: forward(chunk(v_), x_in, i_, layer_ids[s, v_]),
+                                  lambda: (zeros_x, zeros_res))
+            # (Written in place, outside any cond, which would copy the whole stash: an idle
+            # slot writes its zeros to the spare slot K.)
+            slot = jnp.where(i >= 0, slot, K)
+            stash = (keep(stash[0], x_in, slot), keep(stash[1], res, slot))
             # Backward slot.
             j, w = tables["bwd"][t, s], jnp.maximum(tables["bwd_chunk"][t, s], 0)
+            back = jnp.maximum(tables["bwd_slot"][t, s], 0)
             loss, d_chunk, d_outer, d_x = jax.lax.cond(
-                j >= 0, backward, idle_backward, jnp.maximum(j, 0), w,
-                stash[jnp.maximum(tables["bwd_slot"][t, s], 0)], received_g)
+                j >= 0, backward, idle_backward, jnp.maximum(j, 0), w, kept(stash[0], back),
+                kept(stash[1], back), received_g)
             received_x = jax.lax.ppermute(y, STAGE, to_next)
             received_g = jax.lax.ppermute(d_x, STAGE, to_prev)
             return (received_x, received_g, stash, loss_acc + loss, add_chunk(d_blocks_acc, d_chunk, w),
                     jax.tree.map(jnp.add, d_outer_acc, d_outer)), None
 
-        stash = jnp.zeros((K, *x_shape.shape), x_shape.dtype)
-        init = (zeros_x, zeros_x, stash, jnp.zeros((), jnp.float32), zeros(blocks), zeros(outer))
+        slots = lambda tree: jax.tree.map(lambda x: jnp.zeros((K + 1, *x.shape), x.dtype), tree)  # noqa: E731
+        init = (zeros_x, zeros_x, (slots(zeros_x), slots(zeros_res)), jnp.zeros((), jnp.float32),
+                zeros(blocks), zeros(outer))
         (_, _, _, loss, d_blocks, d_outer), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
         # The loss lives on the last stage, the outer params' gradients on the two ends.
         return jax.lax.psum(loss, STAGE), d_blocks, jax.lax.psum(d_outer, STAGE)
