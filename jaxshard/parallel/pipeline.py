@@ -318,15 +318,14 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
             y, vjp = jax.vjp(lambda b, x: body(b, x, j, ids, aux), c, x)
             return y, residuals.split(vjp, c)
 
-        # The residuals' structure, from one trace; idle forward slots fill them with zeros.
+        # The residuals' structure, from one trace.
         _, res_shapes = jax.eval_shape(forward, chunk(0), zeros_x, 0, layer_ids[s, 0])
-        zeros_res = jax.tree.map(lambda r: jnp.zeros(r.shape, r.dtype), res_shapes)
 
-        def backward(j, v, x_in, res, received_g):
+        def backward(j, v, x_in, stash_res, slot, received_g):
             c, ids = chunk(v), layer_ids[s, v]
 
             def middle():
-                d_chunk, d_x = residuals.join(res, c)(received_g)
+                d_chunk, d_x = residuals.join(kept(stash_res, slot), c)(received_g)
                 return jnp.zeros((), jnp.float32), d_chunk, zeros(outer), d_x
 
             def end():
@@ -341,7 +340,7 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
                 lambda: d_outer)
             return loss, d_chunk, d_outer, d_x
 
-        def idle_backward(j, v, x_in, res, received_g):
+        def idle_backward(j, v, x_in, stash_res, slot, received_g):
             return jnp.zeros((), jnp.float32), zeros(chunk(0)), zeros(outer), zeros_x
 
         def keep(stash, value, slot):
@@ -359,26 +358,30 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
             i_, v_, slot = jnp.maximum(i, 0), jnp.maximum(v, 0), tables["fwd_slot"][t, s]
             x_in = jax.lax.cond(i >= 0, lambda: jax.lax.cond(
                 is_first(v_), lambda: embed(outer, inputs[i_], i_, aux), lambda: received_x), lambda: zeros_x)
-            runs = (i >= 0) & ~is_last(v_)
-            y, res = jax.lax.cond(runs, lambda: forward(chunk(v_), x_in, i_, layer_ids[s, v_]),
-                                  lambda: (zeros_x, zeros_res))
-            # (Written in place, outside any cond, which would copy the whole stash: an idle
-            # slot writes its zeros to the spare slot K.)
-            slot = jnp.where(i >= 0, slot, K)
-            stash = (keep(stash[0], x_in, slot), keep(stash[1], res, slot))
+            stash_x, stash_res = stash
+
+            def run_forward(stash_res):
+                y, res = forward(chunk(v_), x_in, i_, layer_ids[s, v_])
+                return y, keep(stash_res, res, slot)
+
+            # Residuals are written (in place) only where the chunk runs: the last chunk, whose
+            # forward runs in its backward slot, and idle slots move none.
+            y, stash_res = jax.lax.cond((i >= 0) & ~is_last(v_), run_forward,
+                                        lambda stash_res: (zeros_x, stash_res), stash_res)
+            stash = (keep(stash_x, x_in, jnp.where(i >= 0, slot, K)), stash_res)  # idle: spare slot K
             # Backward slot.
             j, w = tables["bwd"][t, s], jnp.maximum(tables["bwd_chunk"][t, s], 0)
             back = jnp.maximum(tables["bwd_slot"][t, s], 0)
             loss, d_chunk, d_outer, d_x = jax.lax.cond(
-                j >= 0, backward, idle_backward, jnp.maximum(j, 0), w, kept(stash[0], back),
-                kept(stash[1], back), received_g)
+                j >= 0, backward, idle_backward, jnp.maximum(j, 0), w, kept(stash[0], back), stash[1], back,
+                received_g)
             received_x = jax.lax.ppermute(y, STAGE, to_next)
             received_g = jax.lax.ppermute(d_x, STAGE, to_prev)
             return (received_x, received_g, stash, loss_acc + loss, add_chunk(d_blocks_acc, d_chunk, w),
                     jax.tree.map(jnp.add, d_outer_acc, d_outer)), None
 
-        slots = lambda tree: jax.tree.map(lambda x: jnp.zeros((K + 1, *x.shape), x.dtype), tree)  # noqa: E731
-        init = (zeros_x, zeros_x, (slots(zeros_x), slots(zeros_res)), jnp.zeros((), jnp.float32),
+        slots = lambda tree, n: jax.tree.map(lambda x: jnp.zeros((n, *x.shape), x.dtype), tree)  # noqa: E731
+        init = (zeros_x, zeros_x, (slots(zeros_x, K + 1), slots(res_shapes, K)), jnp.zeros((), jnp.float32),
                 zeros(blocks), zeros(outer))
         (_, _, _, loss, d_blocks, d_outer), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
         # The loss lives on the last stage, the outer params' gradients on the two ends.
