@@ -24,8 +24,8 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = (?P<shape>\(.*?\)|\S
                     r"(?P<op>[\w\-]+)\((?P<operands>[^)]*)\)(?P<attrs>.*)$")
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[\w.\-]+)\s*\((?P<params>.*)\)\s*->.*\{\s*$")
 _ARRAY = re.compile(r"\b(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\]")
-_CALLS = re.compile(r"\b(body|condition|calls|to_apply|branch_computations|true_computation|"
-                    r"false_computation)=\{?%([\w.\-]+)")
+_CALLS = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%([\w.\-]+)")
+_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 
 Groups = tuple[tuple[int, ...], ...]
 
@@ -42,6 +42,9 @@ class Collective:
     groups: Groups  # partition ids per replica group (collective-permute: source/target pairs)
     spelled_as: str  # the HLO opcode
     executions: int = 1  # runs per step (trip counts of the loops around it)
+    # In a branch of a conditional: ``executions`` counts every run of the conditional, an upper
+    # bound (which branch runs is decided at run time).
+    conditional: bool = False
     axes: tuple[str, ...] = ()  # mesh axes its groups span (see attribute())
 
     @property
@@ -112,6 +115,7 @@ def parse(hlo_text: str) -> list[Collective]:
     body: dict[str, list] = defaultdict(list)  # computation -> its instructions
     calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
     where: dict[str, str] = {}
+    branches: set[str] = set()  # computations that are branches of a conditional
     computation = entry = ""
     for line in hlo_text.splitlines():
         if h := _HEADER.match(line):
@@ -128,6 +132,12 @@ def parse(hlo_text: str) -> list[Collective]:
         trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', m["attrs"])
         for role, callee in _CALLS.findall(m["attrs"]):
             calls[computation].append((callee, int(trips[1]) if trips and role == "body" else 1))
+        for listed in _BRANCHES.findall(m["attrs"]):
+            for callee in re.findall(r"%([\w.\-]+)", listed):
+                calls[computation].append((callee, 1))
+                branches.add(callee)
+        if m["op"] == "conditional":
+            branches.update(c for role, c in _CALLS.findall(m["attrs"]) if role.endswith("_computation"))
         body[computation].append(m)
         for operand in re.findall(r"%([\w.\-]+)", m["operands"]):
             users[operand].append(m)
@@ -135,6 +145,7 @@ def parse(hlo_text: str) -> list[Collective]:
             instrs.append(m)
 
     runs = _executions(entry, calls)
+    in_branch = _reachable(branches, calls)
     found = []
     for m in instrs:
         op = m["op"].removesuffix("-start")
@@ -161,7 +172,8 @@ def parse(hlo_text: str) -> list[Collective]:
             found.append(Collective(
                 kind=kind, name=name, shapes=tuple(s for _, s in res),
                 operand_shapes=tuple(s for _, s in ops), bytes=_nbytes(full), groups=groups,
-                spelled_as=op, executions=runs.get(where[m["name"]], 1)))
+                spelled_as=op, executions=runs.get(where[m["name"]], 1),
+                conditional=where[m["name"]] in in_branch))
     return found
 
 
@@ -200,6 +212,17 @@ def _executions(entry: str, calls: dict[str, list[tuple[str, int]]]) -> dict[str
 
     visit(entry, 1)
     return dict(runs)
+
+
+def _reachable(roots: set[str], calls: dict[str, list[tuple[str, int]]]) -> set[str]:
+    """``roots`` and every computation they call, directly or not."""
+    seen, todo = set(), list(roots)
+    while todo:
+        comp = todo.pop()
+        if comp not in seen:
+            seen.add(comp)
+            todo.extend(callee for callee, _ in calls.get(comp, ()))
+    return seen
 
 
 def attribute(found: list[Collective], axis_names: tuple[str, ...],

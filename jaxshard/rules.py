@@ -104,7 +104,7 @@ class ShardingRules:
         self.mesh = mesh
         self.strategy = strategy
         self.sizes = {str(a): int(s) for a, s in mesh.shape.items()}
-        self.batch_axes = self.active_axes(BATCH_AXES)
+        self._batch_axes = self.active_axes(BATCH_AXES)
         tensor = self.active_axes((MeshAxis.TENSOR,))
         sequence = self.active_axes((MeshAxis.SEQUENCE,))
         for axis, what in UNUSED_AXES.items():
@@ -129,11 +129,24 @@ class ShardingRules:
             Dim.LAYERS: self.active_axes((MeshAxis.STAGE,))}
         # logical activation dim -> mesh axes
         self.activation_table: dict[Dim, tuple[str, ...]] = {
-            Dim.BATCH: self.batch_axes,
+            Dim.BATCH: self._batch_axes,
             Dim.LENGTH: sequence,
             Dim.RESIDUAL_LENGTH: sequence + (tensor if strategy.sequence_parallel else ()),
             Dim.ACT_HEADS: tensor, Dim.ACT_KV_HEADS: tensor, Dim.ACT_MLP: tensor,
             Dim.ACT_VOCAB: tensor}
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The axes that split the batch (size > 1, outermost first), less those of the manual
+        region being traced, inside which each device holds its own rows."""
+        manual = self.manual_axes
+        return tuple(a for a in self._batch_axes if a not in manual)
+
+    @property
+    def manual_axes(self) -> frozenset[str]:
+        """The axes of the manual region being traced (a pipeline stage's), if any."""
+        context = jax.sharding.get_abstract_mesh()
+        return frozenset() if context.empty else frozenset(map(str, context.manual_axes))
 
     def active_axes(self, axes) -> tuple[str, ...]:
         """The axes of ``axes`` (names or MeshAxis) with size > 1, in mesh nesting order."""
@@ -242,7 +255,7 @@ class ShardingRules:
     def activation_spec(self, axes: LogicalAxes, shape: tuple[int, ...] | None = None) -> PartitionSpec:
         """Spec of an activation with dims ``axes``; with ``shape``, axes that do not divide a
         dim are left off it (e.g. kv heads fewer than ``tensor``)."""
-        used: set[str] = set()
+        used: set[str] = set(self.manual_axes)  # inside a manual region: the device's own
         entries = []
         for i, d in enumerate(axes):
             mesh_axes = tuple(a for a in self.activation_table.get(d, ()) if a not in used)
@@ -289,9 +302,9 @@ class ShardingRules:
 
     def check_batch(self, rows: int, label: str | None = None) -> None:
         """One clear error if ``rows`` sequences cannot be split over the batch axes."""
-        n = self.size(self.batch_axes)
+        n = self.size(self._batch_axes)
         if rows % n:
-            axes = ",".join(f"{a}={self.sizes[a]}" for a in self.batch_axes)
+            axes = ",".join(f"{a}={self.sizes[a]}" for a in self._batch_axes)
             raise ConfigError(f"{label or f'--batch-size {rows}'} is not divisible by the "
                               f"batch-sharding axes ({axes}: {n} shards)")
 

@@ -58,13 +58,15 @@ def token_einsum(spec: str, x: jax.Array, w: jax.Array, out_axes: tuple | None =
 # While a pipeline runs microbatch i of M (rows i, i + M, ... of the batch): (i, M). Dropout
 # then draws the whole batch's mask and keeps the microbatch's rows, so a pipelined step drops
 # exactly what the unpipelined one does.
-_MICROBATCH: contextvars.ContextVar[tuple[jax.Array, int] | None] = contextvars.ContextVar(
-    "microbatch", default=None)
+_MICROBATCH: contextvars.ContextVar[tuple[jax.Array, int, tuple[str, ...], int] | None] = \
+    contextvars.ContextVar("microbatch", default=None)
 
 
 @contextlib.contextmanager
-def microbatch_rows(index: jax.Array, count: int) -> Iterator[None]:
-    token = _MICROBATCH.set((index, count))
+def microbatch_rows(index: jax.Array, count: int, shards: tuple[str, ...] = (), n_shards: int = 1) -> Iterator[None]:
+    """``shards``: manual batch axes (``n_shards`` devices) over which each device holds its
+    own block of the microbatch's rows."""
+    token = _MICROBATCH.set((index, count, shards, n_shards))
     try:
         yield
     finally:
@@ -74,15 +76,19 @@ def microbatch_rows(index: jax.Array, count: int) -> Iterator[None]:
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     """Inverted dropout. The mask is drawn at the global shape inside the jitted step, so with
     partitionable threefry it is the same on any mesh (sharding-invariant); inside a pipeline's
-    microbatch (:func:`microbatch_rows`) it is the microbatch's rows of the whole batch's mask."""
+    microbatch (:func:`microbatch_rows`) it is the microbatch's rows of the whole batch's mask
+    (inside a region manual over batch axes, this device's block of them)."""
     if key is None or rate == 0.0:
         return x
     micro = _MICROBATCH.get()
     if micro is None:
         keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
     else:
-        index, count = micro
-        every = jax.random.bernoulli(key, 1.0 - rate, (x.shape[0], count, *x.shape[1:]))
+        index, count, shards, n = micro
+        rows = x.shape[0]
+        every = jax.random.bernoulli(key, 1.0 - rate, (n * rows, count, *x.shape[1:]))
+        if shards:  # this device's block of the microbatch's rows
+            every = jax.lax.dynamic_slice_in_dim(every, jax.lax.axis_index(shards) * rows, rows)
         keep = jax.lax.dynamic_index_in_dim(every, index, axis=1, keepdims=False)
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 

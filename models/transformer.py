@@ -182,6 +182,9 @@ class TransformerLM:
             raise ConfigError("the params are not stored in the pipeline schedule's stage layout")
         M = schedule.microbatches
         B, L = inputs_BL.shape
+        rules = active()
+        replicas = pipeline.replica_axes(rules)  # the executor is manual over these too
+        rows = dict(shards=replicas, n_shards=rules.size(replicas))
 
         def split(x_BL):
             return constrain(x_BL.reshape(B // M, M, L).swapaxes(0, 1), (None, Dim.BATCH, None))
@@ -193,14 +196,14 @@ class TransformerLM:
             return k_embed, jax.random.split(k_blocks, self.cfg.n_layers)
 
         def embed(outer, tokens_BL, i, key):
-            with microbatch_rows(i, M):
+            with microbatch_rows(i, M, **rows):
                 return self.embed(cast(outer), tokens_BL, key=keys(key)[0])
 
         def body(chunk, x_BLD, i, layers, key):
             layer_keys = keys(key)[1]
             if layer_keys is not None:
                 layer_keys = layer_keys[jnp.maximum(layers, 0)]
-            with microbatch_rows(i, M):
+            with microbatch_rows(i, M, **rows):
                 return self.blocks({BLOCKS: cast(chunk)}, x_BLD, layer_keys=layer_keys,
                                    present=layers >= 0 if layout.padded else None)
 
@@ -210,8 +213,9 @@ class TransformerLM:
 
         outer = {k: v for k, v in params.items() if k != BLOCKS}
         loss, d_stack, d_outer = pipeline.run(
-            schedule, active().context_mesh, embed=embed, body=body, last=last, blocks=params[BLOCKS],
-            outer=outer, inputs_MBL=split(inputs_BL), targets_MBL=split(targets_BL), seed=seed, aux=key)
+            schedule, rules.context_mesh, embed=embed, body=body, last=last, blocks=params[BLOCKS],
+            outer=outer, inputs_MBL=split(inputs_BL), targets_MBL=split(targets_BL), seed=seed, aux=key,
+            replicas=replicas)
         return loss, jnp.asarray(inputs_BL.size, jnp.float32), {**d_outer, BLOCKS: d_stack}
 
     def _check_seq_len(self, inputs_BL: jax.Array) -> None:

@@ -99,3 +99,38 @@ def test_attribute_names_mesh_axes():
     assert axes["rs-start"] == ("tensor",)
     summary = {s["kind"]: s for s in hlo.summary(found)}
     assert summary["all-gather"]["count"] == 3 + 1
+
+
+BRANCHES = """HloModule jit_step, entry_computation_layout={()->f32[]}, num_partitions=8
+
+%idle (q: f32[8,64]) -> f32[8,64] {
+  ROOT %q = f32[8,64]{1,0} parameter(0)
+}
+
+%work (q.1: f32[8,64]) -> f32[8,64] {
+  %q.1 = f32[8,64]{1,0} parameter(0)
+  ROOT %ar.1 = f32[8,64]{1,0} all-reduce(%q.1), channel_id=7, replica_groups=[1,8]<=[8], use_global_device_ids=true, to_apply=%add
+}
+
+%body.2 (p.2: (s32[], f32[8,64])) -> (s32[], f32[8,64]) {
+  %p.2 = (s32[], f32[8,64]{1,0}) parameter(0)
+  %i.2 = s32[] get-tuple-element(%p.2), index=0
+  %g.2 = f32[8,64]{1,0} get-tuple-element(%p.2), index=1
+  %c.2 = f32[8,64]{1,0} conditional(%i.2, %g.2, %g.2), branch_computations={%idle, %work}
+  ROOT %t.2 = (s32[], f32[8,64]{1,0}) tuple(%i.2, %c.2)
+}
+
+ENTRY %main.2 (w.2: (s32[], f32[8,64])) -> f32[] {
+  %w.2 = (s32[], f32[8,64]{1,0}) parameter(0)
+  %loop.2 = (s32[], f32[8,64]{1,0}) while(%w.2), condition=%cond, body=%body.2, backend_config={"known_trip_count":{"n":"5"}}
+  ROOT %r.2 = f32[] constant(0)
+}
+"""
+
+
+def test_a_collective_in_any_branch_of_a_conditional_in_a_loop_counts_as_conditional():
+    """Every branch of ``branch_computations`` is followed (not only the first); a collective
+    there runs at most once per iteration, and is marked as conditional."""
+    c, = hlo.parse(BRANCHES)
+    assert (c.name, c.executions, c.conditional) == ("ar.1", 5, True)
+    assert not any(x.conditional for x in hlo.parse(MODULE))

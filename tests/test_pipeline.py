@@ -161,6 +161,25 @@ def test_stage_sends_match_the_prediction_and_no_weights_cross_stages(mesh, sche
     assert not [c for c in on_stage if c.kind == "all-reduce" and set(c.shapes) & layer], on_stage
 
 
+@pytest.mark.parametrize("mesh, zero", [("stage=2,data=4", 0), ("stage=2,data=4", 1), ("data=2,stage=2,tensor=2", 0)])
+def test_data_parallel_gradients_are_reduced_once_per_step_not_per_microbatch(mesh, zero):
+    """DDP (and ZeRO-1) across stage replicas: each device accumulates its rows' gradients over
+    the microbatches, and the compiled step reduces them over ``data`` once -- the stage's
+    layers and the outer params, whatever M is, and nothing inside the schedule's loop."""
+    model, _, _ = deep("tiny-llama")
+    for m in (2, 4, 8):
+        program = make_program(model, mesh, zero=zero, pipeline_schedule="gpipe", microbatches=m)
+        compiled = program.lower_step(32, 32).compile()
+        found = [c for c in inspect.compiled_collectives(compiled, program.rules.mesh) if "data" in c.axes]
+        assert found and not [c for c in found if c.executions > 1 or c.conditional], found
+        reduced = sum(c.bytes for c in found if c.kind in ("all-reduce", "reduce-scatter") and c.bytes > 4)
+        # One float32 gradient of every param a device holds (its stage's layers and the outer
+        # params), read from the live layout's abstract shapes, not from the accounting.
+        stage_params = sum(math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(
+            program.layout.abstract.params))
+        assert abs(reduced - 4 * stage_params) <= 0.01 * reduced, (m, reduced, 4 * stage_params)
+
+
 def test_each_device_holds_its_stage_of_the_layer_stack():
     model, _, _ = deep("tiny-llama")
     _, state, program = train(model, "stage=4,data=2", pipeline_schedule="1f1b", microbatches=4)

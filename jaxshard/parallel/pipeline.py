@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxshard.axes import MeshAxis
 from jaxshard.errors import ConfigError
+from jaxshard.rules import StateKind
 
 STAGE = str(MeshAxis.STAGE)
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
@@ -259,10 +260,25 @@ class _Residuals:
         return jax.tree.unflatten(self.treedef, leaves)
 
 
+def replica_axes(rules: Any) -> tuple[str, ...]:
+    """The batch axes a pipeline's executor is manual over besides ``stage``: ``data`` where it
+    holds replicas of the params and gradients (DDP, ZeRO-1) and is the outermost batch axis
+    (so its shards are blocks of the microbatch's rows). Each device then accumulates its own
+    rows' gradients over the step's microbatches and they are reduced once, as DDP reduces
+    once per accumulated step; left to the partitioner they were reduced in every backward
+    slot, M times a step."""
+    data = str(MeshAxis.DATA)
+    if rules is None or rules.sizes.get(data, 1) == 1 or rules.batch_axes[:1] != (data,):
+        return ()
+    if data in rules.state_axes(StateKind.GRADS):  # ZeRO-2/3: gradients reduce-scattered where made
+        return ()
+    return (data,)
+
+
 def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         embed: Callable[..., jax.Array], body: Callable[..., jax.Array], last: Callable[..., jax.Array],
         blocks: Any, outer: Any, inputs_MBL: jax.Array, targets_MBL: jax.Array,
-        seed: jax.Array | float = 1.0, aux: Any = None) -> tuple[jax.Array, Any, Any]:
+        seed: jax.Array | float = 1.0, aux: Any = None, replicas: tuple[str, ...] = ()) -> tuple[jax.Array, Any, Any]:
     """Loss sum and gradients of one step under ``schedule`` (and its ``layout``).
 
     ``embed(outer, tokens, i, aux) -> x``; ``body(chunk, x, i, layers, aux) -> y`` runs one
@@ -271,8 +287,10 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
     layers, aux) -> loss sum`` runs the last chunk's layers, the head and the loss; ``i`` is the
     microbatch, ``aux`` is passed through (e.g. a dropout key), replicated.
     ``inputs_MBL``/``targets_MBL``: the step's microbatches. ``seed``: the cotangent of the loss
-    sum (a loss scale). Returns the loss sum over all microbatches, the stack's gradients (laid
-    out as ``blocks``) and the outer params'.
+    sum (a loss scale). ``replicas``: batch axes (:func:`replica_axes`) the executor is manual
+    over too, each device running its own rows (``inputs_MBL``'s dim 1 is split over them)
+    and the gradients summed over them once at the end. Returns the loss sum over all
+    microbatches, the stack's gradients (laid out as ``blocks``) and the outer params'.
     """
     Pn, V, K = schedule.stages, schedule.virtual, schedule.slots
     layout = schedule.layout
@@ -384,11 +402,15 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         init = (zeros_x, zeros_x, (slots(zeros_x, K + 1), slots(res_shapes, K)), jnp.zeros((), jnp.float32),
                 zeros(blocks), zeros(outer))
         (_, _, _, loss, d_blocks, d_outer), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
-        # The loss lives on the last stage, the outer params' gradients on the two ends.
-        return jax.lax.psum(loss, STAGE), d_blocks, jax.lax.psum(d_outer, STAGE)
+        # The loss lives on the last stage, the outer params' gradients on the two ends; each
+        # replica holds its rows' share of both and of the stack's gradients.
+        if replicas:
+            d_blocks = jax.lax.psum(d_blocks, replicas)
+        return jax.lax.psum(loss, (STAGE, *replicas)), d_blocks, jax.lax.psum(d_outer, (STAGE, *replicas))
 
     stacked = jax.tree.map(lambda _: P(STAGE), blocks)
     replicated = jax.tree.map(lambda _: P(), outer)
-    return jax.shard_map(local, mesh=mesh, axis_names=frozenset({STAGE}), check_vma=False,
-                         in_specs=(stacked, replicated, P(), P(), P(), jax.tree.map(lambda _: P(), aux)),
+    rows = P(None, replicas or None)
+    return jax.shard_map(local, mesh=mesh, axis_names=frozenset({STAGE, *replicas}), check_vma=False,
+                         in_specs=(stacked, replicated, rows, rows, P(), jax.tree.map(lambda _: P(), aux)),
                          out_specs=(P(), stacked, replicated))(blocks, outer, inputs_MBL, targets_MBL, seed, aux)
