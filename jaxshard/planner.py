@@ -1,13 +1,22 @@
 """Rank meshes and strategies for a model on a cluster, from the accounting alone.
 
-For every way to split the devices into ``data`` x ``fsdp`` x ``tensor`` (tensor within a
-host), ZeRO stage, sequence parallelism and remat policy, the planner predicts per-device
+For every way to split the devices into ``stage`` x ``data`` x ``fsdp`` x ``tensor`` (tensor
+within a host; a pipeline's stages outermost, so they are what crosses hosts first), ZeRO
+stage, sequence parallelism, remat policy and gradient accumulation (the other way to keep
+fewer activations than recomputing them), the planner predicts per-device
 memory (:func:`jaxshard.accounting.memory`) and step time = compute time + communication time
 (no overlap assumed: a conservative bound), each collective priced at the bandwidth of the
 link it crosses -- within a host, or across hosts for an axis whose groups span hosts (mesh
 axes nest outermost first, so the outermost axes cross hosts). Plans that do not fit are
 marked; among those that do, the fastest wins and, within 5% (finer than the time model can
 tell), the simpler one.
+
+A pipeline plan runs 1F1B with the most microbatches up to 4P that split the batch (at least
+P). Its model: each device holds 1/P of the layers and keeps at most 2P - 1 microbatches'
+activations; its compute is 1/P of the step's, stretched by the bubble, (M + P - 1) / M; its
+collectives are 1/P of the unpipelined step's -- FSDP's gathers and reduce-scatters once per
+microbatch, data replicas' reduction once per step, as the executor does them -- plus one
+microbatch's activations and their gradients sent across ``stage`` every tick.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from jaxshard import accounting
 from jaxshard.devices import GB, Device
 from jaxshard.axes import MESH_AXES
 from jaxshard.errors import ConfigError
+from jaxshard.parallel.pipeline import make_schedule
 from jaxshard.remat import Remat
 from jaxshard.rules import ShardingRules, Strategy
 
@@ -42,6 +52,8 @@ class Plan:
     comm_s: float
     inter_host_bytes: float  # sent per device per step across hosts
     host_axes: tuple[str, ...]  # axes whose groups span hosts
+    microbatches: int | None = None  # a pipeline's (1F1B), with a stage axis
+    grad_accum: int = 1
 
     @property
     def step_s(self) -> float:
@@ -52,12 +64,22 @@ class Plan:
         return ",".join(f"{a}={s}" for a, s in self.mesh.items() if s > 1) or "data=1"
 
     @property
+    def flags(self) -> str:
+        """The train.py flags beyond --mesh that the plan needs."""
+        parts = [f"--zero {self.strategy.zero}"] if self.strategy.zero else []
+        parts += ["--sequence-parallel"] if self.strategy.sequence_parallel else []
+        parts += [f"--microbatches {self.microbatches}"] if self.microbatches else []
+        parts += [f"--grad-accum {self.grad_accum}"] if self.grad_accum > 1 else []
+        return " ".join(parts)
+
+    @property
     def complexity(self) -> int:
         """Fewer kinds of sharding first: DDP < ZeRO < FSDP < HSDP < + TP < + SP, + remat."""
         data, fsdp, tensor = (self.mesh.get(a, 1) for a in ("data", "fsdp", "tensor"))
         rank = self.strategy.zero + (4 if fsdp > 1 else 0) + (1 if data > 1 and fsdp > 1 else 0)
         rank += (6 if tensor > 1 else 0) + (1 if self.strategy.sequence_parallel else 0)
-        return 2 * rank + (self.remat != Remat.NONE)
+        rank += 8 if self.microbatches else 0
+        return 2 * rank + (self.remat != Remat.NONE) + (self.grad_accum > 1)
 
 
 def _divisors(n: int) -> list[int]:
@@ -81,7 +103,38 @@ def host_spanning_axes(mesh: dict[str, int], per_host: int) -> tuple[str, ...]:
     return tuple(reversed(spanning))
 
 
-def candidates(model: Any, devices: int, per_host: int, batch_size: int) -> list[tuple[dict, Strategy, Remat]]:
+def pipeline_microbatches(stages: int, batch_size: int, shards: int) -> int | None:
+    """1F1B's microbatches for a plan: the most, up to 4P, that split the batch evenly over the
+    batch shards; at least P (None: the batch is too small to pipeline)."""
+    return next((m for m in range(4 * stages, stages - 1, -1)
+                 if batch_size % m == 0 and (batch_size // m) % shards == 0), None)
+
+
+def candidates(model: Any, devices: int, per_host: int,
+               batch_size: int) -> list[tuple[dict, Strategy, Remat, int | None, int]]:
+    """(mesh, strategy, remat, microbatches, grad_accum) of every plan to weigh: without stages
+    (with gradient accumulation over 2, 4 or 8 microbatches where the batch splits, instead of
+    recomputing), and with each stage count that divides the layers evenly, outermost."""
+    out = []
+    for mesh, strategy, remat in _splits(model, devices, per_host, batch_size):
+        shards = mesh["data"] * mesh["fsdp"]
+        for accum in (1, 2, 4, 8) if remat == Remat.NONE else (1,):
+            if batch_size % accum == 0 and (batch_size // accum) % shards == 0:
+                out.append((mesh, strategy, remat, None, accum))
+    for stages in _divisors(devices):
+        if stages == 1 or model.cfg.n_layers % stages:
+            continue
+        for mesh, strategy, remat in _splits(model, devices // stages, per_host, batch_size):
+            if strategy.zero > 1 or remat != Remat.NONE:
+                continue  # the pipeline keeps few microbatches; ZeRO-2/3 within stages: FSDP's
+            shards = mesh["data"] * mesh["fsdp"]
+            m = pipeline_microbatches(stages, batch_size, shards)
+            if m is not None:
+                out.append(({"stage": stages, **mesh}, strategy, remat, m, 1))
+    return out
+
+
+def _splits(model: Any, devices: int, per_host: int, batch_size: int) -> list[tuple[dict, Strategy, Remat]]:
     out = []
     cfg = model.cfg
     for tensor in _divisors(min(devices, per_host)):
@@ -106,22 +159,40 @@ def candidates(model: Any, devices: int, per_host: int, batch_size: int) -> list
 
 def evaluate(model: Any, mesh: dict[str, int], strategy: Strategy, remat: Remat, device: Device,
              batch_size: int, seq_len: int, compute_dtype: str = "bfloat16",
-             mfu: float = 0.5, usable: float = 0.9) -> Plan:
+             mfu: float = 0.5, usable: float = 0.9, microbatches: int | None = None,
+             grad_accum: int = 1) -> Plan:
     rules = ShardingRules(_abstract_mesh(mesh), strategy)
-    mem = accounting.memory(model, rules, batch_size, seq_len, compute_dtype=compute_dtype, remat=remat)
-    comm = accounting.communication(model, rules, batch_size, seq_len, compute_dtype=compute_dtype, remat=remat)
+    kw = dict(compute_dtype=compute_dtype, remat=remat)
+    mem = accounting.memory(model, rules, batch_size, seq_len, grad_accum=grad_accum, **kw)
     fl = accounting.flops(model.cfg, rules, batch_size, seq_len, remat=remat, model=model)
+    compute_s = fl.per_device / (device.peak(compute_dtype) * mfu)
+    if microbatches is None:
+        transfers = [(t, 1.0) for t in accounting.communication(
+            model, rules, batch_size, seq_len, grad_accum=grad_accum, **kw).transfers]
+    else:
+        stages, m = mesh["stage"], microbatches
+        # Params and optimizer state: the rules split the layers over stage already. Saved
+        # activations: one microbatch's through 1/P of the layers, for each kept microbatch.
+        kept = min(m, 2 * stages - 1)
+        one = accounting.memory(model, rules, batch_size // m, seq_len, **kw).activations
+        mem = replace(mem, activations=one * kept // stages)
+        compute_s *= (m + stages - 1) / (m * stages)
+        accumulate = m if rules.gathers_params or strategy.zero > 1 else 1
+        transfers = [(t, 1 / stages) for t in accounting.communication(
+            model, rules, batch_size, seq_len, grad_accum=accumulate, **kw).transfers]
+        schedule = make_schedule("1f1b", stages, m)
+        transfers += [(t, 1.0) for t in accounting.pipeline_transfers(
+            model, rules, schedule, batch_size, seq_len, compute_dtype)]
     spanning = host_spanning_axes(mesh, device.per_host)
     comm_s = inter = 0.0
-    for t in comm.transfers:
+    for t, share in transfers:
         across = bool(set(t.axes) & set(spanning))
         bw = (device.inter_host_gbs if across else device.intra_host_gbs) * GB
-        comm_s += t.sent_bytes / bw
-        inter += t.sent_bytes if across else 0.0
+        comm_s += share * t.sent_bytes / bw
+        inter += share * t.sent_bytes if across else 0.0
     return Plan(mesh=mesh, strategy=strategy, remat=remat, name=rules.name, memory=mem,
-                fits=mem.peak <= usable * device.memory,
-                compute_s=fl.per_device / (device.peak(compute_dtype) * mfu), comm_s=comm_s,
-                inter_host_bytes=inter, host_axes=spanning)
+                fits=mem.peak <= usable * device.memory, compute_s=compute_s, comm_s=comm_s,
+                inter_host_bytes=inter, host_axes=spanning, microbatches=microbatches, grad_accum=grad_accum)
 
 
 def _with_remat(model: Any, remat: Remat) -> Any:
@@ -145,8 +216,9 @@ def plan(model: Any, devices: int, device: Device, batch_size: int, seq_len: int
     per_host = devices // hosts
     device = replace(device, per_host=per_host)
     variants = {r: _with_remat(model, r) for r in (Remat.NONE, Remat.FULL)}
-    found = [evaluate(variants[remat], mesh, strategy, remat, device, batch_size, seq_len, compute_dtype, mfu)
-             for mesh, strategy, remat in candidates(model, devices, per_host, batch_size)]
+    found = [evaluate(variants[remat], mesh, strategy, remat, device, batch_size, seq_len, compute_dtype, mfu,
+                      microbatches=m, grad_accum=k)
+             for mesh, strategy, remat, m, k in candidates(model, devices, per_host, batch_size)]
     if not found:
         raise ConfigError(f"no mesh splits --batch {batch_size} over {devices} devices; "
                           "use a batch divisible by the device count")
@@ -188,20 +260,27 @@ def explain(model: Any, plans: list[Plan], device: Device, hosts: int, compute_d
         lines.append("No plan fits: more devices, more memory, a smaller batch per device or a "
                      "smaller model.")
     else:
-        lines.append(f"Chosen: {top.name} on {top.mesh_flag}" + (f", remat {top.remat}" if top.remat != Remat.NONE else "")
+        lines.append(f"Chosen: {top.name} on {top.mesh_flag}" + (f" {top.flags}" if top.flags else "")
+                     + (f", remat {top.remat}" if top.remat != Remat.NONE else "")
                      + f": {top.memory.peak / GB:,.1f} GB per device, {top.step_s * 1e3:,.1f} ms per step "
                      f"(compute {top.compute_s * 1e3:,.1f} + communication {top.comm_s * 1e3:,.1f}); "
                      + (f"crossing hosts: {', '.join(top.host_axes)}." if top.host_axes else "all within one host."))
+        if top.microbatches:
+            stages, m = top.mesh["stage"], top.microbatches
+            lines.append(f"Pipelined over {stages} stages (1F1B, {m} microbatches): between stages only a "
+                         f"microbatch's activations and their gradients move, instead of gradients of the "
+                         f"whole model, for an idle share of (P-1)/(M+P-1) = {(stages - 1) / (m + stages - 1):.0%}.")
     return lines
 
 
 def format_plans(plans: list[Plan], device: Device) -> str:
     lines = [f"{'#':>3} {'strategy':<20} {'--mesh':<28} {'remat':<6} {'GB/device':>10} "
-             f"{'step ms':>9} {'compute':>8} {'comm':>8} {'across hosts':>14}  fits"]
+             f"{'step ms':>9} {'compute':>8} {'comm':>8} {'across hosts':>14}  fits  flags"]
     for i, p in enumerate(plans, 1):
         lines.append(f"{i:>3} {p.name:<20} {p.mesh_flag:<28} {str(p.remat):<6} "
                      f"{p.memory.peak / GB:>10,.1f} {p.step_s * 1e3:>9,.1f} {p.compute_s * 1e3:>8,.1f} "
-                     f"{p.comm_s * 1e3:>8,.1f} {','.join(p.host_axes) or '-':>14}  {'yes' if p.fits else 'NO'}")
+                     f"{p.comm_s * 1e3:>8,.1f} {','.join(p.host_axes) or '-':>14}  {'yes' if p.fits else 'NO ':<3}"
+                     f"  {p.flags}".rstrip())
     return "\n".join(lines)
 
 
@@ -219,12 +298,38 @@ def confirm(model: Any, p: Plan, batch_size: int, seq_len: int) -> str:
     spec = MeshSpec(tuple(p.mesh.items()))
     rules = ShardingRules(build_mesh(spec), p.strategy)
     model = type(model)(model.cfg, remat=p.remat)
-    program = build_program(model, rules, OptimConfig(), StepConfig(compute_dtype=compute_dtype))
+    pipelined = dict(pipeline_schedule="1f1b", microbatches=p.microbatches) if p.microbatches else {}
+    program = build_program(model, rules, OptimConfig(), StepConfig(compute_dtype=compute_dtype,
+                                                                     grad_accum=p.grad_accum, **pipelined))
     compiled = program.lower_step(batch_size, seq_len).compile()
-    v = inspect.verify(model, program, compiled, batch_size, seq_len, compute_dtype=compute_dtype)
+    if p.microbatches:
+        return _confirm_pipeline(model, p, program, compiled, batch_size, seq_len, compute_dtype)
+    v = inspect.verify(model, program, compiled, batch_size, seq_len, compute_dtype=compute_dtype,
+                       grad_accum=p.grad_accum)
     head = (f"Confirmed by compiling {p.name} on --mesh {p.mesh_flag} ({rules.mesh.devices.size} fake "
             f"CPU devices, float32): argument bytes per device predicted {v.memory[2][1]:,}, "
             f"XLA {v.memory[2][2]:,}")
     rows = [f"  {k:<16} predicted {pr:>16,} B   compiled {m:>16,} B" for k, pr, m in v.by_kind]
     verdict = [f"  FLAG: {f}" for f in v.flags] or ["  every collective kind within 5% of the prediction"]
     return "\n".join([head, *rows, *verdict])
+
+
+def _confirm_pipeline(model: Any, p: Plan, program: Any, compiled: Any, batch_size: int, seq_len: int,
+                      compute_dtype: str) -> str:
+    """What the accounting predicts of a pipelined step, against the compiled one: the state
+    each device holds and the stages' sends (the rest of a pipelined step is not predicted
+    collective by collective yet)."""
+    from jaxshard import inspect
+
+    rules = program.rules
+    predicted = accounting.memory(model.staged(program.schedule.layout), rules, batch_size, seq_len,
+                                  compute_dtype=compute_dtype, remat=p.remat)
+    xla = inspect.xla_memory(compiled)
+    sends = sum(c.bytes * c.executions for c in inspect.compiled_collectives(compiled, rules.mesh)
+                if c.kind == "collective-permute" and "stage" in c.axes)
+    expected = sum(t.total for t in accounting.pipeline_transfers(model, rules, program.schedule, batch_size,
+                                                                  seq_len, compute_dtype))
+    return (f"Confirmed by compiling {p.name} on --mesh {p.mesh_flag} {p.flags} ({rules.mesh.devices.size} fake "
+            f"CPU devices, float32): argument bytes per device predicted {predicted.argument:,}, XLA "
+            f"{xla['argument']:,}; stage-to-stage sends predicted {expected:,} B, compiled {sends:,} B "
+            "(the other collectives of a pipelined step are not predicted one by one yet)")

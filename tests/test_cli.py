@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -190,11 +191,27 @@ def test_inspect_bad_input_is_one_line():
 
 def test_plan_ranks_explains_and_confirms_by_compiling():
     result = run_script("plan.py", "--model", "llama-tiny", "--devices", "8", "--device", "h100",
-                        "--batch", "16", "--seq-len", "128", "--top", "3")
+                        "--batch", "8", "--seq-len", "1024", "--top", "3")
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
-    assert "strategy" in out and "GB/device" in out and "Chosen:" in out
+    assert "strategy" in out and "GB/device" in out and "Chosen: ddp on data=8" in out
     assert "Confirmed by compiling" in out and "every collective kind within 5%" in out
+
+
+def test_plan_confirms_a_pipeline_by_compiling_it():
+    """A tiny model's short sequences: the gradient all-reduce outweighs the compute, and a
+    pipeline, which reduces 1/P of the gradients per device, ranks first; the confirmation
+    compiles it with its microbatches and finds the predicted state and stage sends."""
+    result = run_script("plan.py", "--model", "llama-tiny", "--devices", "8", "--device", "h100",
+                        "--batch", "16", "--seq-len", "128", "--top", "3")
+    assert result.returncode == 0, result.stdout + result.stderr
+    chosen = re.search(r"Chosen: \S+ on (stage=\d+\S*) --microbatches (\d+)", result.stdout)
+    assert chosen, result.stdout
+    confirmed = re.search(r"argument bytes per device predicted ([\d,]+), XLA ([\d,]+); stage-to-stage "
+                          r"sends predicted ([\d,]+) B, compiled ([\d,]+) B", result.stdout)
+    assert confirmed, result.stdout
+    arg_p, arg_x, sent_p, sent_x = (int(g.replace(",", "")) for g in confirmed.groups())
+    assert abs(arg_p - arg_x) <= 0.05 * arg_x and abs(sent_p - sent_x) <= 0.05 * sent_x
 
 
 def test_tools_reject_bad_input_with_one_line():

@@ -20,18 +20,22 @@ def test_a_model_that_fits_one_device_gets_ddp():
     assert "It fits one h100" in " ".join(planner.explain(model, plans, H100, 1, "bfloat16"))
 
 
-def test_a_model_that_does_not_fit_gets_zero_or_fsdp():
+def test_a_model_that_does_not_fit_gets_its_state_sharded():
     model = TransformerLM(get_preset("llama-8b"))  # 8B x 16 B = 128 GB > 80 GB
     plans = planner.plan(model, 8, H100, 16, 2048)
     ddp = [p for p in plans if p.name == "ddp"]
     assert ddp and all(not p.fits for p in ddp)
     best = top(plans)
-    assert best.strategy.zero > 0 or best.mesh.get("fsdp", 1) > 1, best.name
     # what made it fit: the optimizer state (the bulk: 2 x 4 B per param) split over the
-    # ZeRO/FSDP axes -- all 8 devices, or 4 when HSDP or TP takes the other factor of 2
-    shards = best.mesh.get("fsdp", 1) * (best.mesh.get("data", 1) if best.strategy.zero else 1)
-    assert shards >= 4
+    # ZeRO/FSDP axes, tensor parallelism's or pipeline stages -- 4 or 8 ways
+    shards = (best.mesh.get("fsdp", 1) * (best.mesh.get("data", 1) if best.strategy.zero else 1)
+              * best.mesh.get("tensor", 1) * best.mesh.get("stage", 1))
+    assert shards >= 4, best.name
     assert best.memory.opt_state <= 1.01 * ddp[0].memory.opt_state / shards
+    # Without sharding over ZeRO/FSDP (data and tensor alone) it only fits by keeping fewer
+    # activations: by recomputing, or by accumulating gradients over microbatches.
+    if not best.strategy.zero and best.mesh.get("fsdp", 1) == 1 and not best.microbatches:
+        assert best.remat != planner.Remat.NONE or best.grad_accum > 1, best.flags
     assert "does not fit one h100" in " ".join(planner.explain(model, plans, H100, 1, "bfloat16"))
 
 
@@ -91,3 +95,54 @@ def test_peak_flops_for_mfu_comes_from_flags_or_a_recognised_gpu_never_a_guess()
     assert devices.peak_flops(None, None, "bfloat16", FakeDevice("cpu", "cpu"))[0] is None
     assert devices.peak_flops(None, None, "bfloat16", FakeDevice("gpu", "NVIDIA RTX 9090"))[0] is None
     assert devices.detect_device("NVIDIA A100-SXM4-40GB").name == "a100-40gb"
+
+
+def test_gradient_accumulation_is_a_plan_of_its_own():
+    model = TransformerLM(get_preset("llama-8b"))
+    plans = planner.plan(model, 8, H100, 16, 2048)
+    accum = [p for p in plans if p.grad_accum > 1]
+    assert accum and all(p.remat == planner.Remat.NONE and not p.microbatches for p in accum)
+    one = next(p for p in plans if p.grad_accum == 1 and p.remat == planner.Remat.NONE
+               and p.mesh == accum[0].mesh and p.strategy == accum[0].strategy)
+    # The same step in k microbatches: 1/k of the activations, the same compute.
+    assert accum[0].memory.activations < one.memory.activations
+    assert accum[0].compute_s == one.compute_s
+    assert f"--grad-accum {accum[0].grad_accum}" in accum[0].flags
+
+
+def test_a_pipeline_across_a_slow_link_between_hosts():
+    """Two hosts joined by a slow link (1 GB/s per device): data parallelism across it would send
+    every gradient over it each step; a pipeline whose stages split at the hosts sends only a
+    microbatch's activations and their gradients, and ranks first by far."""
+    model = TransformerLM(get_preset("llama-8b"))
+    slow = devices.device_spec("h100", inter_gbs=1.0)
+    plans = planner.plan(model, 16, slow, 32, 2048, hosts=2)
+    best = top(plans)
+    assert best.microbatches and best.mesh["stage"] >= 2 and best.host_axes == ("stage",), best.mesh
+    assert list(best.mesh)[0] == "stage"  # outermost: it is the axis that crosses hosts
+    flat = next(p for p in plans if p.fits and not p.microbatches)
+    assert best.step_s < 0.5 * flat.step_s and best.inter_host_bytes < 0.1 * flat.inter_host_bytes
+    assert best.flags.endswith(f"--microbatches {best.microbatches}")
+    assert "Pipelined over" in " ".join(planner.explain(model, plans, slow, 2, "bfloat16"))
+
+
+def test_pipeline_plans_hold_a_stage_of_the_layers_and_few_microbatches():
+    model = TransformerLM(get_preset("llama-8b"))
+    flat = planner.evaluate(model, {"data": 4, "fsdp": 1, "tensor": 2}, planner.Strategy(), planner.Remat.NONE,
+                            H100, 32, 2048)
+    piped = planner.evaluate(model, {"stage": 2, "data": 2, "fsdp": 1, "tensor": 2}, planner.Strategy(),
+                             planner.Remat.NONE, H100, 32, 2048, microbatches=8)
+    # Half the layers' params and Adam moments per device (the embedding and head stay whole).
+    assert 0.5 * flat.memory.opt_state < piped.memory.opt_state < 0.6 * flat.memory.opt_state
+    # 1F1B keeps 3 of the 8 microbatches (2P - 1), each through half the layers, of a batch
+    # that data=2 splits in two instead of four.
+    one = planner.accounting.memory(model, planner.ShardingRules(planner._abstract_mesh(piped.mesh)),
+                                    32 // 8, 2048, compute_dtype="bfloat16").activations
+    assert piped.memory.activations == one * 3 // 2
+    # The bubble stretches half the step's work by (M + P - 1) / M.
+    assert abs(piped.compute_s / flat.compute_s - 2 * 0.5 * 9 / 8) < 0.01
+
+
+@pytest.mark.parametrize("stages, batch, shards, want", [(2, 32, 4, 8), (4, 16, 2, 8), (4, 8, 4, None), (2, 6, 1, 6)])
+def test_pipeline_microbatches_are_the_most_up_to_4p_that_split_the_batch(stages, batch, shards, want):
+    assert planner.pipeline_microbatches(stages, batch, shards) == want
