@@ -257,7 +257,13 @@ def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig
             return TrainState(state.step + 1, params, opt_state, new_scale), metrics
 
     def evaluate(params, batch):
-        loss_sum, count = loss_and_count(move(params, rest.params, compute.params), batch, None)
+        params = move(params, rest.params, compute.params)
+        if schedule is None:
+            loss_sum, count = loss_and_count(params, batch, None)
+        else:  # through the pipeline's forward slots: no stage gathers the others' layers
+            with use_rules(rules):
+                loss_sum, count = model.pipeline_loss(params, batch["inputs"], batch["targets"], schedule,
+                                                      cast=lambda p: cast_floats(p, dtype))
         return loss_sum / count
 
     replicated = rules.replicated()

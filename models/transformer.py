@@ -176,6 +176,19 @@ class TransformerLM:
         ``i, i + M, ...`` of the batch, so each stays spread over the batch shards; dropout
         (``key``) drops what :meth:`loss` would. ``cast``: applied to the params where they are
         used (the compute dtype)."""
+        loss, d_stack, d_outer = self._pipeline(params, inputs_BL, targets_BL, schedule, key, cast,
+                                                seed=seed, train=True)
+        return loss, jnp.asarray(inputs_BL.size, jnp.float32), {**d_outer, BLOCKS: d_stack}
+
+    def pipeline_loss(self, params: Params, inputs_BL: jax.Array, targets_BL: jax.Array,
+                      schedule: pipeline.Schedule, *,
+                      cast: Callable[[Any], Any] = lambda p: p) -> tuple[jax.Array, jax.Array]:
+        """(loss sum, tokens) as :meth:`loss` gives them, each stage running its own layers in
+        the pipeline's forward slots (no stage gathers another's layers)."""
+        loss = self._pipeline(params, inputs_BL, targets_BL, schedule, None, cast, train=False)
+        return loss, jnp.asarray(inputs_BL.size, jnp.float32)
+
+    def _pipeline(self, params, inputs_BL, targets_BL, schedule, key, cast, **run):
         self._check_seq_len(inputs_BL)
         layout = schedule.layout
         if layout != self.stage_layout and not (layout.trivial and self.stage_layout is None):
@@ -211,12 +224,10 @@ class TransformerLM:
             logits_BLV = self.head(cast(outer), body(chunk, x_BLD, i, layers, key))
             return cross_entropy(logits_BLV, targets_BL, self.cfg.vocab_size).sum()
 
-        outer = {k: v for k, v in params.items() if k != BLOCKS}
-        loss, d_stack, d_outer = pipeline.run(
+        return pipeline.run(
             schedule, rules.context_mesh, embed=embed, body=body, last=last, blocks=params[BLOCKS],
-            outer=outer, inputs_MBL=split(inputs_BL), targets_MBL=split(targets_BL), seed=seed, aux=key,
-            replicas=replicas)
-        return loss, jnp.asarray(inputs_BL.size, jnp.float32), {**d_outer, BLOCKS: d_stack}
+            outer={k: v for k, v in params.items() if k != BLOCKS}, inputs_MBL=split(inputs_BL),
+            targets_MBL=split(targets_BL), aux=key, replicas=replicas, **run)
 
     def _check_seq_len(self, inputs_BL: jax.Array) -> None:
         if inputs_BL.shape[1] > self.cfg.max_seq_len:

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from harness import RTOL, assert_live_shardings, assert_params_close, make_program, train
+from harness import RTOL, assert_live_shardings, assert_params_close, make_program, random_batches, train
 from jaxshard import accounting, inspect
 from jaxshard.errors import ConfigError
 from jaxshard.balance import Costs, assign
@@ -178,6 +178,27 @@ def test_data_parallel_gradients_are_reduced_once_per_step_not_per_microbatch(me
         stage_params = sum(math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(
             program.layout.abstract.params))
         assert abs(reduced - 4 * stage_params) <= 0.01 * reduced, (m, reduced, 4 * stage_params)
+
+
+@pytest.mark.parametrize("mesh, schedule, microbatches, layout", [
+    ("stage=2,data=4", "1f1b", 4, {}), ("data=2,stage=2,tensor=2", "gpipe", 2, {}),
+    ("stage=2,data=4", "interleaved", 4, dict(stage_layers=(1, 2, 1, 1)))])
+def test_evaluation_runs_the_pipeline_and_gathers_no_stage(mesh, schedule, microbatches, layout):
+    """The validation loss of a pipelined run comes from the stages' forward slots: the one
+    device's loss, with no layer weight gathered across stages (a plain layer scan would
+    all-gather every stage's layers onto every device)."""
+    layers = sum(layout.get("stage_layers", ())) or 4
+    model, _, _ = deep("tiny-llama", layers)
+    reference = make_program(model, "data=1")
+    program = make_program(model, mesh, pipeline_schedule=schedule, microbatches=microbatches, **layout)
+    batch = random_batches(model.cfg.vocab_size, seed=3)[0]
+    want = float(reference.eval(reference.init(0).params, jax.device_put(batch, reference.batch_sharding)))
+    got = float(program.eval(program.init(0).params, jax.device_put(batch, program.batch_sharding)))
+    assert abs(got - want) <= RTOL * want, (got, want)
+    compiled = program.eval.lower(program.layout.abstract.params, program.abstract_batch(16, 32)).compile()
+    found = inspect.compiled_collectives(compiled, program.rules.mesh)
+    assert not [c for c in found if c.kind == "all-gather" and "stage" in c.axes], found
+    assert [c for c in found if c.kind == "collective-permute" and "stage" in c.axes]
 
 
 def test_each_device_holds_its_stage_of_the_layer_stack():

@@ -278,7 +278,8 @@ def replica_axes(rules: Any) -> tuple[str, ...]:
 def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         embed: Callable[..., jax.Array], body: Callable[..., jax.Array], last: Callable[..., jax.Array],
         blocks: Any, outer: Any, inputs_MBL: jax.Array, targets_MBL: jax.Array,
-        seed: jax.Array | float = 1.0, aux: Any = None, replicas: tuple[str, ...] = ()) -> tuple[jax.Array, Any, Any]:
+        seed: jax.Array | float = 1.0, aux: Any = None, replicas: tuple[str, ...] = (),
+        train: bool = True) -> tuple[jax.Array, Any, Any] | jax.Array:
     """Loss sum and gradients of one step under ``schedule`` (and its ``layout``).
 
     ``embed(outer, tokens, i, aux) -> x``; ``body(chunk, x, i, layers, aux) -> y`` runs one
@@ -291,6 +292,8 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
     over too, each device running its own rows (``inputs_MBL``'s dim 1 is split over them)
     and the gradients summed over them once at the end. Returns the loss sum over all
     microbatches, the stack's gradients (laid out as ``blocks``) and the outer params'.
+    ``train=False``: the loss sum alone, from the forward slots (evaluation: the stages run
+    their own layers, nothing is kept for a backward pass and no stage gathers another's).
     """
     Pn, V, K = schedule.stages, schedule.virtual, schedule.slots
     layout = schedule.layout
@@ -328,6 +331,40 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         def is_last(v):
             return (s == Pn - 1) & (v == V - 1)
 
+        def keep(stash, value, slot):
+            return jax.tree.map(lambda buf, x: buf.at[slot].set(x), stash, value)
+
+        def kept(stash, slot):
+            return jax.tree.map(lambda buf: buf[slot], stash)
+
+        def take_input(t, received_x):
+            """The forward slot's microbatch (-1: idle), the same clipped to a valid index, its
+            chunk, the stash slot and the chunk's input (embedded on the first chunk)."""
+            i, v = tables["fwd"][t, s], tables["fwd_chunk"][t, s]
+            i_, v_ = jnp.maximum(i, 0), jnp.maximum(v, 0)
+            x_in = jax.lax.cond(i >= 0, lambda: jax.lax.cond(
+                is_first(v_), lambda: embed(outer, inputs[i_], i_, aux), lambda: received_x), lambda: zeros_x)
+            return i, i_, v_, tables["fwd_slot"][t, s], x_in
+
+        def eval_tick(carry, t):
+            received_x, stash_x, loss_acc = carry
+            i, i_, v_, slot, x_in = take_input(t, received_x)
+            y = jax.lax.cond((i >= 0) & ~is_last(v_), lambda: body(chunk(v_), x_in, i_, layer_ids[s, v_], aux),
+                             lambda: zeros_x)
+            stash_x = keep(stash_x, x_in, jnp.where(i >= 0, slot, K))
+            # The last chunk's loss, at its backward slot (where training runs it).
+            j, w = tables["bwd"][t, s], jnp.maximum(tables["bwd_chunk"][t, s], 0)
+            j_, back = jnp.maximum(j, 0), jnp.maximum(tables["bwd_slot"][t, s], 0)
+            loss = jax.lax.cond((j >= 0) & is_last(w), lambda: last(
+                chunk(w), outer, stash_x[back], targets[j_], j_, layer_ids[s, w], aux).astype(jnp.float32),
+                lambda: jnp.zeros((), jnp.float32))
+            return (jax.lax.ppermute(y, STAGE, to_next), stash_x, loss_acc + loss), None
+
+        if not train:
+            init = (zeros_x, jnp.zeros((K + 1, *zeros_x.shape), zeros_x.dtype), jnp.zeros((), jnp.float32))
+            (_, _, loss), _ = jax.lax.scan(eval_tick, init, jnp.arange(schedule.ticks))
+            return jax.lax.psum(loss, (STAGE, *replicas))
+
         residuals = _Residuals()
 
         def forward(c, x, j, ids):
@@ -361,21 +398,12 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         def idle_backward(j, v, x_in, stash_res, slot, received_g):
             return jnp.zeros((), jnp.float32), zeros(chunk(0)), zeros(outer), zeros_x
 
-        def keep(stash, value, slot):
-            return jax.tree.map(lambda buf, x: buf.at[slot].set(x), stash, value)
-
-        def kept(stash, slot):
-            return jax.tree.map(lambda buf: buf[slot], stash)
-
         def tick(carry, t):
             received_x, received_g, stash, loss_acc, d_blocks_acc, d_outer_acc = carry
-            i, v = tables["fwd"][t, s], tables["fwd_chunk"][t, s]
             # Forward slot: take the microbatch's input, run the chunk and keep its residuals
             # (the last chunk keeps its input: its forward runs in its backward slot, with the
             # head), pass the chunk's output on.
-            i_, v_, slot = jnp.maximum(i, 0), jnp.maximum(v, 0), tables["fwd_slot"][t, s]
-            x_in = jax.lax.cond(i >= 0, lambda: jax.lax.cond(
-                is_first(v_), lambda: embed(outer, inputs[i_], i_, aux), lambda: received_x), lambda: zeros_x)
+            i, i_, v_, slot, x_in = take_input(t, received_x)
             stash_x, stash_res = stash
 
             def run_forward(stash_res):
@@ -413,4 +441,5 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
     rows = P(None, replicas or None)
     return jax.shard_map(local, mesh=mesh, axis_names=frozenset({STAGE, *replicas}), check_vma=False,
                          in_specs=(stacked, replicated, rows, rows, P(), jax.tree.map(lambda _: P(), aux)),
-                         out_specs=(P(), stacked, replicated))(blocks, outer, inputs_MBL, targets_MBL, seed, aux)
+                         out_specs=(P(), stacked, replicated) if train else P()
+                         )(blocks, outer, inputs_MBL, targets_MBL, seed, aux)
