@@ -16,7 +16,6 @@ import sys
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from jaxshard import cli, runtime  # noqa: E402
-from jaxshard.errors import ConfigError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,14 +28,17 @@ def main(argv: list[str] | None = None) -> int:
         from jaxshard import inspect
         from jaxshard.mesh import axis_sizes, build_mesh
         from jaxshard.rules import ShardingRules
-        from jaxshard.train_step import build_program, check_batch
+        from jaxshard.train_step import balance_stages, build_program, check_batch
 
         model = build_model(cfg, unroll=not args.no_unroll)
         rules = ShardingRules(build_mesh(cfg.mesh, dcn=cfg.dcn_mesh), cfg.strategy)
-        if rules.sizes["stage"] > 1:
-            raise ConfigError("experiments/inspect.py does not predict pipelines (a stage axis) yet")
-        check_batch(rules, cfg.batch_size, cfg.seq_len, cfg.step.grad_accum)
-        program = build_program(model, rules, cfg.optim, cfg.step)
+        step = cfg.step
+        if step.balance:
+            step, line = balance_stages(model, rules, step, cfg.batch_size, cfg.seq_len)
+            print(line)
+        program = build_program(model, rules, cfg.optim, step)
+        check_batch(rules, cfg.batch_size, cfg.seq_len, step.grad_accum,
+                    program.schedule.microbatches if program.schedule else 1)
         print(f"model {model.cfg.name}: {model.n_params():,} params | mesh {axis_sizes(rules.mesh)} | "
               f"strategy {rules.name} | batch {cfg.batch_size} x {cfg.seq_len}\n")
         compiled = program.lower_step(cfg.batch_size, cfg.seq_len).compile()

@@ -18,7 +18,7 @@ Everything is derived from the model's shapes and the sharding rules (which acce
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jax
@@ -295,6 +295,70 @@ def pipeline_transfers(model: Any, rules: ShardingRules, schedule: Any, batch_si
             Transfer("collective-permute", stage, one, schedule.ticks, "their gradients to the previous stage", 2)]
 
 
+def pipeline_memory(model: Any, rules: ShardingRules, schedule: Any, batch_size: int, seq_len: int,
+                    **kwargs: Any) -> Memory:
+    """:func:`memory` of a pipelined step: the stored stack's state (a layout with chunks or
+    empty slots stores more slots than layers), and as activations the residuals of the
+    ``schedule.slots`` chunk-microbatches a stage keeps (``depth`` layers of one microbatch
+    each) and their inputs."""
+    layout = schedule.layout
+    mem = memory(model.staged(layout), rules, batch_size, seq_len, **kwargs)
+    one = memory(model, rules, batch_size // schedule.microbatches, seq_len, **kwargs)
+    per_layer = activation_bytes(model.cfg.replace(n_layers=1), rules, batch_size // schedule.microbatches,
+                                 seq_len, dtype_bytes(kwargs.get("compute_dtype", "float32")),
+                                 kwargs.get("remat", Remat.NONE))
+    return replace(mem, activations=schedule.slots * (layout.depth * per_layer + one.batch // 2))
+
+
+def pipeline_communication(model: Any, rules: ShardingRules, schedule: Any, batch_size: int,
+                           seq_len: int, *, compute_dtype: str = "float32",
+                           param_dtype: str = "float32") -> Communication:
+    """The collectives of a pipelined step outside the schedule's slots, per device: the stage
+    sends of every tick (:func:`pipeline_transfers`), the gradients' reductions once at the end
+    -- over the data replicas the stage's layers' (an all-reduce; ZeRO-1: a reduce-scatter and
+    the updated params' all-gather), over the stages and replicas the outer params' (the
+    embedding's from stage 0, the head's from the last) -- and the loss and gradient norm.
+    What runs inside the slots (FSDP's gathers and reduce-scatters, tensor parallelism's
+    reductions) runs as often as the schedule gives each stage work, which the compiled
+    step's loop does not record; it is not predicted here."""
+    from jaxshard.parallel.pipeline import replica_axes
+
+    staged = model.staged(schedule.layout)
+    pb, sizes = dtype_bytes(param_dtype), rules.sizes
+    replicas = replica_axes(rules)
+    stage = rules.active_axes((MeshAxis.STAGE,))
+    infos = param_infos(staged, rules)
+    layers = sum(pb * shard_elems(p.shape, p.params, sizes) for p in infos if p.in_layers)
+    outer = sum(pb * shard_elems(p.shape, p.params, sizes) for p in infos
+                if not p.in_layers and p.axes[:1] != (Dim.POSITION,))
+    # A learned position table's gradient: its first L rows (the executor is given only those),
+    # under sequence parallelism split over tensor by row, reduced, then gathered.
+    position = [p for p in infos if p.axes[:1] == (Dim.POSITION,)]
+    rows = sum(pb * seq_len * shard_elems(p.shape[1:], PartitionSpec(*p.params[1:]), sizes) for p in position)
+    tensor = rules.activation_mesh_axes(Dim.ACT_HEADS)
+    sp = tuple(a for a in tensor if a in rules.activation_mesh_axes(Dim.RESIDUAL_LENGTH))
+    zero1 = bool(replicas) and rules.strategy.zero == 1
+    reduce = "reduce-scatter" if zero1 else "all-reduce"
+    out = list(pipeline_transfers(model, rules, schedule, batch_size, seq_len, compute_dtype))
+
+    def add(kind, axes, nbytes, what):
+        axes = rules.active_axes(axes)
+        if axes and nbytes:
+            out.append(Transfer(kind, axes, int(nbytes), 1, what, rules.size(axes)))
+
+    add(reduce, replicas, layers, "the stage's layer gradients over the data replicas, once a step")
+    add(reduce, stage + replicas, outer + rows // rules.size(sp) + 4,
+        "the outer params' gradients (both ends; the used position rows) and the loss, once")
+    add("all-gather", sp, rows, "the used position rows' gradient, from the sequence-parallel shards")
+    if zero1:
+        table = sum(pb * shard_elems(p.shape, p.params, sizes) for p in position)
+        add("all-gather", replicas, layers + outer + table, "ZeRO-1: the updated params")
+    # The gradient norm: one scalar over every axis that splits some gradient.
+    split = set(stage) | {a for p in infos for a in spec_axes(p.grads)}
+    add("all-reduce", tuple(split), 4, "the gradient norm")
+    return Communication(out)
+
+
 def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
                   compute_dtype: str = "float32", remat: Remat = Remat.NONE,
                   grad_accum: int = 1, param_dtype: str = "float32") -> Communication:
@@ -514,8 +578,9 @@ def flops(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
         case _:
             recompute = cfg.n_layers * (2 * layer_params + attention)
     model_flops = tokens * (3 * matmul + 3 * cfg.n_layers * attention // 2)
+    # (Pipeline stages split the layers: each device computes 1/P of them, the bubble aside.)
     devices = rules.size(rules.batch_axes) * rules.size(rules.activation_mesh_axes(Dim.LENGTH)) * \
-        rules.size(rules.activation_mesh_axes(Dim.ACT_HEADS))
+        rules.size(rules.activation_mesh_axes(Dim.ACT_HEADS)) * rules.size(rules.param_mesh_axes(Dim.LAYERS))
     formula = (f"forward per token = 2 x ({cfg.n_layers} layers x {layer_params:,} matmul params "
                f"+ {head:,} vocabulary projection) + {cfg.n_layers} x 4 x L x heads x d_head "
                f"(attention, L = {L}); step = 3 x forward (backward = 2 x){' + recompute' if recompute else ''}; "

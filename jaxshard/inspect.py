@@ -168,6 +168,10 @@ class Verification:
     allowances: list[str]
     flags: list[str] = field(default_factory=list)
     unrolled: bool = False
+    # A pipelined step's collectives inside the schedule's slots: (kind, axes, bytes if every
+    # tick ran them -- an upper bound; they run as often as a stage has work), not compared.
+    in_slots: list[tuple[str, tuple[str, ...], int]] = field(default_factory=list)
+    pipelined: bool = False
 
 
 def verify(model: Any, program: Any, compiled: jax.stages.Compiled, batch_size: int, seq_len: int,
@@ -182,10 +186,22 @@ def verify(model: Any, program: Any, compiled: jax.stages.Compiled, batch_size: 
     rules = expected or program.rules
     remat = model.remat
     kwargs = dict(compute_dtype=compute_dtype, remat=remat, grad_accum=grad_accum, param_dtype=param_dtype)
-    mem = accounting.memory(model, rules, batch_size, seq_len, **kwargs)
-    comm = accounting.communication(model, rules, batch_size, seq_len, **kwargs)
+    schedule = program.schedule
+    if schedule is None:
+        mem = accounting.memory(model, rules, batch_size, seq_len, **kwargs)
+        comm = accounting.communication(model, rules, batch_size, seq_len, **kwargs)
+    else:
+        mem = accounting.pipeline_memory(model, rules, schedule, batch_size, seq_len, **kwargs)
+        comm = accounting.pipeline_communication(model, rules, schedule, batch_size, seq_len,
+                                                 compute_dtype=compute_dtype, param_dtype=param_dtype)
     fl = accounting.flops(model.cfg, rules, batch_size, seq_len, remat=remat, model=model)
     found = compiled_collectives(compiled, program.rules.mesh)
+    in_slots: dict[tuple[str, tuple[str, ...]], int] = defaultdict(int)
+    if schedule is not None:  # what runs in the slots is not predicted (see pipeline_communication)
+        for c in found:
+            if c.conditional:
+                in_slots[(c.kind, c.axes)] += c.bytes * c.executions
+        found = [c for c in found if not c.conditional]
     xla = xla_memory(compiled)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
@@ -229,8 +245,10 @@ def verify(model: Any, program: Any, compiled: jax.stages.Compiled, batch_size: 
         collectives=[(k, a, predicted.get((k, a), 0), measured.get((k, a), 0))
                      for k, a in sorted(set(predicted) | set(measured))],
         by_kind=by_kind, flops=(fl.per_device, cost.get("flops") if cost else None),
-        params=accounting.param_infos(model, rules), sizes=rules.sizes,
-        allowances=comm.allowances, flags=flags, unrolled=getattr(model, "unroll", False))
+        params=accounting.param_infos(model if schedule is None else model.staged(schedule.layout), rules),
+        sizes=rules.sizes,
+        allowances=comm.allowances, flags=flags, unrolled=getattr(model, "unroll", False),
+        pipelined=schedule is not None, in_slots=[(k, a, b) for (k, a), b in sorted(in_slots.items())])
 
 
 def max_bytes_abstract(tree: Any) -> int:
@@ -249,12 +267,18 @@ def format_verification(v: Verification) -> str:
     lines.append("Collectives per device per step     predicted bytes  compiled bytes")
     for kind, axes, p, m in v.collectives:
         lines.append(f"  {kind:<16} {','.join(axes):<16} {p:>14,} {m:>15,}")
+    if v.in_slots:
+        lines.append("  in the pipeline's slots (not predicted; bytes if every tick ran them, an upper bound):")
+        for kind, axes, b in v.in_slots:
+            lines.append(f"  {kind:<16} {','.join(axes):<16} {'-':>14} {b:>15,}")
     lines.append("  by kind:")
     for kind, p, m in v.by_kind:
         ratio = f"{m / p:.3f}" if p else "-"
         lines.append(f"  {kind:<33} {p:>14,} {m:>15,}   x{ratio}")
     pf, xf = v.flops
     note = "" if v.unrolled else " (XLA counts a loop body once: run without --no-unroll to compare)"
+    if v.pipelined:
+        note = " (XLA counts the schedule's tick loop body once)"
     lines.append("")
     lines.append(f"FLOPs per device per step: predicted {pf:,.0f}, XLA {xf or 0:,.0f}{note}")
     lines.append("")

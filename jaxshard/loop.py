@@ -258,8 +258,14 @@ def _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compil
     median = throughput(float(np.median(timed)))
     kwargs = {"compute_dtype": cfg.step.compute_dtype, "remat": model.remat, "grad_accum": cfg.step.grad_accum,
               "param_dtype": cfg.step.param_dtype}
-    comm = accounting.communication(model, rules, B, L, **kwargs)
-    predicted_memory = accounting.memory(model, rules, B, L, **kwargs)
+    found = inspect.compiled_collectives(compiled, rules.mesh)
+    if schedule is None:
+        comm = accounting.communication(model, rules, B, L, **kwargs)
+        predicted_memory = accounting.memory(model, rules, B, L, **kwargs)
+    else:  # what the schedule's slots run (FSDP's gathers, TP's reductions) is not predicted
+        comm = accounting.pipeline_communication(model, rules, schedule, B, L, compute_dtype=kwargs["compute_dtype"],
+                                                 param_dtype=kwargs["param_dtype"])
+        predicted_memory = accounting.pipeline_memory(model, rules, schedule, B, L, **kwargs)
     report = {
         "model": model.cfg.name,
         "mesh": axis_sizes(rules.mesh),
@@ -282,11 +288,14 @@ def _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compil
         "skipped_steps": int(records[-1].get("skipped_steps", 0)),
         "per_device_bytes": held,
         "xla_memory": inspect.xla_memory(compiled),
-        "collectives": hlo.summary(inspect.compiled_collectives(compiled, rules.mesh)),
-        # The accounting does not model pipelines yet: no prediction rather than a wrong one.
-        "predicted": None if schedule else {
+        "collectives": hlo.summary([c for c in found if not (schedule and c.conditional)]),
+        # A pipeline's slots run these as often as the schedule gives a stage work; the counts
+        # here are as if every tick ran them (XLA's loop does not record which ran).
+        "collectives_in_slots": schedule and hlo.summary([c for c in found if c.conditional]),
+        "predicted": {
             "argument_bytes": predicted_memory.argument, "activation_bytes": predicted_memory.activations,
-            "collectives": [{"kind": k, "bytes": b} for k, b in sorted(comm.by_kind().items())]},
+            "collectives": [{"kind": k, "bytes": b} for k, b in sorted(comm.by_kind().items())],
+            "collectives_scope": "outside the pipeline's slots" if schedule else "the whole step"},
         "pipeline": schedule and {"schedule": schedule.kind, "stages": schedule.stages,
                                   "virtual_stages": schedule.virtual,
                                   "stage_layers": list(schedule.layout.layers),

@@ -176,7 +176,7 @@ def evaluate(model: Any, mesh: dict[str, int], strategy: Strategy, remat: Remat,
         kept = min(m, 2 * stages - 1)
         one = accounting.memory(model, rules, batch_size // m, seq_len, **kw).activations
         mem = replace(mem, activations=one * kept // stages)
-        compute_s *= (m + stages - 1) / (m * stages)
+        compute_s *= (m + stages - 1) / m  # the bubble
         accumulate = m if rules.gathers_params or strategy.zero > 1 else 1
         transfers = [(t, 1 / stages) for t in accounting.communication(
             model, rules, batch_size, seq_len, grad_accum=accumulate, **kw).transfers]

@@ -224,10 +224,22 @@ class TransformerLM:
             logits_BLV = self.head(cast(outer), body(chunk, x_BLD, i, layers, key))
             return cross_entropy(logits_BLV, targets_BL, self.cfg.vocab_size).sum()
 
-        return pipeline.run(
+        # A learned position table enters as its first L rows, the only ones with a gradient:
+        # the executor accumulates and reduces those, not the whole table.
+        outer = {k: v for k, v in params.items() if k != BLOCKS}
+        table = outer.get("positions")
+        if table is not None:  # (in the table's own layout: a slice needs no communication)
+            spec = rules.param_spec((Dim.POSITION, Dim.EMBED), table.shape)
+            outer["positions"] = jax.lax.with_sharding_constraint(table[:L], rules.named(spec))
+        out = pipeline.run(
             schedule, rules.context_mesh, embed=embed, body=body, last=last, blocks=params[BLOCKS],
-            outer={k: v for k, v in params.items() if k != BLOCKS}, inputs_MBL=split(inputs_BL),
-            targets_MBL=split(targets_BL), aux=key, replicas=replicas, **run)
+            outer=outer, inputs_MBL=split(inputs_BL), targets_MBL=split(targets_BL), aux=key,
+            replicas=replicas, **run)
+        if table is None or not run.get("train"):
+            return out
+        loss, d_stack, d_outer = out
+        d_outer["positions"] = jnp.pad(d_outer["positions"], ((0, table.shape[0] - L), (0, 0)))
+        return loss, d_stack, d_outer
 
     def _check_seq_len(self, inputs_BL: jax.Array) -> None:
         if inputs_BL.shape[1] > self.cfg.max_seq_len:

@@ -100,6 +100,23 @@ def test_train_writes_metrics_and_report(tmp_path):
     assert rep["predicted"]["argument_bytes"] == rep["xla_memory"]["argument"]
 
 
+def test_pipelined_run_reports_its_schedule_and_matches_its_prediction(tmp_path):
+    report = tmp_path / "r.json"
+    result = train("--model", "tiny", "--mesh", "stage=2,data=4", "--cpu-devices", "8", "--steps", "3",
+                   "--batch-size", "16", "--seq-len", "32", "--microbatches", "4", "--report", str(report))
+    assert result.returncode == 0, result.stderr
+    assert "pipeline 1f1b: 2 stages" in result.stdout + result.stderr
+    rep = json.loads(report.read_text())
+    assert rep["strategy"] == "ddp+pp" and rep["pipeline"]["microbatches"] == 4
+    assert rep["predicted"]["argument_bytes"] == rep["xla_memory"]["argument"]
+    # Outside the schedule's slots, the compiled step's bytes per kind are the prediction's.
+    found = {c["kind"]: c["bytes"] for c in rep["collectives"]}
+    predicted = {c["kind"]: c["bytes"] for c in rep["predicted"]["collectives"]}
+    assert set(found) == set(predicted) == {"all-reduce", "collective-permute"}, (found, predicted)
+    for kind, b in predicted.items():
+        assert abs(found[kind] - b) <= 0.01 * b, (kind, found[kind], b)
+
+
 def test_mfu_with_a_given_peak(tmp_path):
     metrics = tmp_path / "m.jsonl"
     result = train("--mesh", "data=8", "--cpu-devices", "8", "--steps", "3", "--batch-size", "8",
@@ -182,6 +199,17 @@ def test_inspect_compiles_and_verifies_without_training():
     for text in ("strategy hsdp+zero1", "argument (XLA)", "all-gather       fsdp",
                  "blocks/ffn/w_in", "layers:- embed:fsdp mlp:-", "No unexplained collectives"):
         assert text in out, text
+
+
+def test_inspect_verifies_a_pipelined_step():
+    result = run_script("inspect.py", "--model", "tiny", "--mesh", "stage=2,data=4", "--cpu-devices", "8",
+                        "--platform", "cpu", "--pipeline-schedule", "1f1b", "--microbatches", "4",
+                        "--balance", "flops", "--batch-size", "16", "--seq-len", "32",
+                        "--compile-cache", CACHE, "--strict")
+    assert result.returncode == 0, result.stdout + result.stderr
+    for text in ("--stage-layers 1,1", "collective-permute stage", "all-reduce       stage,data",
+                 "No unexplained collectives"):
+        assert text in result.stdout, (text, result.stdout)
 
 
 def test_inspect_bad_input_is_one_line():
