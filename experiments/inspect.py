@@ -16,12 +16,15 @@ import sys
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from jaxshard import cli, runtime  # noqa: E402
+from jaxshard.errors import ConfigError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     with cli.one_line_errors():
         args = cli.inspect_parser().parse_args(argv)
         cfg = cli.train_config(args)
+        if cfg.measure_bubble:
+            raise ConfigError("--measure-bubble times a training run: give it to experiments/train.py")
         runtime.configure(cfg.runtime)
 
         from experiments.common import build_model

@@ -48,6 +48,7 @@ class TrainConfig:
     distributed: DistributedConfig
     checkpoint: CheckpointConfig
     export: str | None  # final params as .npz
+    measure_bubble: bool = False  # after training, time each pipeline stage's work alone
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "eval_batches"):
@@ -125,6 +126,11 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--balance", default=None, metavar="flops|profile",
                    help="choose --stage-layers so the slowest stage is fastest: from the FLOPs "
                         "model, or by timing a layer, the embedding and the head on this machine")
+    g.add_argument("--measure-bubble", action="store_true",
+                   help="with a stage axis, after training: time the step and each stage's own "
+                        "work (the same executor on tables in which only that stage works) and "
+                        "report the measured bubble beside the theory's (compiles stages + 3 "
+                        "more programs)")
     g.add_argument("--dropout", type=float, default=None, help="override the preset's dropout")
     g.add_argument("--compute-dtype", default=None, choices=DTYPES,
                    help="dtype of matmuls (norms, softmax and the loss stay float32); default: "
@@ -262,7 +268,7 @@ def train_config(a: argparse.Namespace) -> TrainConfig:
         distributed=DistributedConfig.from_env(a.coordinator, a.num_processes, a.process_id, a.init_timeout),
         checkpoint=CheckpointConfig(directory=a.checkpoint_dir, save_every=a.save_every, keep=a.keep,
                                     resume=a.resume),
-        export=a.export)
+        export=a.export, measure_bubble=a.measure_bubble)
 
 
 @contextlib.contextmanager

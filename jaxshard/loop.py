@@ -14,7 +14,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from jaxshard import accounting, devices, hlo, inspect
+from jaxshard import accounting, bubble, devices, hlo, inspect
 from jaxshard import data as data_lib
 from jaxshard.checkpoint import Checkpointer, check_export_path, export_params, param_shapes
 from jaxshard.cli import TrainConfig
@@ -91,6 +91,8 @@ def train(cfg: TrainConfig, model: Any) -> dict[str, Any]:
         cfg = dataclasses.replace(cfg, step=step)
     program = build_program(model, rules, cfg.optim, cfg.step)  # nothing compiled yet
     check_batch(rules, B, L, cfg.step.grad_accum, program.schedule.microbatches if program.schedule else 1)
+    if cfg.measure_bubble and program.schedule is None:
+        raise ConfigError("--measure-bubble needs a stage axis (a pipeline) in --mesh")
     corpus = data_lib.load_corpus(cfg.data)
     _check_model_fits_data(model, corpus, L)
     if cfg.export:
@@ -226,8 +228,16 @@ def _train(cfg: TrainConfig, model: Any, rules: ShardingRules, corpus: data_lib.
                       waits=lambda i: evaluates(i + 1) or saves(i + 1))
     if cfg.export:
         _log(f"exported params to {export_params(program.saved(state).params, cfg.export)}")
+    measured = None
+    if cfg.measure_bubble:
+        state = None  # (saved and exported above) the timed programs make their own
+        _log(f"measuring the bubble: the step and each stage's work alone ({schedule.stages + 3} programs)")
+        measured = bubble.measure(
+            lambda table: program if table is None else build_program(model, rules, cfg.optim, cfg.step, table),
+            schedule, B, L, model.cfg.vocab_size, steps=3)
+        _log(measured.line())
     report = _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compile_s,
-                     throughput, flops, peak_source, schedule)
+                     throughput, flops, peak_source, schedule, measured)
     if cfg.report and jax.process_index() == 0:
         write_json_atomic(cfg.report, report)
     return report
@@ -252,7 +262,7 @@ def run_pipelined(steps: range, dispatch: Callable[[int], Any], complete: Callab
 
 
 def _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compile_s, throughput,
-            flops, peak_source, schedule) -> dict[str, Any]:
+            flops, peak_source, schedule, measured=None) -> dict[str, Any]:
     B, L = cfg.batch_size, cfg.seq_len
     timed = [r["step_time_s"] for r in records[1:]] or [records[0]["step_time_s"]]
     median = throughput(float(np.median(timed)))
@@ -302,7 +312,9 @@ def _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compil
                                   "assignment": schedule.layout.describe(),
                                   "microbatches": schedule.microbatches, "ticks": schedule.ticks,
                                   "microbatches_kept_per_stage": schedule.slots,
-                                  "bubble_theory": schedule.bubble()},
+                                  "bubble_theory": schedule.bubble(),
+                                  # --measure-bubble: jaxshard.bubble's measurement
+                                  "measured": measured and measured.as_dict()},
         "compile_time_s": compile_s,
         "step_time_s_median": float(np.median(timed)),
         "tokens_per_s": median["tokens_per_s"],

@@ -30,7 +30,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -58,42 +57,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def timed_step(program, batch_size: int, seq_len: int, vocab: int, steps: int) -> float:
-    import jax
-    import numpy as np
-
-    state = program.init(0)
-    rng = np.random.default_rng(0)
-    batch = jax.device_put({k: rng.integers(0, vocab, (batch_size, seq_len), dtype=np.int32)
-                            for k in ("inputs", "targets")}, program.batch_sharding)
-    times = []
-    for i in range(steps + 2):  # two warm-up steps (the first compiles)
-        t = time.perf_counter()
-        state, metrics = program.step(state, batch)
-        jax.block_until_ready(metrics["loss"])
-        times.append(time.perf_counter() - t)
-    return statistics.median(times[2:])
-
-
-def packed(schedule, stage: int | str | None):
-    """``schedule``'s M V forward + backward slots on every tick, on ``stage`` only ("all": on
-    every stage at once; None: no stage works), with no waiting; the data dependencies are
-    ignored (only the time is used)."""
-    import numpy as np
-
-    n = schedule.virtual * schedule.microbatches
-    t = np.arange(n)
-    i = np.tile((t % schedule.microbatches)[:, None], (1, schedule.stages)).astype(np.int32)
-    v = np.tile((t // schedule.microbatches)[:, None], (1, schedule.stages)).astype(np.int32)
-    active = np.full(schedule.stages, stage == "all")
-    if isinstance(stage, int):
-        active[stage] = True
-    i = np.where(active, i, -1)
-    zero = np.zeros_like(i)
-    return dataclasses.replace(schedule, kind="packed", fwd=i, bwd=i, fwd_chunk=v, bwd_chunk=v,
-                               fwd_slot=zero, bwd_slot=zero, slots=1)
-
-
 def program_for(model, mesh: str, cfg, schedule=None):
     import jax
 
@@ -109,14 +72,18 @@ def program_for(model, mesh: str, cfg, schedule=None):
     return build_program(model, rules, OptimConfig(), cfg, schedule=schedule), rules
 
 
-def stage_work(model, mesh: str, cfg, schedule, batch: int, a) -> tuple[float, list[float], float]:
-    """(the idle table's time, each stage's work alone, all stages' work at once), per step."""
-    def time_of(table):
-        return timed_step(program_for(model, mesh, cfg, packed(schedule, table))[0], batch, a.seq_len,
-                          model.cfg.vocab_size, a.steps)
+def timed_step(program, batch_size: int, seq_len: int, vocab: int, steps: int) -> float:
+    from jaxshard.bubble import step_seconds
 
-    idle = time_of(None)
-    return idle, [time_of(s) - idle for s in range(schedule.stages)], time_of("all") - idle
+    return step_seconds(program, batch_size, seq_len, vocab, steps)
+
+
+def stage_bubble(model, mesh: str, cfg, batch: int, a):
+    from jaxshard import bubble
+
+    schedule = program_for(model, mesh, cfg)[0].schedule
+    return bubble.measure(lambda table: program_for(model, mesh, cfg, table)[0], schedule, batch,
+                          a.seq_len, model.cfg.vocab_size, a.steps)
 
 
 def part_bubble(a) -> list[dict]:
@@ -127,22 +94,11 @@ def part_bubble(a) -> list[dict]:
     out = []
     for kind, m in BUBBLE_RUNS:
         cfg = StepConfig(pipeline_schedule=kind, microbatches=m)
-        program, rules = program_for(model, "stage=2", cfg)
-        schedule = program.schedule
-        batch = m * a.rows
-        step = timed_step(program, batch, a.seq_len, model.cfg.vocab_size, a.steps)
-        idle, work, together = stage_work(model, "stage=2", cfg, schedule, batch, a)
-        measured = 1 - sum(work) / (schedule.stages * (step - idle))
-        busy = 1 - together / (step - idle)
+        b = stage_bubble(model, "stage=2", cfg, m * a.rows, a)
+        schedule = program_for(model, "stage=2", cfg)[0].schedule
         out.append({"schedule": kind, "stages": schedule.stages, "virtual": schedule.virtual,
-                    "microbatches": m, "ticks": schedule.ticks, "step_s": step, "idle_s": idle,
-                    "stage_work_s": work, "all_stages_s": together,
-                    "concurrency_slowdown": together / max(work),
-                    "bubble_measured": measured, "bubble_vs_all_busy": busy, "bubble_theory": schedule.bubble()})
-        print(f"{kind:>11} M={m}: step {step * 1e3:7.1f} ms, stage work "
-              + " + ".join(f"{w * 1e3:.1f}" for w in work)
-              + f" ms (together {together * 1e3:.1f}), bubble measured {measured:.3f} "
-              f"(against all stages busy {busy:.3f}) theory {schedule.bubble():.3f}", flush=True)
+                    "microbatches": m, "ticks": schedule.ticks, **b.as_dict()})
+        print(f"{kind:>11} M={m}: {b.line()}", flush=True)
     return out
 
 
@@ -178,12 +134,9 @@ def part_balance(a) -> dict:
     print(line, flush=True)
     result = {"model": model.cfg.name, "mesh": "stage=2", "microbatches": m, "batch_size": batch, "choice": line}
     for name, cfg in (("even", dataclasses.replace(even_cfg, stage_layers=(4, 4))), ("balanced", balanced_cfg)):
-        program, _ = program_for(model, "stage=2", cfg)
-        step = timed_step(program, batch, a.seq_len, model.cfg.vocab_size, a.steps)
-        _, work, _ = stage_work(model, "stage=2", cfg, program.schedule, batch, a)
-        result[name] = {"stage_layers": list(cfg.stage_layers), "step_s": step, "stage_work_s": work}
-        print(f"{name} {cfg.stage_layers}: step {step * 1e3:.1f} ms, stage work "
-              + " + ".join(f"{w * 1e3:.1f}" for w in work) + " ms", flush=True)
+        b = stage_bubble(model, "stage=2", cfg, batch, a)
+        result[name] = {"stage_layers": list(cfg.stage_layers), "step_s": b.step_s, "stage_work_s": b.stage_work_s}
+        print(f"{name} {cfg.stage_layers}: {b.line()}", flush=True)
     return result
 
 

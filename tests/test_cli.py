@@ -103,7 +103,8 @@ def test_train_writes_metrics_and_report(tmp_path):
 def test_pipelined_run_reports_its_schedule_and_matches_its_prediction(tmp_path):
     report = tmp_path / "r.json"
     result = train("--model", "tiny", "--mesh", "stage=2,data=4", "--cpu-devices", "8", "--steps", "3",
-                   "--batch-size", "16", "--seq-len", "32", "--microbatches", "4", "--report", str(report))
+                   "--batch-size", "16", "--seq-len", "32", "--microbatches", "4", "--report", str(report),
+                   "--measure-bubble")
     assert result.returncode == 0, result.stderr
     assert "pipeline 1f1b: 2 stages" in result.stdout + result.stderr
     rep = json.loads(report.read_text())
@@ -115,6 +116,12 @@ def test_pipelined_run_reports_its_schedule_and_matches_its_prediction(tmp_path)
     assert set(found) == set(predicted) == {"all-reduce", "collective-permute"}, (found, predicted)
     for kind, b in predicted.items():
         assert abs(found[kind] - b) <= 0.01 * b, (kind, found[kind], b)
+    # --measure-bubble: the step and each stage's work timed (the figures mean something only
+    # on devices that do not share cores; here, that they were measured and are consistent).
+    measured = rep["pipeline"]["measured"]
+    assert len(measured["stage_work_s"]) == 2 and min(measured["stage_work_s"]) > 0
+    assert measured["step_s"] > measured["idle_s"] > 0 and measured["bubble_measured"] < 1
+    assert "bubble measured" in result.stdout + result.stderr
 
 
 def test_mfu_with_a_given_peak(tmp_path):
@@ -163,6 +170,7 @@ def test_microbatch_not_divisible_by_batch_axes():
     (["--mesh", "stage=2,data=4", "--pipeline-schedule", "zb"],
      "--pipeline-schedule must be one of naive, gpipe, 1f1b, interleaved, got 'zb'"),
     (["--mesh", "data=8", "--pipeline-schedule", "gpipe"], "--pipeline-schedule needs a stage axis"),
+    (["--mesh", "data=8", "--measure-bubble"], "--measure-bubble needs a stage axis (a pipeline) in --mesh"),
     (["--mesh", "expert=2,fsdp=4"], "--mesh expert=2: expert parallelism (the expert axis) is not "
                                     "implemented yet"),
 ])

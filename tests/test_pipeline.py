@@ -15,6 +15,7 @@ from harness import RTOL, assert_live_shardings, assert_params_close, make_progr
 from jaxshard import accounting, inspect
 from jaxshard.errors import ConfigError
 from jaxshard.balance import Costs, assign
+from jaxshard.bubble import packed
 from jaxshard.parallel.pipeline import StageLayout, make_schedule
 from jaxshard.train_step import StepConfig, balance_stages
 from models import TransformerLM, get_preset
@@ -65,6 +66,23 @@ def test_schedule_tables_hold_what_each_schedule_promises(stages):
             assert interleaved.ticks == v * m + v * stages + stages - 2
             assert interleaved.bubble() == pytest.approx((stages - 1) / (v * m + stages - 1))
     assert check_table(make_schedule("naive", stages, 1)) == 1
+
+
+def test_packed_tables_give_one_stage_all_its_slots_and_no_waiting():
+    """What --measure-bubble times as a stage's own work: each of its M V forward and backward
+    slots once, one per tick, and nothing on the other stages."""
+    schedule = make_schedule("interleaved", 2, 4, 2)
+    for stage in (None, 0, 1, "all"):
+        table = packed(schedule, stage)
+        assert table.ticks == schedule.virtual * schedule.microbatches
+        for s in range(schedule.stages):
+            works = stage == "all" or stage == s
+            for phase in ("fwd", "bwd"):
+                ids, chunks = getattr(table, phase)[:, s], getattr(table, f"{phase}_chunk")[:, s]
+                if works:
+                    assert sorted(zip(ids, chunks)) == [(i, v) for i in range(4) for v in range(2)]
+                else:
+                    assert (ids == -1).all()
 
 
 @pytest.mark.parametrize("kind, stages, microbatches, virtual, message", [

@@ -1,0 +1,109 @@
+"""Measuring a pipeline's bubble: the share of device time the stages spend waiting.
+
+The bubble cannot be read off one step's time: what a stage does per microbatch is not known
+apart from its waiting. So each stage's own work is timed with the same executor running a
+*packed* table -- the schedule's M x V forward and backward slots back to back on that stage
+only, one per tick, nothing waiting -- less the same table with every slot idle (the optimizer
+and the per-tick sends, which the real step pays too). Then
+
+    bubble = idle device time / all device time = 1 - sum_s W_s / (P (T - T_idle))
+
+with T the real step and W_s stage s's work. Devices that share hardware (fake CPU devices
+on a few cores) slow each other down when all work at once, which this counts as idle time;
+so the packed table with every stage busy every tick (A) is timed too, and the bubble against
+it, 1 - A / (T - T_idle), credits a stage with the speed it gains while the others idle. On
+independent accelerators the two agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from jaxshard.parallel.pipeline import Schedule
+
+
+def packed(schedule: Schedule, stage: int | str | None) -> Schedule:
+    """``schedule``'s M V forward + backward slots on every tick, on ``stage`` only ("all": on
+    every stage at once; None: no stage works), with no waiting. The data dependencies are
+    ignored: only its time means anything."""
+    n = schedule.virtual * schedule.microbatches
+    t = np.arange(n)
+    i = np.tile((t % schedule.microbatches)[:, None], (1, schedule.stages)).astype(np.int32)
+    v = np.tile((t // schedule.microbatches)[:, None], (1, schedule.stages)).astype(np.int32)
+    active = np.full(schedule.stages, stage == "all")
+    if isinstance(stage, int):
+        active[stage] = True
+    i = np.where(active, i, -1)
+    zero = np.zeros_like(i)
+    return dataclasses.replace(schedule, kind="packed", fwd=i, bwd=i, fwd_chunk=v, bwd_chunk=v,
+                               fwd_slot=zero, bwd_slot=zero, slots=1)
+
+
+def step_seconds(program: Any, batch_size: int, seq_len: int, vocab: int, steps: int,
+                 state: Any = None) -> float:
+    """Median wall time of ``steps`` steps of ``program`` on one random batch, after two
+    warm-up steps (the first compiles); each step waits for its loss."""
+    state = program.init(0) if state is None else state
+    rng = np.random.default_rng(0)
+    batch = jax.device_put({k: rng.integers(0, vocab, (batch_size, seq_len), dtype=np.int32)
+                            for k in ("inputs", "targets")}, program.batch_sharding)
+    times = []
+    for _ in range(steps + 2):
+        t = time.perf_counter()
+        state, metrics = program.step(state, batch)
+        jax.block_until_ready(metrics["loss"])
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[2:])
+
+
+@dataclasses.dataclass(frozen=True)
+class Bubble:
+    step_s: float  # the real schedule's step
+    idle_s: float  # the packed table with every slot idle
+    stage_work_s: list[float]  # each stage's packed work alone, less idle_s
+    all_stages_s: float  # every stage's packed work at once, less idle_s
+    theory: float
+
+    @property
+    def measured(self) -> float:
+        return 1 - sum(self.stage_work_s) / (len(self.stage_work_s) * (self.step_s - self.idle_s))
+
+    @property
+    def vs_all_busy(self) -> float:
+        return 1 - self.all_stages_s / (self.step_s - self.idle_s)
+
+    @property
+    def slowdown(self) -> float:
+        """How much longer all stages at once take than the slowest alone (1: independent)."""
+        return self.all_stages_s / max(self.stage_work_s)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"step_s": self.step_s, "idle_s": self.idle_s, "stage_work_s": self.stage_work_s,
+                "all_stages_s": self.all_stages_s, "concurrency_slowdown": self.slowdown,
+                "bubble_measured": self.measured, "bubble_vs_all_busy": self.vs_all_busy,
+                "bubble_theory": self.theory}
+
+    def line(self) -> str:
+        return (f"bubble measured {self.measured:.3f} (against all stages busy {self.vs_all_busy:.3f}; "
+                f"theory {self.theory:.3f}): step {self.step_s * 1e3:.1f} ms, stage work "
+                + " + ".join(f"{w * 1e3:.1f}" for w in self.stage_work_s)
+                + f" ms alone, {self.all_stages_s * 1e3:.1f} ms all at once")
+
+
+def measure(program_for: Callable[[Schedule | None], Any], schedule: Schedule, batch_size: int,
+            seq_len: int, vocab: int, steps: int, step_s: float | None = None) -> Bubble:
+    """Time ``schedule``'s step (unless ``step_s`` is given) and its packed tables, each built
+    by ``program_for(table)`` (None: the real schedule): P + 3 compiled programs."""
+    def time_of(table):
+        return step_seconds(program_for(table), batch_size, seq_len, vocab, steps)
+
+    step = time_of(None) if step_s is None else step_s
+    idle = time_of(packed(schedule, None))
+    work = [time_of(packed(schedule, s)) - idle for s in range(schedule.stages)]
+    return Bubble(step, idle, work, time_of(packed(schedule, "all")) - idle, schedule.bubble())
