@@ -47,6 +47,15 @@ class ModelConfig:
     dropout: float = 0.0
     init_std: float = 0.02
     vocab_multiple: int = 1  # pad the vocab to a multiple (Megatron's divisible-by), e.g. for TP
+    # Mixture of experts (models/moe.py): 0 experts is a dense model.
+    moe_experts: int = 0
+    moe_top_k: int = 2  # 1: the hard (Switch) gate; >= 2: the sparse gate, renormalised
+    moe_every: int = 1  # every n-th layer is an MoE layer
+    moe_capacity_factor: float = 1.25  # 0: dropless
+    moe_d_mlp: int | None = None  # an expert's hidden size (None: d_mlp; smaller: fine-grained)
+    moe_shared_expert: bool = False  # one dense MLP every token also passes through
+    moe_aux_coef: float = 0.01  # load-balancing loss coefficient
+    moe_z_coef: float = 0.001  # router z-loss coefficient
 
     def __post_init__(self) -> None:
         for field in ("n_layers", "d_model", "n_heads", "d_mlp", "vocab_size", "max_seq_len"):
@@ -66,8 +75,26 @@ class ModelConfig:
             raise ConfigError(f"model {self.name}: rotary embeddings need an even d_head, got {self.d_head}")
         if self.vocab_multiple < 1:
             raise ConfigError(f"--vocab-multiple must be >= 1, got {self.vocab_multiple}")
+        if self.moe_experts:
+            self._check_moe()
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model {self.name}: dropout must be in [0, 1), got {self.dropout}")
+
+    def _check_moe(self) -> None:
+        E, k = self.moe_experts, self.moe_top_k
+        if E < 2:
+            raise ConfigError(f"--moe-experts must be 0 (dense) or >= 2, got {E}")
+        if not 1 <= k <= E:
+            raise ConfigError(f"--moe-top-k must be between 1 and the experts ({E}), got {k}")
+        if self.moe_every < 1 or self.n_layers % self.moe_every:
+            raise ConfigError(f"--moe-every {self.moe_every} must be >= 1 and divide the model's "
+                              f"{self.n_layers} layers")
+        if self.moe_capacity_factor < 0:
+            raise ConfigError(f"--moe-capacity-factor must be >= 0 (0: dropless), got {self.moe_capacity_factor}")
+        if self.moe_d_mlp is not None and self.moe_d_mlp < 1:
+            raise ConfigError(f"model {self.name}: moe_d_mlp must be >= 1, got {self.moe_d_mlp}")
+        if self.moe_aux_coef < 0 or self.moe_z_coef < 0:
+            raise ConfigError("--moe-aux-coef and --moe-z-coef must be >= 0")
 
     @property
     def padded_vocab(self) -> int:

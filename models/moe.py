@@ -1,0 +1,164 @@
+"""Mixture-of-experts feed-forward: a router picks k of E expert MLPs per token.
+
+* **Router** in float32: logits ``x W_r``, softmax probabilities, the top k. k = 1 is the hard
+  (Switch) gate and scales the expert's output by its probability; k >= 2 is the sparse gate
+  and renormalises the k probabilities to sum to 1 (Mixtral).
+* **Capacity** (``capacity_factor`` c > 0): within each token group -- one sequence, so the
+  groups and what drops never depend on the mesh -- each expert takes at most
+  C = ceil(c k S / E) of the group's S tokens' k choices, in GShard's priority: every token's
+  first choice before any second choice, earlier tokens first. A choice past capacity is
+  dropped: the token's residual passes through for it. ``dropped`` is the fraction of the k S
+  choices dropped.
+* **Dropless** (c = 0): every choice is computed. The (token, choice) pairs are sorted by
+  expert and each expert's rows multiplied by its weights with ``jax.lax.ragged_dot``, the
+  grouped matmul (it runs on CPU too).
+* **Auxiliary losses** (Switch / GShard form): load balancing E sum_e f_e P_e, f_e the fraction
+  of the k S choices routed to e (before dropping) and P_e the mean router probability of e, 1
+  at perfect balance; router z-loss mean(logsumexp(logits)^2). Both are means over all the
+  step's tokens, so they too are the same on any mesh.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxshard.axes import Dim
+
+
+@dataclass(frozen=True)
+class Routing:
+    """One MoE layer's routing of ``[G, S]`` tokens (G groups of S) to their k choices."""
+
+    experts: jax.Array  # [G, S, k] int32: the chosen experts, best first
+    gates: jax.Array  # [G, S, k] float32: what each choice's output is scaled by
+    position: jax.Array  # [G, S, k] int32: the choice's place in its expert's queue of the group
+    kept: jax.Array  # [G, S, k] bool: within capacity (all true when dropless)
+    load_balance: jax.Array  # scalar: E sum_e f_e P_e
+    z_loss: jax.Array  # scalar: mean logsumexp(logits)^2
+    dropped: jax.Array  # scalar: fraction of choices dropped
+
+
+def capacity(group: int, k: int, n_experts: int, factor: float) -> int:
+    """Choices each expert takes per group: ceil(factor k S / E); 0 when dropless."""
+    return 0 if factor == 0 else max(1, math.ceil(factor * k * group / n_experts))
+
+
+def route(logits_GSE: jax.Array, k: int, capacity_per_group: int) -> Routing:
+    """Route ``logits_GSE`` (float32 router logits) to the top ``k`` experts, keeping at most
+    ``capacity_per_group`` choices per expert per group (0: keep all)."""
+    G, S, E = logits_GSE.shape
+    logits_GSE = logits_GSE.astype(jnp.float32)
+    probs_GSE = jax.nn.softmax(logits_GSE, axis=-1)
+    top_p, experts = jax.lax.top_k(probs_GSE, k)
+    gates = top_p if k == 1 else top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+    # Queue places in GShard's priority: choice-major, then token order.
+    chosen_GKSE = jax.nn.one_hot(experts.swapaxes(1, 2), E, dtype=jnp.int32)
+    flat = chosen_GKSE.reshape(G, k * S, E)
+    place = jnp.sum((jnp.cumsum(flat, axis=1) - 1) * flat, axis=-1)
+    position = place.reshape(G, k, S).swapaxes(1, 2)
+    kept = position < capacity_per_group if capacity_per_group else jnp.ones(position.shape, bool)
+    f_E = jnp.mean(chosen_GKSE.astype(jnp.float32), axis=(0, 1, 2))  # sums to 1 over e
+    p_E = jnp.mean(probs_GSE, axis=(0, 1))
+    z = jnp.mean(jax.nn.logsumexp(logits_GSE, axis=-1) ** 2)
+    return Routing(experts=experts, gates=gates, position=position, kept=kept,
+                   load_balance=E * jnp.sum(f_E * p_E), z_loss=z,
+                   dropped=1.0 - jnp.mean(kept.astype(jnp.float32)))
+
+
+def dispatch_capacity(x_GSD: jax.Array, r: Routing, n_experts: int, cap: int) -> tuple[jax.Array, jax.Array]:
+    """(``[G, E, C, D]`` the experts' input buffers, ``[G, S, k]`` each choice's slot in the
+    flattened ``E C`` buffer, or ``E C`` -- a zero row -- when dropped)."""
+    G, S, D = x_GSD.shape
+    slot = jnp.where(r.kept, r.experts * cap + r.position, n_experts * cap)
+    rows = jnp.broadcast_to(x_GSD[:, :, None, :], (G, S, slot.shape[-1], D))
+    g = jnp.broadcast_to(jnp.arange(G)[:, None, None], slot.shape)
+    buf = jnp.zeros((G, n_experts * cap + 1, D), x_GSD.dtype).at[g, slot].add(rows)
+    return buf[:, :-1].reshape(G, n_experts, cap, D), slot
+
+
+def combine_capacity(y_GECD: jax.Array, slot: jax.Array, r: Routing) -> jax.Array:
+    """Each token's output: its kept choices' expert outputs, scaled by their gates and summed."""
+    G, E, C, D = y_GECD.shape
+    flat = jnp.concatenate([y_GECD.reshape(G, E * C, D), jnp.zeros((G, 1, D), y_GECD.dtype)], axis=1)
+    picked_GSKD = jnp.take_along_axis(flat, slot.reshape(G, -1)[..., None], axis=1).reshape(*slot.shape, D)
+    weight = (r.gates * r.kept).astype(y_GECD.dtype)
+    return jnp.einsum("gskd,gsk->gsd", picked_GSKD, weight)
+
+
+def dropless_order(r: Routing, n_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(each choice's token index in expert-sorted order, the inverse permutation, the rows
+    per expert) over all ``G S k`` choices flattened."""
+    experts = r.experts.reshape(-1)
+    order = jnp.argsort(experts, stable=True)
+    k = r.experts.shape[-1]
+    token = order // k
+    inverse = jnp.argsort(order)
+    sizes = jnp.bincount(experts, length=n_experts).astype(jnp.int32)
+    return token, inverse, sizes
+
+
+class MoEFeedForward(nnx.Module):
+    """E expert MLPs of the family's kind (GELU with biases, or SwiGLU), hidden size
+    ``moe_d_mlp`` (default ``d_mlp``), a float32 router, and optionally one shared expert that
+    every token passes through (DeepSeek). ``__call__`` returns the output and the routing's
+    losses and dropped fraction."""
+
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        from models.layers import FeedForward, _const, _param
+
+        E, D, F = cfg.moe_experts, cfg.d_model, cfg.moe_d_mlp or cfg.d_mlp
+        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        self.n_experts, self.k, self.factor = E, cfg.moe_top_k, cfg.moe_capacity_factor
+        self.swiglu, self.use_bias = cfg.mlp == "swiglu", cfg.use_bias
+        self.router = _param(rngs, (D, E), (Dim.EMBED, None), std)
+        self.w_in = _param(rngs, (E, D, F), (Dim.EXPERTS, Dim.EMBED, Dim.MLP), std)
+        if self.swiglu:
+            self.w_gate = _param(rngs, (E, D, F), (Dim.EXPERTS, Dim.EMBED, Dim.MLP), std)
+        self.w_out = _param(rngs, (E, F, D), (Dim.EXPERTS, Dim.MLP, Dim.EMBED), out_std)
+        if self.use_bias:
+            self.b_in = _const(0.0, (E, F), (Dim.EXPERTS, Dim.MLP))
+            self.b_out = _const(0.0, (E, D), (Dim.EXPERTS, Dim.EMBED))
+        self.shared = FeedForward(cfg, rngs) if cfg.moe_shared_expert else None
+
+    def _hidden(self, h_in, h_gate, b_in):
+        if b_in is not None:
+            h_in = h_in + b_in
+        return jax.nn.silu(h_gate) * h_in if self.swiglu else jax.nn.gelu(h_in, approximate=True)
+
+    def __call__(self, x_BLD: jax.Array) -> tuple[jax.Array, Routing]:
+        B, L, D = x_BLD.shape
+        logits = jnp.einsum("bld,de->ble", x_BLD.astype(jnp.float32), self.router[...].astype(jnp.float32))
+        cap = capacity(L, self.k, self.n_experts, self.factor)
+        r = route(logits, self.k, cap)
+        w_gate = self.w_gate[...] if self.swiglu else None
+        b_in = self.b_in[...] if self.use_bias else None
+        b_out = self.b_out[...] if self.use_bias else None
+        if cap:
+            buf_BECD, slot = dispatch_capacity(x_BLD, r, self.n_experts, cap)
+            h = self._hidden(jnp.einsum("becd,edf->becf", buf_BECD, self.w_in[...]),
+                             None if w_gate is None else jnp.einsum("becd,edf->becf", buf_BECD, w_gate),
+                             None if b_in is None else b_in[None, :, None, :])
+            y_BECD = jnp.einsum("becf,efd->becd", h, self.w_out[...])
+            if b_out is not None:
+                y_BECD = y_BECD + b_out[None, :, None, :]
+            y_BLD = combine_capacity(y_BECD, slot, r)
+        else:
+            token, inverse, sizes = dropless_order(r, self.n_experts)
+            rows_TD = x_BLD.reshape(B * L, D)[token]
+            expert_T = jnp.sort(r.experts.reshape(-1))
+            h = self._hidden(jax.lax.ragged_dot(rows_TD, self.w_in[...], sizes),
+                             None if w_gate is None else jax.lax.ragged_dot(rows_TD, w_gate, sizes),
+                             None if b_in is None else b_in[expert_T])
+            y_TD = jax.lax.ragged_dot(h, self.w_out[...], sizes)
+            if b_out is not None:
+                y_TD = y_TD + b_out[expert_T]
+            y_BLKD = y_TD[inverse].reshape(B, L, self.k, D)
+            y_BLD = jnp.einsum("blkd,blk->bld", y_BLKD, r.gates.astype(y_TD.dtype))
+        if self.shared is not None:
+            y_BLD = y_BLD + self.shared(x_BLD)
+        return y_BLD, r
