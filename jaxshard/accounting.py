@@ -298,16 +298,24 @@ def pipeline_transfers(model: Any, rules: ShardingRules, schedule: Any, batch_si
 def pipeline_memory(model: Any, rules: ShardingRules, schedule: Any, batch_size: int, seq_len: int,
                     **kwargs: Any) -> Memory:
     """:func:`memory` of a pipelined step: the stored stack's state (a layout with chunks or
-    empty slots stores more slots than layers), and as activations the residuals of the
-    ``schedule.slots`` chunk-microbatches a stage keeps (``depth`` layers of one microbatch
-    each) and their inputs."""
+    empty slots stores more slots than layers), and as activations what a stage keeps for each
+    of the ``schedule.slots`` chunk-microbatches it holds at once -- the residuals of ``depth``
+    layers of one microbatch and the chunk's input -- plus one microbatch's logits and
+    per-token statistics, which the last stage holds in its backward slot."""
     layout = schedule.layout
     mem = memory(model.staged(layout), rules, batch_size, seq_len, **kwargs)
-    one = memory(model, rules, batch_size // schedule.microbatches, seq_len, **kwargs)
-    per_layer = activation_bytes(model.cfg.replace(n_layers=1), rules, batch_size // schedule.microbatches,
-                                 seq_len, dtype_bytes(kwargs.get("compute_dtype", "float32")),
-                                 kwargs.get("remat", Remat.NONE))
-    return replace(mem, activations=schedule.slots * (layout.depth * per_layer + one.batch // 2))
+    micro = batch_size // schedule.microbatches
+    c = dtype_bytes(kwargs.get("compute_dtype", "float32"))
+
+    def saved(n_layers: int) -> int:
+        return activation_bytes(model.cfg.replace(n_layers=n_layers), rules, micro, seq_len, c,
+                                kwargs.get("remat", Remat.NONE))
+
+    per_layer = saved(2) - saved(1)
+    sp = rules.size(rules.activation_mesh_axes(Dim.RESIDUAL_LENGTH)) // _seq_split(rules)
+    stage_input = c * _local_tokens(rules, micro, seq_len) * model.cfg.d_model // sp
+    return replace(mem, activations=schedule.slots * (layout.depth * per_layer + stage_input)
+                   + saved(1) - per_layer)
 
 
 def pipeline_communication(model: Any, rules: ShardingRules, schedule: Any, batch_size: int,
@@ -357,6 +365,19 @@ def pipeline_communication(model: Any, rules: ShardingRules, schedule: Any, batc
     split = set(stage) | {a for p in infos for a in spec_axes(p.grads)}
     add("all-reduce", tuple(split), 4, "the gradient norm")
     return Communication(out)
+
+
+def predict(model: Any, rules: ShardingRules, batch_size: int, seq_len: int, schedule: Any = None,
+            **kwargs: Any) -> tuple[Memory, Communication]:
+    """:func:`memory` and :func:`communication` of a step, or, under a pipeline ``schedule``,
+    :func:`pipeline_memory` and :func:`pipeline_communication` (the collectives outside the
+    schedule's slots). ``kwargs``: compute_dtype, remat, grad_accum, param_dtype."""
+    if schedule is None:
+        return (memory(model, rules, batch_size, seq_len, **kwargs),
+                communication(model, rules, batch_size, seq_len, **kwargs))
+    dtypes = {k: kwargs[k] for k in ("compute_dtype", "param_dtype") if k in kwargs}
+    return (pipeline_memory(model, rules, schedule, batch_size, seq_len, **kwargs),
+            pipeline_communication(model, rules, schedule, batch_size, seq_len, **dtypes))
 
 
 def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,

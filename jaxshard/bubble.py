@@ -45,11 +45,10 @@ def packed(schedule: Schedule, stage: int | str | None) -> Schedule:
                                fwd_slot=zero, bwd_slot=zero, slots=1)
 
 
-def step_seconds(program: Any, batch_size: int, seq_len: int, vocab: int, steps: int,
-                 state: Any = None) -> float:
-    """Median wall time of ``steps`` steps of ``program`` on one random batch, after two
-    warm-up steps (the first compiles); each step waits for its loss."""
-    state = program.init(0) if state is None else state
+def step_seconds(program: Any, batch_size: int, seq_len: int, vocab: int, steps: int) -> float:
+    """Median wall time of ``steps`` steps of ``program`` (from its own initial state) on one
+    random batch, after two warm-up steps (the first compiles); each step waits for its loss."""
+    state = program.init(0)
     rng = np.random.default_rng(0)
     batch = jax.device_put({k: rng.integers(0, vocab, (batch_size, seq_len), dtype=np.int32)
                             for k in ("inputs", "targets")}, program.batch_sharding)
@@ -97,13 +96,13 @@ class Bubble:
 
 
 def measure(program_for: Callable[[Schedule | None], Any], schedule: Schedule, batch_size: int,
-            seq_len: int, vocab: int, steps: int, step_s: float | None = None) -> Bubble:
-    """Time ``schedule``'s step (unless ``step_s`` is given) and its packed tables, each built
-    by ``program_for(table)`` (None: the real schedule): P + 3 compiled programs."""
+            seq_len: int, vocab: int, steps: int) -> Bubble:
+    """Time ``schedule``'s step and its packed tables, each built by ``program_for(table)``
+    (None: the real schedule): P + 3 compiled programs."""
     def time_of(table):
         return step_seconds(program_for(table), batch_size, seq_len, vocab, steps)
 
-    step = time_of(None) if step_s is None else step_s
+    step = time_of(None)
     idle = time_of(packed(schedule, None))
     work = [time_of(packed(schedule, s)) - idle for s in range(schedule.stages)]
     return Bubble(step, idle, work, time_of(packed(schedule, "all")) - idle, schedule.bubble())

@@ -187,13 +187,7 @@ def verify(model: Any, program: Any, compiled: jax.stages.Compiled, batch_size: 
     remat = model.remat
     kwargs = dict(compute_dtype=compute_dtype, remat=remat, grad_accum=grad_accum, param_dtype=param_dtype)
     schedule = program.schedule
-    if schedule is None:
-        mem = accounting.memory(model, rules, batch_size, seq_len, **kwargs)
-        comm = accounting.communication(model, rules, batch_size, seq_len, **kwargs)
-    else:
-        mem = accounting.pipeline_memory(model, rules, schedule, batch_size, seq_len, **kwargs)
-        comm = accounting.pipeline_communication(model, rules, schedule, batch_size, seq_len,
-                                                 compute_dtype=compute_dtype, param_dtype=param_dtype)
+    mem, comm = accounting.predict(model, rules, batch_size, seq_len, schedule, **kwargs)
     fl = accounting.flops(model.cfg, rules, batch_size, seq_len, remat=remat, model=model)
     found = compiled_collectives(compiled, program.rules.mesh)
     in_slots: dict[tuple[str, tuple[str, ...]], int] = defaultdict(int)

@@ -269,13 +269,9 @@ def _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compil
     kwargs = {"compute_dtype": cfg.step.compute_dtype, "remat": model.remat, "grad_accum": cfg.step.grad_accum,
               "param_dtype": cfg.step.param_dtype}
     found = inspect.compiled_collectives(compiled, rules.mesh)
-    if schedule is None:
-        comm = accounting.communication(model, rules, B, L, **kwargs)
-        predicted_memory = accounting.memory(model, rules, B, L, **kwargs)
-    else:  # what the schedule's slots run (FSDP's gathers, TP's reductions) is not predicted
-        comm = accounting.pipeline_communication(model, rules, schedule, B, L, compute_dtype=kwargs["compute_dtype"],
-                                                 param_dtype=kwargs["param_dtype"])
-        predicted_memory = accounting.pipeline_memory(model, rules, schedule, B, L, **kwargs)
+    # (Under a pipeline, what the schedule's slots run -- FSDP's gathers, TP's reductions -- is
+    # not predicted.)
+    predicted_memory, comm = accounting.predict(model, rules, B, L, schedule, **kwargs)
     report = {
         "model": model.cfg.name,
         "mesh": axis_sizes(rules.mesh),

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxshard.axes import Dim
+from models.config import Mlp
+from models.layers import FeedForward, _const, _param
 
 
 @dataclass(frozen=True)
@@ -82,12 +84,12 @@ def dispatch_capacity(x_GSD: jax.Array, r: Routing, n_experts: int, cap: int) ->
 
 
 def combine_capacity(y_GECD: jax.Array, slot: jax.Array, r: Routing) -> jax.Array:
-    """Each token's output: its kept choices' expert outputs, scaled by their gates and summed."""
+    """Each token's output: its kept choices' expert outputs, scaled by their gates and summed
+    (a dropped choice's slot is the zero row)."""
     G, E, C, D = y_GECD.shape
     flat = jnp.concatenate([y_GECD.reshape(G, E * C, D), jnp.zeros((G, 1, D), y_GECD.dtype)], axis=1)
     picked_GSKD = jnp.take_along_axis(flat, slot.reshape(G, -1)[..., None], axis=1).reshape(*slot.shape, D)
-    weight = (r.gates * r.kept).astype(y_GECD.dtype)
-    return jnp.einsum("gskd,gsk->gsd", picked_GSKD, weight)
+    return jnp.einsum("gskd,gsk->gsd", picked_GSKD, r.gates.astype(y_GECD.dtype))
 
 
 def dropless_order(r: Routing, n_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -109,12 +111,10 @@ class MoEFeedForward(nnx.Module):
     losses and dropped fraction."""
 
     def __init__(self, cfg, rngs: nnx.Rngs):
-        from models.layers import FeedForward, _const, _param
-
         E, D, F = cfg.moe_experts, cfg.d_model, cfg.moe_d_mlp or cfg.d_mlp
         std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
         self.n_experts, self.k, self.factor = E, cfg.moe_top_k, cfg.moe_capacity_factor
-        self.swiglu, self.use_bias = cfg.mlp == "swiglu", cfg.use_bias
+        self.swiglu, self.use_bias = cfg.mlp is Mlp.SWIGLU, cfg.use_bias
         self.router = _param(rngs, (D, E), (Dim.EMBED, None), std)
         self.w_in = _param(rngs, (E, D, F), (Dim.EXPERTS, Dim.EMBED, Dim.MLP), std)
         if self.swiglu:

@@ -229,7 +229,7 @@ class TransformerLM:
         outer = {k: v for k, v in params.items() if k != BLOCKS}
         table = outer.get("positions")
         if table is not None:  # (in the table's own layout: a slice needs no communication)
-            spec = rules.param_spec((Dim.POSITION, Dim.EMBED), table.shape)
+            spec = rules.param_spec(self.embedder_axes["positions"], table.shape)
             outer["positions"] = jax.lax.with_sharding_constraint(table[:L], rules.named(spec))
         out = pipeline.run(
             schedule, rules.context_mesh, embed=embed, body=body, last=last, blocks=params[BLOCKS],

@@ -72,18 +72,13 @@ def program_for(model, mesh: str, cfg, schedule=None):
     return build_program(model, rules, OptimConfig(), cfg, schedule=schedule), rules
 
 
-def timed_step(program, batch_size: int, seq_len: int, vocab: int, steps: int) -> float:
-    from jaxshard.bubble import step_seconds
-
-    return step_seconds(program, batch_size, seq_len, vocab, steps)
-
-
 def stage_bubble(model, mesh: str, cfg, batch: int, a):
+    """The schedule ``cfg`` asks for on ``mesh``, and its bubble measured (jaxshard.bubble)."""
     from jaxshard import bubble
 
     schedule = program_for(model, mesh, cfg)[0].schedule
-    return bubble.measure(lambda table: program_for(model, mesh, cfg, table)[0], schedule, batch,
-                          a.seq_len, model.cfg.vocab_size, a.steps)
+    return schedule, bubble.measure(lambda table: program_for(model, mesh, cfg, table)[0], schedule, batch,
+                                    a.seq_len, model.cfg.vocab_size, a.steps)
 
 
 def part_bubble(a) -> list[dict]:
@@ -94,8 +89,7 @@ def part_bubble(a) -> list[dict]:
     out = []
     for kind, m in BUBBLE_RUNS:
         cfg = StepConfig(pipeline_schedule=kind, microbatches=m)
-        b = stage_bubble(model, "stage=2", cfg, m * a.rows, a)
-        schedule = program_for(model, "stage=2", cfg)[0].schedule
+        schedule, b = stage_bubble(model, "stage=2", cfg, m * a.rows, a)
         out.append({"schedule": kind, "stages": schedule.stages, "virtual": schedule.virtual,
                     "microbatches": m, "ticks": schedule.ticks, **b.as_dict()})
         print(f"{kind:>11} M={m}: {b.line()}", flush=True)
@@ -103,6 +97,7 @@ def part_bubble(a) -> list[dict]:
 
 
 def part_steps(a) -> list[dict]:
+    from jaxshard.bubble import step_seconds
     from jaxshard.train_step import StepConfig
     from models import TransformerLM, get_preset
 
@@ -111,7 +106,7 @@ def part_steps(a) -> list[dict]:
     out = []
     for kind, m in STEP_RUNS:
         program, _ = program_for(model, "stage=4,data=2", StepConfig(pipeline_schedule=kind, microbatches=m))
-        step = timed_step(program, batch, a.seq_len, model.cfg.vocab_size, a.steps)
+        step = step_seconds(program, batch, a.seq_len, model.cfg.vocab_size, a.steps)
         out.append({"schedule": kind, "mesh": "stage=4,data=2", "microbatches": m, "batch_size": batch,
                     "virtual": program.schedule.virtual, "ticks": program.schedule.ticks,
                     "kept_microbatches": program.schedule.slots, "step_s": step,
@@ -134,7 +129,7 @@ def part_balance(a) -> dict:
     print(line, flush=True)
     result = {"model": model.cfg.name, "mesh": "stage=2", "microbatches": m, "batch_size": batch, "choice": line}
     for name, cfg in (("even", dataclasses.replace(even_cfg, stage_layers=(4, 4))), ("balanced", balanced_cfg)):
-        b = stage_bubble(model, "stage=2", cfg, batch, a)
+        _, b = stage_bubble(model, "stage=2", cfg, batch, a)
         result[name] = {"stage_layers": list(cfg.stage_layers), "step_s": b.step_s, "stage_work_s": b.stage_work_s}
         print(f"{name} {cfg.stage_layers}: {b.line()}", flush=True)
     return result

@@ -284,6 +284,27 @@ def test_pipeline_flags_without_a_stage_axis_are_errors(flags, message):
         train(model, "data=8", **flags)
 
 
+@pytest.mark.parametrize("remat", ["none", "dots", "full"])
+def test_the_accounting_predicts_what_a_kept_microbatch_costs(remat):
+    """GPipe's compiled temp grows by one kept microbatch per microbatch: the residuals of a
+    stage's layers and its input. The accounting's figure for it (``pipeline_memory``, the
+    difference one more kept microbatch makes) is that growth within 10%, per remat policy."""
+    model = TransformerLM(get_preset("tiny-llama").replace(n_layers=4), remat=remat)
+    stages, rows, seq = 4, 2, 64  # rows per microbatch per device (data=2)
+
+    def program(m):
+        return make_program(model, "stage=4,data=2", pipeline_schedule="gpipe", microbatches=m)
+
+    def temp(m):
+        return program(m).lower_step(m * rows * 2, seq).compile().memory_analysis().temp_size_in_bytes
+
+    grown = (temp(4 * stages) - temp(2 * stages)) / (2 * stages)
+    predicted = [accounting.pipeline_memory(model, p.rules, p.schedule, m * rows * 2, seq, remat=model.remat)
+                 for m in (4 * stages, 4 * stages - 1) for p in [program(m)]]
+    kept = predicted[0].activations - predicted[1].activations
+    assert abs(kept - grown) <= 0.1 * grown, (remat, kept, grown)
+
+
 def test_1f1b_keeps_activations_flat_in_microbatches_where_gpipe_grows():
     """Compiled temp bytes per device as M grows from P to 4P at a fixed microbatch size: GPipe
     keeps every microbatch's activations (a stage's residuals) until its backward turn, so its
