@@ -380,6 +380,13 @@ def predict(model: Any, rules: ShardingRules, batch_size: int, seq_len: int, sch
             pipeline_communication(model, rules, schedule, batch_size, seq_len, **dtypes))
 
 
+def moe_buffer(cfg: Any, rules: ShardingRules, rows: int, seq_len: int, c: int) -> int:
+    """Bytes of a device's MoE dispatch buffer ``[rows, E, C, D]``: C slots per expert per
+    sequence (dropless with the experts split over devices: C = S, as ``models/moe.py`` runs it)."""
+    cap = cfg.moe_capacity(seq_len) or seq_len
+    return rows * cfg.moe_experts * cap * cfg.d_model * c
+
+
 def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
                   compute_dtype: str = "float32", remat: Remat = Remat.NONE,
                   grad_accum: int = 1, param_dtype: str = "float32") -> Communication:
@@ -418,7 +425,8 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
         gather_axes = spec_axes(p.params) - model_axes
         add("all-gather", gather_axes, used, per_micro * (2 if regather and p.in_layers else 1),
             f"{p.path}: ZeRO-3/FSDP all-gather of the weights for compute")
-        reduce_axes = set(split)
+        # (Not over the axes that split the param itself: an expert's tokens come to its device.)
+        reduce_axes = set(split) - model_axes
         kv_replicated = Dim.KV_HEADS in p.axes and tensor and cfg.n_kv_heads % rules.size(tensor)
         if (sp or kv_replicated) and not (model_axes & set(tensor)):
             reduce_axes |= set(tensor)  # computed on tensor-split activations
@@ -511,9 +519,15 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
             add("all-gather", tensor, act, micro, "SP: gather the sequence for the vocabulary projection")
             add("reduce-scatter", tensor, act, micro, "SP backward: vocabulary projection input gradient")
         else:
-            add("all-reduce", tensor, act, micro * layers * n_out, "TP: row-parallel attention/MLP outputs")
-            add("all-reduce", tensor, act, micro * layers * bwd_inputs,
+            # MoE layers with the experts split (parallel.experts): their MLP's two reductions
+            # are of the experts' slots, [rows, E, C, D], not of the tokens.
+            moe = cfg.n_moe_layers if rules.param_mesh_axes(Dim.EXPERTS) else 0
+            add("all-reduce", tensor, act, micro * (layers * n_out - moe), "TP: row-parallel attention/MLP outputs")
+            add("all-reduce", tensor, act, micro * (layers * bwd_inputs - moe),
                 "TP backward: input gradient of each column-parallel projection")
+            if moe:
+                add("all-reduce", tensor, moe_buffer(cfg, rules, B_local, L_local, c), micro * moe * 2,
+                    "TP, MoE: the experts' row-parallel outputs, and backward their inputs' gradient")
             add("all-reduce", tensor, act, micro, "TP: vocab-parallel embedding")
             add("all-reduce", tensor, act, micro, "TP backward: vocabulary projection input gradient")
         add("all-reduce", tensor, B_local * L_local * F32, 3 * micro,
@@ -533,6 +547,13 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
             if sp:
                 allowances.append("GQA with kv heads replicated under SP: XLA moves one more "
                                   "activation per layer (an all-gather for a reduce-scatter).")
+    experts = rules.param_mesh_axes(Dim.EXPERTS)
+    if experts and cfg.n_moe_layers:
+        # Each device's dispatch buffer [rows, E, C, D] to the experts' devices and back, and
+        # the two again backward (parallel.experts); --remat full sends the forward pair twice.
+        buf = moe_buffer(cfg, rules, B_local, L_local, c)
+        add("all-to-all", experts, buf, grad_accum * cfg.n_moe_layers * (6 if remat.kind is Kind.FULL else 4),
+            "MoE: tokens to their experts' devices and back, forward and backward")
     seq = rules.activation_mesh_axes(Dim.LENGTH)
     if seq:
         S = rules.size(seq)
@@ -581,11 +602,26 @@ def flops(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
     """FLOPs of one step. With ``model``, the optimizer's elementwise work is added too."""
     D, N, K, H, F, L = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_mlp, seq_len
     mlp_mats = 3 if getattr(cfg.mlp, "value", cfg.mlp) == "swiglu" else 2
-    layer_params = D * (N + 2 * K) * H + N * H * D + mlp_mats * D * F
+    attn_params = D * (N + 2 * K) * H + N * H * D
+    # Matmul params a token passes through, summed over the layers: as the model counts them
+    # (MoE: the router and k experts) and as the hardware runs them (under a capacity every
+    # expert runs all its C slots per sequence, E C / S per token, filled or not).
+    n_moe = getattr(cfg, "n_moe_layers", 0)
+    layer_params = hw_layer_params = cfg.n_layers * attn_params + (cfg.n_layers - n_moe) * mlp_mats * D * F
+    moe_text = ""
+    if n_moe:
+        E, k = cfg.moe_experts, cfg.moe_top_k
+        expert = mlp_mats * D * (cfg.moe_d_mlp or F)
+        always = D * E + cfg.moe_shared_experts * expert  # router and shared experts
+        # (dropless with the experts split over devices runs a capacity of S: models/moe.py)
+        cap = cfg.moe_capacity(L) or (L if rules.param_mesh_axes(Dim.EXPERTS) else 0)
+        layer_params += n_moe * (always + k * expert)
+        hw_layer_params += n_moe * (always + (E * cap / L if cap else k) * expert)
+        moe_text = f", of which {n_moe} MoE layers count the router and {k} of {E} experts"
     head = D * cfg.padded_vocab
     attention = 2 * 2 * L * N * H  # q k^T and p v, per token per layer, full square
-    matmul = 2 * (cfg.n_layers * layer_params + head)
-    fwd = matmul + cfg.n_layers * attention
+    matmul = 2 * (layer_params + head)
+    fwd = 2 * (hw_layer_params + head) + cfg.n_layers * attention
     tokens = batch_size * seq_len
     remat = Remat.parse(remat)
     # Matmuls a policy recomputes: none under dots (every matmul output kept), the attention
@@ -597,16 +633,16 @@ def flops(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
         case Kind.SELECTIVE | Kind.DOTS_NO_BATCH:
             recompute = cfg.n_layers * attention
         case _:
-            recompute = cfg.n_layers * (2 * layer_params + attention)
+            recompute = 2 * hw_layer_params + cfg.n_layers * attention
     model_flops = tokens * (3 * matmul + 3 * cfg.n_layers * attention // 2)
     # (Pipeline stages split the layers: each device computes 1/P of them, the bubble aside.)
     devices = rules.size(rules.batch_axes) * rules.size(rules.activation_mesh_axes(Dim.LENGTH)) * \
         rules.size(rules.activation_mesh_axes(Dim.ACT_HEADS)) * rules.size(rules.param_mesh_axes(Dim.LAYERS))
-    formula = (f"forward per token = 2 x ({cfg.n_layers} layers x {layer_params:,} matmul params "
-               f"+ {head:,} vocabulary projection) + {cfg.n_layers} x 4 x L x heads x d_head "
+    formula = (f"forward per token = 2 x ({layer_params:,} matmul params in {cfg.n_layers} layers"
+               f"{moe_text} + {head:,} vocabulary projection) + {cfg.n_layers} x 4 x L x heads x d_head "
                f"(attention, L = {L}); step = 3 x forward (backward = 2 x){' + recompute' if recompute else ''}; "
                f"MFU counts causal attention at half")
-    hardware = tokens * (3 * fwd + recompute)
+    hardware = int(tokens * (3 * fwd + recompute))
     # Elementwise work (XLA counts it as FLOPs too): ~20 per residual element (two norms, adds),
     # ~5 per attention score (mask, max, subtract, sum, scale), ~10 per MLP hidden element.
     elementwise = cfg.n_layers * (20 * D + 5 * N * L + 10 * F) + 10 * cfg.padded_vocab

@@ -49,6 +49,8 @@ class TrainConfig:
     checkpoint: CheckpointConfig
     export: str | None  # final params as .npz
     measure_bubble: bool = False  # after training, time each pipeline stage's work alone
+    # ModelConfig moe_* fields the flags override: (field, value) pairs (the preset's otherwise)
+    moe: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "eval_batches"):
@@ -132,6 +134,9 @@ def train_parser() -> argparse.ArgumentParser:
                         "report the measured bubble beside the theory's (compiles stages + 3 "
                         "more programs)")
     g.add_argument("--dropout", type=float, default=None, help="override the preset's dropout")
+    m = p.add_argument_group("mixture of experts (override the preset's; see models/moe.py)")
+    for flag, kind, text in MOE_FLAGS:
+        m.add_argument(flag, type=kind, default=None, help=text)
     g.add_argument("--compute-dtype", default=None, choices=DTYPES,
                    help="dtype of matmuls (norms, softmax and the loss stay float32); default: "
                         "--param-dtype. float16 adds dynamic loss scaling")
@@ -238,6 +243,24 @@ def _counts(text: str | None) -> tuple[int, ...] | None:
         raise ConfigError(f"--stage-layers expects comma-separated layer counts like 3,3,2, got {text!r}") from None
 
 
+MOE_FLAGS = (
+    ("--moe-experts", int, "experts per MoE layer (0: a dense model); the expert axis splits them"),
+    ("--moe-top-k", int, "experts per token: 1 is the hard (Switch) gate, >= 2 the sparse gate"),
+    ("--moe-every", int, "every n-th layer is an MoE layer (the scan steps over groups of n)"),
+    ("--moe-capacity-factor", float, "each expert takes at most ceil(c k S / E) of a sequence's "
+     "S tokens' k choices, the rest dropped (their residual passes through); 0: dropless"),
+    ("--moe-d-mlp", int, "an expert's hidden size (default the model's d_mlp; smaller: fine-grained)"),
+    ("--moe-shared-experts", int, "experts every token passes through besides its routed ones"),
+    ("--moe-aux-coef", float, "weight of the load-balancing loss E sum_e f_e P_e (logged as moe_load_balance)"),
+    ("--moe-z-coef", float, "weight of the router z-loss mean logsumexp^2 (logged as moe_z_loss)"),
+)
+
+
+def _moe(a: argparse.Namespace) -> tuple[tuple[str, object], ...]:
+    return tuple((flag[2:].replace("-", "_"), getattr(a, flag[2:].replace("-", "_")))
+                 for flag, _, _ in MOE_FLAGS if getattr(a, flag[2:].replace("-", "_")) is not None)
+
+
 def _offload(text: str) -> tuple[str, ...]:
     return () if text.strip().lower() == "none" else tuple(o.strip() for o in text.split(","))
 
@@ -268,7 +291,7 @@ def train_config(a: argparse.Namespace) -> TrainConfig:
         distributed=DistributedConfig.from_env(a.coordinator, a.num_processes, a.process_id, a.init_timeout),
         checkpoint=CheckpointConfig(directory=a.checkpoint_dir, save_every=a.save_every, keep=a.keep,
                                     resume=a.resume),
-        export=a.export, measure_bubble=a.measure_bubble)
+        export=a.export, measure_bubble=a.measure_bubble, moe=_moe(a))
 
 
 @contextlib.contextmanager

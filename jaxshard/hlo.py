@@ -179,12 +179,15 @@ def parse(hlo_text: str) -> list[Collective]:
 
 def _only_sliced(values: set[str], users, body) -> bool:
     """Every use of ``values`` takes a slice: a dynamic-slice, or a fusion inside which the
-    parameter the value arrives as is only sliced."""
+    parameter the value arrives as is only sliced. (Cut by several fixed slices -- the
+    pieces of an all-to-all -- all of the sum is used: an all-reduce.)"""
     uses = [u for v in values for u in users[v]]
     if not uses:
         return False
+    ops = []
     for u in uses:
         if u["op"] in ("dynamic-slice", "slice"):
+            ops.append(u["op"])
             continue
         called = re.search(r"calls=%([\w.\-]+)", u["attrs"])
         if u["op"] != "fusion" or not called:
@@ -197,7 +200,8 @@ def _only_sliced(values: set[str], users, body) -> bool:
             inside = [f for f in fused if param and re.search(rf"%{re.escape(param)}(?![\w.\-])", f["operands"])]
             if not inside or any(f["op"] not in ("dynamic-slice", "slice") for f in inside):
                 return False
-    return True
+            ops += [f["op"] for f in inside]
+    return "dynamic-slice" in ops or len(ops) == 1
 
 
 def _executions(entry: str, calls: dict[str, list[tuple[str, int]]]) -> dict[str, int]:

@@ -34,6 +34,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxshard.errors import ConfigError
+from jaxshard.parallel.experts import EXCHANGED
 from jaxshard.rules import GATHERED, active
 
 # The activations the model tags (checkpoint_name), for ``names:`` and ``offload:`` policies.
@@ -187,9 +188,23 @@ def _base_policy(remat: Remat):
     raise ValueError(f"unknown remat policy {remat!r}")
 
 
+def _keeping_exchanges(base):
+    """``base``, and keep the MoE all-to-alls' results (``parallel.experts.EXCHANGED``):
+    recomputing them would send them again."""
+    if base is jax.checkpoint_policies.everything_saveable:
+        return base
+
+    def policy(prim, *avals, **params):
+        return (prim.name == "name" and params.get("name") == EXCHANGED) or base(prim, *avals, **params)
+
+    return policy
+
+
 def _policy(remat: Remat, gathers: bool, keep_gathered: bool):
     """The ``jax.checkpoint`` policy, or None for no checkpoint at all."""
     base = _base_policy(remat)
+    if remat.kind is not Kind.FULL:
+        base = _keeping_exchanges(base)
     if not gathers:
         return None if base is jax.checkpoint_policies.everything_saveable else base
     if keep_gathered and base is jax.checkpoint_policies.everything_saveable:

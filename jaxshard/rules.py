@@ -11,7 +11,7 @@ Two mappings, as in Levanter:
   gradient).
 
 Model-parallel axes are the same in both mappings: ``tensor`` splits ``heads``, ``kv_heads``,
-``mlp`` and ``vocab`` (Megatron); ``sequence`` splits the sequence of every activation
+``mlp`` and ``vocab`` (Megatron); ``expert`` splits ``experts`` (and the batch elsewhere); ``sequence`` splits the sequence of every activation
 (context parallelism); with sequence parallelism ``tensor`` also splits the sequence of the
 residual stream between sublayers. A mesh axis that does not divide a dim is left off that
 dim (so grouped-query attention with fewer kv heads than ``tensor`` replicates the kv heads);
@@ -46,9 +46,6 @@ GATHERED = "gathered_weights"
 # device reads and writes by DMA. What ``--offload`` can place there:
 HOST_MEMORY = "pinned_host"
 OFFLOAD = ("optimizer", "params")
-
-# Mesh axes no feature uses yet: a size > 1 is an error, not silently a replica of the rest.
-UNUSED_AXES = {str(MeshAxis.EXPERT): "expert parallelism (the expert axis)"}
 
 # Dims that ZeRO/FSDP never pick: the layer scan slices ``layers`` one layer at a time, and the
 # learned positions are sliced to the sequence length (rows split over devices would move
@@ -104,13 +101,9 @@ class ShardingRules:
         self.mesh = mesh
         self.strategy = strategy
         self.sizes = {str(a): int(s) for a, s in mesh.shape.items()}
-        self._batch_axes = self.active_axes(BATCH_AXES)
+        self._batch_axes = tuple(a for b in BATCH_AXES for a in self.active_axes((b,)))  # BATCH_AXES' order
         tensor = self.active_axes((MeshAxis.TENSOR,))
         sequence = self.active_axes((MeshAxis.SEQUENCE,))
-        for axis, what in UNUSED_AXES.items():
-            if self.sizes.get(axis, 1) > 1:
-                raise ConfigError(f"--mesh {axis}={self.sizes[axis]}: {what} is not implemented yet, "
-                                  f"so this axis would do nothing; leave it out of --mesh")
         if strategy.sequence_parallel and not tensor:
             raise ConfigError("--sequence-parallel needs a tensor axis of size > 1 in --mesh")
         if not strategy.reshard_after_forward and not self.gathers_params:
@@ -126,7 +119,7 @@ class ShardingRules:
         # (``stage`` splits the layer stack into pipeline stages, at rest and in compute.)
         self.param_table: dict[Dim, tuple[str, ...]] = {
             Dim.HEADS: tensor, Dim.KV_HEADS: tensor, Dim.MLP: tensor, Dim.VOCAB: tensor,
-            Dim.LAYERS: self.active_axes((MeshAxis.STAGE,))}
+            Dim.LAYERS: self.active_axes((MeshAxis.STAGE,)), Dim.EXPERTS: self.active_axes((MeshAxis.EXPERT,))}
         # logical activation dim -> mesh axes
         self.activation_table: dict[Dim, tuple[str, ...]] = {
             Dim.BATCH: self._batch_axes,
@@ -174,6 +167,8 @@ class ShardingRules:
             parts.append("cp")
         if self.sizes[MeshAxis.STAGE] > 1:
             parts.append("pp")
+        if self.sizes[MeshAxis.EXPERT] > 1:
+            parts.append("ep")
         return "+".join(parts) or "single"
 
     @property
@@ -316,6 +311,10 @@ class ShardingRules:
         heads use); every other mapped dim must divide.
         """
         flat_axes = jax.tree.leaves(axes_tree, is_leaf=_is_axes)
+        expert = self.active_axes((MeshAxis.EXPERT,))
+        if expert and not any(Dim.EXPERTS in ax for ax in flat_axes):
+            raise ConfigError(f"--mesh expert={self.size(expert)} splits the experts of MoE layers, and "
+                              "this model has none (add --moe-experts E)")
         for ax, x in zip(flat_axes, jax.tree.leaves(shapes_tree)):
             for d, n in zip(ax, x.shape):
                 mesh_axes = self.param_table.get(d, ()) if d is not None else ()
@@ -440,7 +439,11 @@ def for_compute(params: Any, axes_tree: Any) -> Any:
     if rules is None:
         return params
 
+    experts_split = bool(rules.param_mesh_axes(Dim.EXPERTS))
+
     def gather(x, ax):
+        if experts_split and Dim.EXPERTS in ax:
+            return x  # split over `expert`: gathered inside the dispatch (parallel.experts)
         shape = tuple(x.shape)
         at_rest = rules.param_spec(ax, shape, StateKind.PARAMS)
         compute = rules.compute_param_spec(ax, shape)

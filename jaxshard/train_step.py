@@ -80,7 +80,7 @@ class Program:
     init: Callable[[int], TrainState]
     step: Callable  # (state, batch) -> (state, metrics); donates state
     eval: Callable  # (params, batch) -> mean loss
-    loss: Callable  # (params, batch, key) -> (loss sum, tokens), unjitted, under the rules
+    loss: Callable  # (params, batch, key) -> the model's Loss (sums), unjitted, under the rules
     schedule: pipeline.Schedule | None = None  # with a stage axis: the pipeline's
     # Checkpoints and exports hold the layer stack in model order whatever the stage layout:
     # ``saved(state)`` gives that form of a state, ``unsaved`` takes it back, ``saved_abstract``
@@ -171,6 +171,8 @@ def _pipeline_plan(rules: ShardingRules, model: Any, cfg: StepConfig) -> tuple[s
         raise ConfigError("a stage axis with context parallelism (sequence > 1) is not implemented yet")
     if rules.strategy.offload:
         raise ConfigError("--offload with a stage axis is not implemented yet")
+    if getattr(model, "moe_layers", ()):
+        raise ConfigError("MoE layers (--moe-experts) with a stage axis are not implemented yet")
     if Remat.parse(getattr(model, "remat", Remat.NONE)).kind is Kind.OFFLOAD:
         raise ConfigError("--remat offload with a stage axis is not implemented yet")
     default = 1 if kind == "naive" else stages
@@ -186,6 +188,9 @@ def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig
     if schedule is not None:
         model = model.staged(schedule.layout)
     rules.check_model(model.param_axes(), model.abstract_params())
+    if getattr(model, "moe_layers", ()) and (rules.activation_mesh_axes(Dim.LENGTH) or rules.strategy.sequence_parallel):
+        raise ConfigError("MoE layers with sequence or context parallelism are not implemented yet "
+                          "(capacity groups are whole sequences)")
     if Remat.parse(getattr(model, "remat", Remat.NONE)).kind is Kind.OFFLOAD:
         check_host_memory(rules.mesh, "--remat offload")
     tx = optim.make(optim_cfg, model.param_axes())
@@ -198,26 +203,27 @@ def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig
     batch_sharding = rules.batch_sharding()
     rest, compute = layout.shardings, layout.compute
 
-    def loss_and_count(params, batch, key):
+    def loss_sums(params, batch, key):
         with use_rules(rules):
             return model.loss(cast_floats(params, dtype), batch["inputs"], batch["targets"], key=key)
 
     def scaled_loss(params, batch, key, factor):
-        loss_sum, count = loss_and_count(params, batch, key)
-        return (loss_sum if factor is None else loss_sum * factor), (loss_sum, count)
+        sums = loss_sums(params, batch, key)
+        return (sums.total if factor is None else sums.total * factor), sums
 
     grad_fn = jax.grad(scaled_loss, has_aux=True)
 
     def reduced_grads(params, batch, key, factor):
+        """(the loss's sums, gradients of the total's sum)."""
         if schedule is None:
-            grads, (loss_sum, count) = grad_fn(params, batch, key, factor)
+            grads, sums = grad_fn(params, batch, key, factor)
         else:
-            loss_sum, count, grads = model.pipeline_grads(
+            sums, grads = model.pipeline_grads(
                 params, batch["inputs"], batch["targets"], schedule, key=key,
                 seed=1.0 if factor is None else factor, cast=lambda p: cast_floats(p, dtype))
         # Into the layout the update uses (rules.reduced_into): replicated -> all-reduce;
         # sharded (ZeRO-1's optimizer shard, ZeRO-2/3's gradient shard) -> reduce-scatter.
-        return loss_sum, count, jax.lax.with_sharding_constraint(grads, layout.reduce_shardings)
+        return sums, jax.lax.with_sharding_constraint(grads, layout.reduce_shardings)
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         with use_rules(rules):
@@ -229,10 +235,11 @@ def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig
             # params for forward, the optimizer state for the update) and goes back after.
             old_params = move(state.params, rest.params, compute.params)
             if cfg.grad_accum == 1:
-                loss_sum, count, grads = reduced_grads(old_params, batch, key, factor)
+                sums, grads = reduced_grads(old_params, batch, key, factor)
             else:
-                loss_sum, count, grads = _accumulate(reduced_grads, old_params, batch, key, factor,
-                                                     cfg.grad_accum, layout.reduce_shardings)
+                sums, grads = _accumulate(reduced_grads, old_params, batch, key, factor,
+                                          cfg.grad_accum, layout.reduce_shardings)
+            count = sums.tokens
             # Unscaled and averaged in float32, whatever dtype the gradients were reduced in.
             divisor = count if factor is None else count * factor
             grads = jax.tree.map(lambda g: g.astype(jnp.float32) / divisor, grads)
@@ -241,8 +248,8 @@ def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig
             old_opt_state = move(state.opt_state, rest.opt_state, compute.opt_state)
             updates, opt_state = tx.update(grads, old_opt_state, old_params)
             params = optim.apply(old_params, updates, old_opt_state)
-            metrics = {"loss": loss_sum / count, "grad_norm": grad_norm,
-                       "lr": lr_schedule(state.step)}
+            metrics = {"loss": sums.nll / count, "grad_norm": grad_norm,
+                       "lr": lr_schedule(state.step), **{k: v / count for k, v in sums.moe.items()}}
             new_scale = None
             if state.loss_scale is not None:
                 # A step whose gradients overflowed changes nothing but the (halved) scale.
@@ -259,11 +266,13 @@ def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig
     def evaluate(params, batch):
         params = move(params, rest.params, compute.params)
         if schedule is None:
-            loss_sum, count = loss_and_count(params, batch, None)
+            sums = loss_sums(params, batch, None)
+            loss_sum, count = sums.nll, sums.tokens
         else:  # through the pipeline's forward slots: no stage gathers the others' layers
             with use_rules(rules):
-                loss_sum, count = model.pipeline_loss(params, batch["inputs"], batch["targets"], schedule,
-                                                      cast=lambda p: cast_floats(p, dtype))
+                sums = model.pipeline_loss(params, batch["inputs"], batch["targets"], schedule,
+                                           cast=lambda p: cast_floats(p, dtype))
+                loss_sum, count = sums.nll, sums.tokens
         return loss_sum / count
 
     replicated = rules.replicated()
@@ -272,7 +281,7 @@ def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig
         saved = _saved_forms(model, tx, layout)
     return Program(
         rules=rules, layout=layout, batch_sharding=batch_sharding,
-        init=build_init(model, tx, layout, initial_scale), loss=loss_and_count, schedule=schedule,
+        init=build_init(model, tx, layout, initial_scale), loss=loss_sums, schedule=schedule,
         **{"saved_abstract": layout.abstract, **saved},
         step=jax.jit(step, in_shardings=(layout.shardings, batch_sharding),
                      out_shardings=(layout.shardings, replicated), donate_argnums=0,
@@ -330,13 +339,13 @@ def _accumulate(reduced_grads, params, batch, key, factor, n_micro: int, grad_sh
     micro = jax.tree.map(split, batch)
 
     def body(carry, xs):
-        loss_acc, count_acc, grads_acc = carry
         mb, i = xs
-        loss_sum, count, grads = reduced_grads(params, mb, jax.random.fold_in(key, i), factor)
-        return (loss_acc + loss_sum, count_acc + count, jax.tree.map(jnp.add, grads_acc, grads)), None
+        return jax.tree.map(jnp.add, carry, reduced_grads(params, mb, jax.random.fold_in(key, i), factor)), None
 
     zeros = jax.lax.with_sharding_constraint(
         jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), grad_shardings)
-    init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros)
-    (loss_sum, count, grads), _ = jax.lax.scan(body, init, (micro, jnp.arange(n_micro)))
-    return loss_sum, count, grads
+    first = jax.tree.map(lambda x: x[0], micro)
+    sums_shape = jax.eval_shape(lambda: reduced_grads(params, first, key, factor)[0])
+    init = (jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), sums_shape), zeros)
+    (sums, grads), _ = jax.lax.scan(body, init, (micro, jnp.arange(n_micro)))
+    return sums, grads

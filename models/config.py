@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -50,10 +51,11 @@ class ModelConfig:
     # Mixture of experts (models/moe.py): 0 experts is a dense model.
     moe_experts: int = 0
     moe_top_k: int = 2  # 1: the hard (Switch) gate; >= 2: the sparse gate, renormalised
-    moe_every: int = 1  # every n-th layer is an MoE layer
+    moe_every: int = 1  # every n-th layer (after the first dense ones) is an MoE layer
+    moe_first_dense: int = 0  # the first layers stay dense (DeepSeek's first_k_dense_replace)
     moe_capacity_factor: float = 1.25  # 0: dropless
     moe_d_mlp: int | None = None  # an expert's hidden size (None: d_mlp; smaller: fine-grained)
-    moe_shared_expert: bool = False  # one dense MLP every token also passes through
+    moe_shared_experts: int = 0  # experts every token passes through (DeepSeek), of moe_d_mlp each
     moe_aux_coef: float = 0.01  # load-balancing loss coefficient
     moe_z_coef: float = 0.001  # router z-loss coefficient
 
@@ -86,15 +88,37 @@ class ModelConfig:
             raise ConfigError(f"--moe-experts must be 0 (dense) or >= 2, got {E}")
         if not 1 <= k <= E:
             raise ConfigError(f"--moe-top-k must be between 1 and the experts ({E}), got {k}")
-        if self.moe_every < 1 or self.n_layers % self.moe_every:
+        if not 0 <= self.moe_first_dense < self.n_layers:
+            raise ConfigError(f"model {self.name}: moe_first_dense must be in [0, {self.n_layers}), "
+                              f"got {self.moe_first_dense}")
+        rest = self.n_layers - self.moe_first_dense
+        if self.moe_every < 1 or rest % self.moe_every:
             raise ConfigError(f"--moe-every {self.moe_every} must be >= 1 and divide the model's "
-                              f"{self.n_layers} layers")
+                              f"{rest} layers" + (f" after the first {self.moe_first_dense} dense ones"
+                                                  if self.moe_first_dense else ""))
+        if self.moe_shared_experts < 0:
+            raise ConfigError(f"--moe-shared-experts must be >= 0, got {self.moe_shared_experts}")
         if self.moe_capacity_factor < 0:
             raise ConfigError(f"--moe-capacity-factor must be >= 0 (0: dropless), got {self.moe_capacity_factor}")
         if self.moe_d_mlp is not None and self.moe_d_mlp < 1:
             raise ConfigError(f"model {self.name}: moe_d_mlp must be >= 1, got {self.moe_d_mlp}")
         if self.moe_aux_coef < 0 or self.moe_z_coef < 0:
             raise ConfigError("--moe-aux-coef and --moe-z-coef must be >= 0")
+
+    @property
+    def n_moe_layers(self) -> int:
+        """MoE layers: the last of every group of ``moe_every`` after the first dense ones."""
+        return (self.n_layers - self.moe_first_dense) // self.moe_every if self.moe_experts else 0
+
+    def moe_capacity(self, group: int) -> int:
+        """Choices each expert takes per group of ``group`` tokens: ceil(c k S / E); 0 when
+        dropless (c = 0)."""
+        c = self.moe_capacity_factor
+        return 0 if c == 0 else max(1, math.ceil(c * self.moe_top_k * group / self.moe_experts))
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (bool(self.moe_experts) and layer >= self.moe_first_dense
+                and (layer - self.moe_first_dense + 1) % self.moe_every == 0)
 
     @property
     def padded_vocab(self) -> int:

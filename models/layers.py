@@ -180,8 +180,9 @@ class Attention(nnx.Module):
 class FeedForward(nnx.Module):
     """GPT-2 MLP (up, GELU, down) or Llama SwiGLU (SiLU(gate) * up, down)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        D, F = cfg.d_model, cfg.d_mlp
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, d_mlp: int | None = None):
+        """``d_mlp``: the hidden size (default the config's)."""
+        D, F = cfg.d_model, d_mlp or cfg.d_mlp
         std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
         self.kind, self.use_bias = cfg.mlp, cfg.use_bias
         self.w_in = _param(rngs, (D, F), (Dim.EMBED, Dim.MLP), std)
@@ -212,22 +213,27 @@ class FeedForward(nnx.Module):
 
 
 class Block(nnx.Module):
-    """One pre-norm layer: x + attn(norm(x)), then x + ffn(norm(x)); the layer scan's body."""
+    """One pre-norm layer: x + attn(norm(x)), then x + ffn(norm(x)); the layer scan's body.
+    ``ffn``: the feed-forward's class (``models.moe.MoEFeedForward`` for an MoE layer, which
+    returns its routing too: the block then returns ``(x, routing)``)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, ffn: type[nnx.Module] | None = None):
         self.dropout = cfg.dropout
         self.attn_norm = NormLayer(cfg)
         self.attn = Attention(cfg, rngs)
         self.ffn_norm = NormLayer(cfg)
-        self.ffn = FeedForward(cfg, rngs)
+        self.ffn = (ffn or FeedForward)(cfg, rngs)
 
     def __call__(self, x_BLD: jax.Array, rope: tuple[jax.Array, jax.Array] | None,
-                 key: jax.Array | None) -> jax.Array:
+                 key: jax.Array | None):
         k_attn, k_ffn = jax.random.split(key) if key is not None else (None, None)
         x_BLD = x_BLD + dropout(self.attn(self.attn_norm(x_BLD), rope), self.dropout, k_attn)
         x_BLD = constrain(x_BLD, RESIDUAL_BLD)
-        x_BLD = x_BLD + dropout(self.ffn(self.ffn_norm(x_BLD)), self.dropout, k_ffn)
-        return constrain(x_BLD, RESIDUAL_BLD)
+        y_BLD, routing = self.ffn(self.ffn_norm(x_BLD)), None
+        if isinstance(y_BLD, tuple):
+            y_BLD, routing = y_BLD
+        x_BLD = constrain(x_BLD + dropout(y_BLD, self.dropout, k_ffn), RESIDUAL_BLD)
+        return x_BLD if routing is None else (x_BLD, routing)
 
 
 class Embedder(nnx.Module):

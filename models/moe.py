@@ -28,6 +28,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxshard.axes import Dim
+from jaxshard.parallel.experts import expert_axes, run_experts
+from jaxshard.rules import constrain
 from models.config import Mlp
 from models.layers import FeedForward, _const, _param
 
@@ -45,9 +47,17 @@ class Routing:
     dropped: jax.Array  # scalar: fraction of choices dropped
 
 
-def capacity(group: int, k: int, n_experts: int, factor: float) -> int:
-    """Choices each expert takes per group: ceil(factor k S / E); 0 when dropless."""
-    return 0 if factor == 0 else max(1, math.ceil(factor * k * group / n_experts))
+def _top_k(p: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """``jax.lax.top_k`` over the last dim (ties to the lower index, as it does) as k argmaxes:
+    reductions, which the partitioner keeps on each device's tokens (it gathers a sharded
+    ``top_k``'s operand whole)."""
+    values, indices = [], []
+    for _ in range(k):
+        i = jnp.argmax(p, axis=-1)
+        values.append(jnp.take_along_axis(p, i[..., None], axis=-1)[..., 0])
+        indices.append(i.astype(jnp.int32))
+        p = jnp.where(jax.nn.one_hot(i, p.shape[-1], dtype=bool), -1.0, p)  # probabilities are >= 0
+    return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1)
 
 
 def route(logits_GSE: jax.Array, k: int, capacity_per_group: int) -> Routing:
@@ -56,7 +66,7 @@ def route(logits_GSE: jax.Array, k: int, capacity_per_group: int) -> Routing:
     G, S, E = logits_GSE.shape
     logits_GSE = logits_GSE.astype(jnp.float32)
     probs_GSE = jax.nn.softmax(logits_GSE, axis=-1)
-    top_p, experts = jax.lax.top_k(probs_GSE, k)
+    top_p, experts = _top_k(probs_GSE, k)
     gates = top_p if k == 1 else top_p / jnp.sum(top_p, axis=-1, keepdims=True)
     # Queue places in GShard's priority: choice-major, then token order.
     chosen_GKSE = jax.nn.one_hot(experts.swapaxes(1, 2), E, dtype=jnp.int32)
@@ -74,22 +84,28 @@ def route(logits_GSE: jax.Array, k: int, capacity_per_group: int) -> Routing:
 
 def dispatch_capacity(x_GSD: jax.Array, r: Routing, n_experts: int, cap: int) -> tuple[jax.Array, jax.Array]:
     """(``[G, E, C, D]`` the experts' input buffers, ``[G, S, k]`` each choice's slot in the
-    flattened ``E C`` buffer, or ``E C`` -- a zero row -- when dropped)."""
+    flattened ``E C`` buffer, or ``E C`` -- a zero row -- when dropped). Per group (a ``vmap``:
+    the scatter's batch dim lets the partitioner keep each group where it lies)."""
     G, S, D = x_GSD.shape
     slot = jnp.where(r.kept, r.experts * cap + r.position, n_experts * cap)
-    rows = jnp.broadcast_to(x_GSD[:, :, None, :], (G, S, slot.shape[-1], D))
-    g = jnp.broadcast_to(jnp.arange(G)[:, None, None], slot.shape)
-    buf = jnp.zeros((G, n_experts * cap + 1, D), x_GSD.dtype).at[g, slot].add(rows)
-    return buf[:, :-1].reshape(G, n_experts, cap, D), slot
+
+    def one(x_SD, slot_SK):
+        rows = jnp.broadcast_to(x_SD[:, None, :], (*slot_SK.shape, D))
+        return jnp.zeros((n_experts * cap + 1, D), x_SD.dtype).at[slot_SK].add(rows)[:-1]
+
+    return jax.vmap(one)(x_GSD, slot).reshape(G, n_experts, cap, D), slot
 
 
 def combine_capacity(y_GECD: jax.Array, slot: jax.Array, r: Routing) -> jax.Array:
     """Each token's output: its kept choices' expert outputs, scaled by their gates and summed
-    (a dropped choice's slot is the zero row)."""
+    (a dropped choice's slot is the zero row). Per group, as :func:`dispatch_capacity`."""
     G, E, C, D = y_GECD.shape
-    flat = jnp.concatenate([y_GECD.reshape(G, E * C, D), jnp.zeros((G, 1, D), y_GECD.dtype)], axis=1)
-    picked_GSKD = jnp.take_along_axis(flat, slot.reshape(G, -1)[..., None], axis=1).reshape(*slot.shape, D)
-    return jnp.einsum("gskd,gsk->gsd", picked_GSKD, r.gates.astype(y_GECD.dtype))
+
+    def one(y_ECD, slot_SK, gates_SK):
+        flat = jnp.concatenate([y_ECD.reshape(E * C, D), jnp.zeros((1, D), y_ECD.dtype)])
+        return jnp.einsum("skd,sk->sd", flat[slot_SK], gates_SK.astype(y_ECD.dtype))
+
+    return jax.vmap(one)(y_GECD, slot, r.gates)
 
 
 def dropless_order(r: Routing, n_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -106,57 +122,84 @@ def dropless_order(r: Routing, n_experts: int) -> tuple[jax.Array, jax.Array, ja
 
 class MoEFeedForward(nnx.Module):
     """E expert MLPs of the family's kind (GELU with biases, or SwiGLU), hidden size
-    ``moe_d_mlp`` (default ``d_mlp``), a float32 router, and optionally one shared expert that
+    ``moe_d_mlp`` (default ``d_mlp``), a float32 router, and optionally shared experts that
     every token passes through (DeepSeek). ``__call__`` returns the output and the routing's
     losses and dropped fraction."""
 
     def __init__(self, cfg, rngs: nnx.Rngs):
         E, D, F = cfg.moe_experts, cfg.d_model, cfg.moe_d_mlp or cfg.d_mlp
         std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        self.n_experts, self.k, self.factor = E, cfg.moe_top_k, cfg.moe_capacity_factor
+        self.cfg, self.n_experts, self.k = cfg, E, cfg.moe_top_k
         self.swiglu, self.use_bias = cfg.mlp is Mlp.SWIGLU, cfg.use_bias
         self.router = _param(rngs, (D, E), (Dim.EMBED, None), std)
-        self.w_in = _param(rngs, (E, D, F), (Dim.EXPERTS, Dim.EMBED, Dim.MLP), std)
+        axes = self.weight_axes
+        self.w_in = _param(rngs, (E, D, F), axes["w_in"], std)
         if self.swiglu:
-            self.w_gate = _param(rngs, (E, D, F), (Dim.EXPERTS, Dim.EMBED, Dim.MLP), std)
-        self.w_out = _param(rngs, (E, F, D), (Dim.EXPERTS, Dim.MLP, Dim.EMBED), out_std)
+            self.w_gate = _param(rngs, (E, D, F), axes["w_gate"], std)
+        self.w_out = _param(rngs, (E, F, D), axes["w_out"], out_std)
         if self.use_bias:
-            self.b_in = _const(0.0, (E, F), (Dim.EXPERTS, Dim.MLP))
-            self.b_out = _const(0.0, (E, D), (Dim.EXPERTS, Dim.EMBED))
-        self.shared = FeedForward(cfg, rngs) if cfg.moe_shared_expert else None
+            self.b_in = _const(0.0, (E, F), axes["b_in"])
+            self.b_out = _const(0.0, (E, D), axes["b_out"])
+        # Shared experts: one MLP as wide as all of them (their hidden units are independent).
+        self.shared = FeedForward(cfg, rngs, cfg.moe_shared_experts * F) if cfg.moe_shared_experts else None
 
-    def _hidden(self, h_in, h_gate, b_in):
-        if b_in is not None:
-            h_in = h_in + b_in
-        return jax.nn.silu(h_gate) * h_in if self.swiglu else jax.nn.gelu(h_in, approximate=True)
+    weight_axes = {"w_in": (Dim.EXPERTS, Dim.EMBED, Dim.MLP), "w_gate": (Dim.EXPERTS, Dim.EMBED, Dim.MLP),
+                   "w_out": (Dim.EXPERTS, Dim.MLP, Dim.EMBED), "b_in": (Dim.EXPERTS, Dim.MLP),
+                   "b_out": (Dim.EXPERTS, Dim.EMBED)}
+
+    def _weights(self) -> dict[str, jax.Array]:
+        names = ["w_in", "w_out"] + (["w_gate"] if self.swiglu else []) + (["b_in", "b_out"] if self.use_bias else [])
+        return {n: getattr(self, n)[...] for n in names}
+
+    def _experts(self, names: tuple[str, ...]):
+        """Every expert on its slots: ``[..., E, C, D]`` and the named weights (experts dim
+        first) to ``[..., E, C, D]``; ``reduce`` as ``parallel.experts.run_experts`` says."""
+
+        def fn(buf, *weights, reduce):
+            w = dict(zip(names, weights))
+            hidden = (None,) * (buf.ndim - 1) + (Dim.ACT_MLP,)  # split over tensor, as the dense MLP's
+            h = constrain(jnp.einsum("...ecd,edf->...ecf", buf, w["w_in"]), hidden)
+            if "b_in" in w:
+                h = h + w["b_in"][:, None, :]
+            if self.swiglu:
+                h = jax.nn.silu(constrain(jnp.einsum("...ecd,edf->...ecf", buf, w["w_gate"]), hidden)) * h
+            else:
+                h = jax.nn.gelu(h, approximate=True)
+            y = reduce(constrain(jnp.einsum("...ecf,efd->...ecd", h, w["w_out"]), (None,) * buf.ndim))
+            return y + w["b_out"][:, None, :] if "b_out" in w else y
+
+        return fn
 
     def __call__(self, x_BLD: jax.Array) -> tuple[jax.Array, Routing]:
         B, L, D = x_BLD.shape
         logits = jnp.einsum("bld,de->ble", x_BLD.astype(jnp.float32), self.router[...].astype(jnp.float32))
-        cap = capacity(L, self.k, self.n_experts, self.factor)
+        cap = self.cfg.moe_capacity(L)
         r = route(logits, self.k, cap)
-        w_gate = self.w_gate[...] if self.swiglu else None
-        b_in = self.b_in[...] if self.use_bias else None
-        b_out = self.b_out[...] if self.use_bias else None
-        if cap:
+        weights = self._weights()
+        if cap or expert_axes():
+            # Dropless with the experts split over devices: a capacity of S, the most an expert
+            # can get of a sequence, so nothing drops (the all-to-all needs fixed sizes).
+            cap = cap or L
             buf_BECD, slot = dispatch_capacity(x_BLD, r, self.n_experts, cap)
-            h = self._hidden(jnp.einsum("becd,edf->becf", buf_BECD, self.w_in[...]),
-                             None if w_gate is None else jnp.einsum("becd,edf->becf", buf_BECD, w_gate),
-                             None if b_in is None else b_in[None, :, None, :])
-            y_BECD = jnp.einsum("becf,efd->becd", h, self.w_out[...])
-            if b_out is not None:
-                y_BECD = y_BECD + b_out[None, :, None, :]
+            buf_BECD = constrain(buf_BECD, (Dim.BATCH, None, None, None))
+            y_BECD = run_experts(self._experts(tuple(weights)), buf_BECD, list(weights.values()),
+                                 [self.weight_axes[n] for n in weights])
+            y_BECD = constrain(y_BECD, (Dim.BATCH, None, None, None))
             y_BLD = combine_capacity(y_BECD, slot, r)
         else:
             token, inverse, sizes = dropless_order(r, self.n_experts)
             rows_TD = x_BLD.reshape(B * L, D)[token]
             expert_T = jnp.sort(r.experts.reshape(-1))
-            h = self._hidden(jax.lax.ragged_dot(rows_TD, self.w_in[...], sizes),
-                             None if w_gate is None else jax.lax.ragged_dot(rows_TD, w_gate, sizes),
-                             None if b_in is None else b_in[expert_T])
-            y_TD = jax.lax.ragged_dot(h, self.w_out[...], sizes)
-            if b_out is not None:
-                y_TD = y_TD + b_out[expert_T]
+            h = jax.lax.ragged_dot(rows_TD, weights["w_in"], sizes)
+            if self.use_bias:
+                h = h + weights["b_in"][expert_T]
+            if self.swiglu:
+                h = jax.nn.silu(jax.lax.ragged_dot(rows_TD, weights["w_gate"], sizes)) * h
+            else:
+                h = jax.nn.gelu(h, approximate=True)
+            y_TD = jax.lax.ragged_dot(h, weights["w_out"], sizes)
+            if self.use_bias:
+                y_TD = y_TD + weights["b_out"][expert_T]
             y_BLKD = y_TD[inverse].reshape(B, L, self.k, D)
             y_BLD = jnp.einsum("blkd,blk->bld", y_BLKD, r.gates.astype(y_TD.dtype))
         if self.shared is not None:

@@ -98,6 +98,37 @@ def llama_70b() -> ModelConfig:
                   rope_theta=500_000.0)
 
 
+def moe_tiny() -> ModelConfig:
+    """Llama family with an MoE layer in each of 2 layers: 8 SwiGLU experts of hidden size 64,
+    top-2 (for tests; 8 experts so that expert=8 splits them)."""
+    return tiny_llama().replace(name="moe-tiny", moe_experts=8, moe_top_k=2, moe_d_mlp=64)
+
+
+def moe_tiny_gpt2() -> ModelConfig:
+    """GPT-2 family, 4 layers, every 2nd an MoE layer of 8 GELU experts (hidden 64, biased), top-1
+    (the Switch gate; for tests of the layer groups and the hard gate)."""
+    return _gpt2("moe-tiny-gpt2", 4, 64, 8, vocab_size=256, max_seq_len=256).replace(
+        moe_experts=8, moe_top_k=1, moe_every=2, moe_d_mlp=64)
+
+
+def mixtral_8x7b() -> ModelConfig:
+    """Mixtral-8x7B shape (Jiang et al. 2024): 32 layers, d 4096, 32 heads / 8 kv, every FFN 8
+    SwiGLU experts of 14336, top-2, vocab 32000; 46,702,792,704 params, 12,879,925,248 active
+    (published: 46.7B and 12.9B). Counted from shapes, never allocated."""
+    return _llama("mixtral-8x7b", 32, 4096, 32, 8, 14336, vocab_size=32000, max_seq_len=32768,
+                  rope_theta=1e6).replace(moe_experts=8, moe_top_k=2, moe_capacity_factor=0.0)
+
+
+def deepseek_moe_16b() -> ModelConfig:
+    """DeepSeekMoE-16B shape (Dai et al. 2024), fine-grained experts: 28 layers, d 2048, 16
+    heads, the first layer a dense SwiGLU of 10944, the other 27 MoE layers of 64 routed experts
+    of 1408 (top-6) and 2 shared ones, vocab 102400; 16,375,728,128 params, 2,828,650,496
+    active (published: 16.4B and 2.8B)."""
+    return _llama("deepseek-moe-16b", 28, 2048, 16, 16, 10944, vocab_size=102400, max_seq_len=4096).replace(
+        moe_experts=64, moe_top_k=6, moe_d_mlp=1408, moe_shared_experts=2, moe_first_dense=1,
+        moe_capacity_factor=0.0, norm_eps=1e-6)
+
+
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "tiny": tiny,
     "tiny-llama": tiny_llama,
@@ -111,6 +142,10 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "llama-7b": llama_7b,
     "llama-8b": llama_8b,
     "llama-70b": llama_70b,
+    "moe-tiny": moe_tiny,
+    "moe-tiny-gpt2": moe_tiny_gpt2,
+    "mixtral-8x7b": mixtral_8x7b,
+    "deepseek-moe-16b": deepseek_moe_16b,
 }
 
 

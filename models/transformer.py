@@ -2,8 +2,10 @@
 
 Params are a plain nested dict of arrays (easy to shard, checkpoint and hand to optax):
 the :class:`~models.layers.Embedder`'s params at the top level, and ``blocks`` holding every
-layer's :class:`~models.layers.Block` params stacked on a leading ``layers`` dim. The layers
-run in a ``lax.scan`` so compile time does not grow with depth. The pieces a pipeline needs --
+layer's :class:`~models.layers.Block` params stacked on a leading ``layers`` dim. An MoE model
+keeps its MoE layers' params apart, stacked in ``moe_blocks`` (``blocks`` then holds the dense
+ones, if any). The layers run in a ``lax.scan`` so compile time does not grow with depth; with
+MoE layers every ``moe_every``-th, the scan steps over groups of ``moe_every`` layers. The pieces a pipeline needs --
 :meth:`embed`, :meth:`block` (one layer's params) and :meth:`head` / :meth:`loss` -- are
 public, and the remat policy is a parameter of the scan.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +28,27 @@ from jaxshard.parallel.vocab import cross_entropy, table_copies
 from jaxshard.rules import active, constrain, for_compute
 from models.config import ModelConfig, Positions
 from models.layers import Block, Embedder, dropout, microbatch_rows, rope_tables
+from models.moe import MoEFeedForward
 
 Params = dict[str, Any]
 BLOCKS = "blocks"
+MOE_BLOCKS = "moe_blocks"
+STACKS = (BLOCKS, MOE_BLOCKS)
+
+
+class Loss(NamedTuple):
+    """A batch's loss as sums over its tokens: callers divide each by ``tokens`` once globally,
+    so microbatches and shards add up to the full-batch means exactly."""
+
+    total: jax.Array  # what is differentiated: nll + tokens x the weighted auxiliary losses
+    tokens: jax.Array
+    nll: jax.Array  # the token cross-entropies' sum
+    # MoE models: tokens x each routing statistic, averaged over the MoE layers (Routing's
+    # load balance, z-loss and dropped fraction); empty for a dense model.
+    moe: dict[str, jax.Array]
+
+
+MOE_METRICS = ("moe_load_balance", "moe_z_loss", "moe_dropped")
 
 
 def _logical_axes(state: nnx.State) -> dict:
@@ -50,6 +70,12 @@ class TransformerLM:
         self._block_def, blk = nnx.split(nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0))), nnx.Param)
         self.embedder_axes = _logical_axes(emb)
         self.block_axes = _logical_axes(blk)
+        self.moe_layers = tuple(i for i in range(cfg.n_layers) if cfg.is_moe_layer(i))
+        self.dense_layers = tuple(i for i in range(cfg.n_layers) if not cfg.is_moe_layer(i))
+        if self.moe_layers:
+            self._moe_def, moe = nnx.split(
+                nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0), MoEFeedForward)), nnx.Param)
+            self.moe_block_axes = _logical_axes(moe)
 
     def staged(self, layout: pipeline.StageLayout) -> "TransformerLM":
         """This model with its layer stack stored as ``layout`` says (a pipeline's chunks):
@@ -86,18 +112,26 @@ class TransformerLM:
     def _init(self, key: jax.Array) -> Params:
         k_emb, k_blocks = jax.random.split(key)
 
-        def block_params(k):
-            return nnx.to_pure_dict(nnx.state(Block(self.cfg, nnx.Rngs(k)), nnx.Param))
+        def block_params(ffn):
+            return lambda k: nnx.to_pure_dict(nnx.state(Block(self.cfg, nnx.Rngs(k), ffn), nnx.Param))
 
         params = nnx.to_pure_dict(nnx.state(Embedder(self.cfg, nnx.Rngs(k_emb)), nnx.Param))
-        params[BLOCKS] = jax.vmap(block_params)(jax.random.split(k_blocks, self.cfg.n_layers))
+        keys = jax.random.split(k_blocks, self.cfg.n_layers)  # layer i's, whatever its kind
+        if self.dense_layers:
+            params[BLOCKS] = jax.vmap(block_params(None))(keys[jnp.array(self.dense_layers)])
+        if self.moe_layers:
+            params[MOE_BLOCKS] = jax.vmap(block_params(MoEFeedForward))(keys[jnp.array(self.moe_layers)])
         return params
 
     def param_axes(self) -> dict:
         """Logical dims of every param, a dict of the same structure as the params."""
         axes = dict(self.embedder_axes)
-        axes[BLOCKS] = jax.tree.map(lambda ax: (Dim.LAYERS, *ax), self.block_axes,
-                                    is_leaf=lambda x: isinstance(x, tuple))
+        stacked = lambda tree: jax.tree.map(lambda ax: (Dim.LAYERS, *ax), tree,  # noqa: E731
+                                            is_leaf=lambda x: isinstance(x, tuple))
+        if self.dense_layers:
+            axes[BLOCKS] = stacked(self.block_axes)
+        if self.moe_layers:
+            axes[MOE_BLOCKS] = stacked(self.moe_block_axes)
         return axes
 
     def abstract_params(self) -> Params:
@@ -112,9 +146,19 @@ class TransformerLM:
         shapes = jax.eval_shape(self._init, jax.random.key(0)) if self._stored() else self.abstract_params()
         return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
 
+    def n_active_params(self) -> int:
+        """Params one token passes through: all but the experts its router does not pick (k of
+        E per MoE layer), counted from shapes. Equal to :meth:`n_params` for a dense model."""
+        if not self.moe_layers:
+            return self.n_params()
+        E, k = self.cfg.moe_experts, self.cfg.moe_top_k
+        shapes, axes = self.abstract_params(), self.param_axes()
+        flat = zip(jax.tree.leaves(shapes), jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple)))
+        return sum(math.prod(x.shape) * (k if Dim.EXPERTS in ax else E) // E for x, ax in flat)
+
     # ---- pieces ---------------------------------------------------------------------------
     def _embedder(self, params: Params) -> Embedder:
-        outer = {k: v for k, v in params.items() if k != BLOCKS}
+        outer = {k: v for k, v in params.items() if k not in STACKS}
         return nnx.merge(self._embedder_def, for_compute(outer, self.embedder_axes))
 
     def embed(self, params: Params, tokens_BL: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
@@ -144,14 +188,49 @@ class TransformerLM:
                                 unroll=self.unroll)
         return x_BLD
 
+    def moe_block(self, layer_params: Params, x_BLD: jax.Array, *,
+                  key: jax.Array | None = None) -> tuple[jax.Array, Any]:
+        """One MoE layer, given its (unstacked) params: (output, its ``models.moe.Routing``)."""
+        block = nnx.merge(self._moe_def, for_compute(layer_params, self.moe_block_axes))
+        return block(x_BLD, self._rope(x_BLD.shape[1]), key)
+
+    def moe_stack(self, params: Params, x_BLD: jax.Array, *,
+                  key: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+        """All layers of an MoE model: the first dense ones in a scan, then a scan over groups
+        of ``moe_every`` layers, the last of each an MoE layer (dropout keys as :meth:`blocks`
+        splits them, one per layer in model order). Returns the output and the MoE layers'
+        (load balance, z-loss, dropped fraction), each ``[n_moe_layers]``."""
+        cfg = self.cfg
+        keys = None if key is None else jax.random.split(key, cfg.n_layers)
+        first, every, groups = cfg.moe_first_dense, cfg.moe_every, cfg.n_moe_layers
+        dense = params.get(BLOCKS)
+        if first:
+            x_BLD = self.blocks({BLOCKS: jax.tree.map(lambda p: p[:first], dense)}, x_BLD,
+                                layer_keys=None if keys is None else keys[:first])
+        in_groups = None if every == 1 else jax.tree.map(
+            lambda p: p[first:].reshape(groups, every - 1, *p.shape[1:]), dense)
+        group_keys = None if keys is None else keys[first:].reshape(groups, every)
+
+        def group(x, xs):
+            dense_g, moe_g, keys_g = xs
+            for j in range(every - 1):
+                x = self.block(jax.tree.map(lambda p: p[j], dense_g), x,
+                               key=None if keys_g is None else keys_g[j])
+            x, r = self.moe_block(moe_g, x, key=None if keys_g is None else keys_g[-1])
+            return x, (r.load_balance, r.z_loss, r.dropped)
+
+        return jax.lax.scan(remat_lib.apply(group, self.remat), x_BLD,
+                            (in_groups, params[MOE_BLOCKS], group_keys), unroll=self.unroll)
+
     def head(self, params: Params, x_BLD: jax.Array) -> jax.Array:
         """Float32 logits ``[B, L, V]``."""
         return self._embedder(params).decode(x_BLD)
 
     def loss(self, params: Params, inputs_BL: jax.Array, targets_BL: jax.Array, *,
-             key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        """(sum of token cross-entropies, number of tokens): callers divide once globally, so
-        microbatches and shards add up to the full-batch mean exactly."""
+             key: jax.Array | None = None) -> Loss:
+        """The batch's :class:`Loss`. An MoE model's total adds, per token, ``moe_aux_coef``
+        times the load-balancing loss and ``moe_z_coef`` times the router z-loss, each the mean
+        over its MoE layers."""
         self._check_seq_len(inputs_BL)
         params = self.model_order(params)
         k_embed, k_blocks = jax.random.split(key) if key is not None else (None, None)
@@ -161,16 +240,26 @@ class TransformerLM:
         table = table_copies(embedder.tokens[...], embedder.tied)
         x_BLD = dropout(embedder.encode(inputs_BL, jnp.arange(inputs_BL.shape[1]), table),
                         self.cfg.dropout, k_embed)
-        x_BLD = self.blocks(params, x_BLD, key=k_blocks)
+        stats = ()
+        if self.moe_layers:
+            x_BLD, stats = self.moe_stack(params, x_BLD, key=k_blocks)
+        else:
+            x_BLD = self.blocks(params, x_BLD, key=k_blocks)
         logits_BLV = embedder.decode(x_BLD, table)
         nll_BL = cross_entropy(logits_BLV, targets_BL, self.cfg.vocab_size)
-        return nll_BL.sum(), jnp.asarray(nll_BL.size, jnp.float32)
+        nll, tokens = nll_BL.sum(), jnp.asarray(nll_BL.size, jnp.float32)
+        moe = {name: tokens * jnp.mean(s) for name, s in zip(MOE_METRICS, stats)}
+        total = nll
+        if moe:
+            total = nll + (self.cfg.moe_aux_coef * moe["moe_load_balance"]
+                           + self.cfg.moe_z_coef * moe["moe_z_loss"])
+        return Loss(total, tokens, nll, moe)
 
     def pipeline_grads(self, params: Params, inputs_BL: jax.Array, targets_BL: jax.Array,
                        schedule: pipeline.Schedule, *, key: jax.Array | None = None,
                        seed: jax.Array | float = 1.0,
-                       cast: Callable[[Any], Any] = lambda p: p) -> tuple[jax.Array, jax.Array, Params]:
-        """(loss sum, tokens, gradients of ``seed`` x the loss sum) with the layer stack split
+                       cast: Callable[[Any], Any] = lambda p: p) -> tuple[Loss, Params]:
+        """(the :class:`Loss`, gradients of ``seed`` x its total) with the layer stack split
         into pipeline stages over ``stage`` as the model's :meth:`staged` layout says (the
         schedule's) and run by ``schedule``. Microbatch ``i`` is rows
         ``i, i + M, ...`` of the batch, so each stays spread over the batch shards; dropout
@@ -178,15 +267,19 @@ class TransformerLM:
         used (the compute dtype)."""
         loss, d_stack, d_outer = self._pipeline(params, inputs_BL, targets_BL, schedule, key, cast,
                                                 seed=seed, train=True)
-        return loss, jnp.asarray(inputs_BL.size, jnp.float32), {**d_outer, BLOCKS: d_stack}
+        return self._dense_loss(loss, inputs_BL), {**d_outer, BLOCKS: d_stack}
 
     def pipeline_loss(self, params: Params, inputs_BL: jax.Array, targets_BL: jax.Array,
                       schedule: pipeline.Schedule, *,
-                      cast: Callable[[Any], Any] = lambda p: p) -> tuple[jax.Array, jax.Array]:
-        """(loss sum, tokens) as :meth:`loss` gives them, each stage running its own layers in
+                      cast: Callable[[Any], Any] = lambda p: p) -> Loss:
+        """The :class:`Loss` as :meth:`loss` gives it, each stage running its own layers in
         the pipeline's forward slots (no stage gathers another's layers)."""
-        loss = self._pipeline(params, inputs_BL, targets_BL, schedule, None, cast, train=False)
-        return loss, jnp.asarray(inputs_BL.size, jnp.float32)
+        return self._dense_loss(self._pipeline(params, inputs_BL, targets_BL, schedule, None, cast,
+                                               train=False), inputs_BL)
+
+    @staticmethod
+    def _dense_loss(nll: jax.Array, inputs_BL: jax.Array) -> Loss:
+        return Loss(nll, jnp.asarray(inputs_BL.size, jnp.float32), nll, {})
 
     def _pipeline(self, params, inputs_BL, targets_BL, schedule, key, cast, **run):
         self._check_seq_len(inputs_BL)
@@ -226,7 +319,7 @@ class TransformerLM:
 
         # A learned position table enters as its first L rows, the only ones with a gradient:
         # the executor accumulates and reduces those, not the whole table.
-        outer = {k: v for k, v in params.items() if k != BLOCKS}
+        outer = {k: v for k, v in params.items() if k not in STACKS}
         table = outer.get("positions")
         if table is not None:  # (in the table's own layout: a slice needs no communication)
             spec = rules.param_spec(self.embedder_axes["positions"], table.shape)

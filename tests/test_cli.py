@@ -171,8 +171,16 @@ def test_microbatch_not_divisible_by_batch_axes():
      "--pipeline-schedule must be one of naive, gpipe, 1f1b, interleaved, got 'zb'"),
     (["--mesh", "data=8", "--pipeline-schedule", "gpipe"], "--pipeline-schedule needs a stage axis"),
     (["--mesh", "data=8", "--measure-bubble"], "--measure-bubble needs a stage axis (a pipeline) in --mesh"),
-    (["--mesh", "expert=2,fsdp=4"], "--mesh expert=2: expert parallelism (the expert axis) is not "
-                                    "implemented yet"),
+    (["--mesh", "expert=2,fsdp=4"], "--mesh expert=2 splits the experts of MoE layers, and this model "
+                                    "has none (add --moe-experts E)"),
+    (["--model", "moe-tiny", "--mesh", "expert=8", "--moe-experts", "4"], "experts (4) is not divisible by expert=8"),
+    (["--model", "moe-tiny", "--mesh", "data=8", "--moe-top-k", "9"],
+     "--moe-top-k must be between 1 and the experts (8), got 9"),
+    (["--mesh", "data=8", "--moe-top-k", "2"], "--moe-top-k: model tiny has no MoE layers; add --moe-experts E"),
+    (["--model", "moe-tiny", "--mesh", "stage=2,expert=4"],
+     "MoE layers (--moe-experts) with a stage axis are not implemented yet"),
+    (["--model", "moe-tiny", "--mesh", "expert=4,tensor=2", "--sequence-parallel"],
+     "MoE layers with sequence or context parallelism are not implemented yet"),
 ])
 def test_model_parallel_input_errors(flags, message):
     assert_one_line_error(train(*flags, "--cpu-devices", "8"), message)

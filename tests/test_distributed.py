@@ -105,22 +105,35 @@ def test_resume_on_another_mesh_continues_exactly(tmp_path, uninterrupted, mesh,
     assert_close(got, want, range(6, 11))
 
 
-def test_a_pipeline_checkpoint_resumes_without_stages(tmp_path):
-    """Saved on data=2,stage=2,tensor=2 (each device holding half the layer stack), resumed on
-    fsdp=8 and on one device: the next losses are the uninterrupted pipeline run's."""
-    r = run(["--mesh", "data=2,stage=2,tensor=2", "--steps", "6", "--save-every", "3", "--keep", "3",
-             "--checkpoint-dir", str(tmp_path / "ck"), "--metrics", str(tmp_path / "pp.jsonl")])
+def assert_resumes_elsewhere(tmp_path, flags, saved_on, meshes):
+    """Six steps on ``saved_on`` with a checkpoint at 3 and 6; from step 3 on each of
+    ``meshes`` ((mesh, devices) pairs), the next losses are the uninterrupted run's."""
+    r = run([*flags, "--mesh", saved_on, "--steps", "6", "--save-every", "3", "--keep", "3",
+             "--checkpoint-dir", str(tmp_path / "ck"), "--metrics", str(tmp_path / "saved.jsonl")])
     assert r.returncode == 0, r.stderr
-    want = losses(tmp_path / "pp.jsonl")
+    want = losses(tmp_path / "saved.jsonl")
     shutil.rmtree(tmp_path / "ck" / "6")  # resume from step 3
-    for mesh, devices in (("fsdp=8", 8), ("data=1", 1)):
+    for mesh, devices in meshes:
         ck = tmp_path / mesh
         shutil.copytree(tmp_path / "ck", ck)
-        r = run(["--mesh", mesh, "--steps", "6", "--checkpoint-dir", str(ck), "--resume",
+        r = run([*flags, "--mesh", mesh, "--steps", "6", "--checkpoint-dir", str(ck), "--resume",
                  "--metrics", str(tmp_path / f"{mesh}.jsonl")], devices=devices)
         assert r.returncode == 0, r.stderr
         assert "resumed from" in r.stdout
         assert_close(losses(tmp_path / f"{mesh}.jsonl"), want, range(4, 7))
+
+
+def test_a_pipeline_checkpoint_resumes_without_stages(tmp_path):
+    """Saved on data=2,stage=2,tensor=2 (each device holding half the layer stack), resumed on
+    fsdp=8 and on one device."""
+    assert_resumes_elsewhere(tmp_path, [], "data=2,stage=2,tensor=2", [("fsdp=8", 8), ("data=1", 1)])
+
+
+def test_an_expert_parallel_checkpoint_resumes_on_other_meshes(tmp_path):
+    """Saved on expert=4,data=2 (each device holding a quarter of the experts), resumed on
+    expert=2,data=4 and on one device (a capacity of S slots per sequence: nothing drops)."""
+    assert_resumes_elsewhere(tmp_path, ["--model", "moe-tiny", "--moe-capacity-factor", "4"], "expert=4,data=2",
+                             [("expert=2,data=4", 8), ("data=1", 1)])
 
 
 def test_a_checkpoint_keeps_the_layer_order_whatever_the_stage_layout(tmp_path):

@@ -15,7 +15,7 @@ from flax import nnx
 
 from jaxshard.errors import ConfigError
 from models import get_preset
-from models.moe import MoEFeedForward, capacity, route
+from models.moe import MoEFeedForward, route
 
 
 def moe_cfg(family="tiny-llama", experts=4, k=2, factor=1.25, **kw):
@@ -35,6 +35,11 @@ def queues(probs, k, cap):
                 kept[g, s, c] = cap == 0 or load[e] < cap
                 load[e] += 1
     return experts, kept
+
+
+def capacity(group, k, experts, factor):
+    """GShard's expert capacity, restated: ceil(c k S / E) choices per group (0: dropless)."""
+    return 0 if factor == 0 else max(1, math.ceil(factor * k * group / experts))
 
 
 def softmax(x):
@@ -73,7 +78,7 @@ def reference(layer, x, kept_only=True):
     B, L, D = x64.shape
     logits = x64 @ params["router"]
     probs = softmax(logits)
-    cap = capacity(L, layer.k, layer.n_experts, layer.factor)
+    cap = capacity(L, layer.k, layer.n_experts, layer.cfg.moe_capacity_factor)
     experts, kept = queues(probs.astype(np.float32), layer.k, cap)
     top = np.take_along_axis(probs, experts, -1)
     gates = top if layer.k == 1 else top / top.sum(-1, keepdims=True)
@@ -138,7 +143,7 @@ def test_dropless_equals_a_capacity_that_drops_nothing_with_gradients(k):
 
 
 def test_shared_expert_adds_a_dense_mlp():
-    cfg = moe_cfg("tiny-llama", factor=0.0, moe_shared_expert=True)
+    cfg = moe_cfg("tiny-llama", factor=0.0, moe_shared_experts=1)
     layer = MoEFeedForward(cfg, nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(3), (1, 8, cfg.d_model))
     y, _ = layer(x)

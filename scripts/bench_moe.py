@@ -1,0 +1,137 @@
+"""MoE benchmark: a dense model of the same active size vs MoE with and without expert
+parallelism, dropping vs dropless.
+
+    python scripts/bench_moe.py                  # ~3 minutes on 2 CPU cores
+    python scripts/bench_moe.py --rounds 1 --steps 3 --out /tmp/moe
+
+Configurations, all on 8 fake CPU devices with the same global batch (interleaved: every
+configuration runs once per round, --rounds rounds; the table gives the median of all timed
+steps and the spread of the rounds' medians):
+
+* ``dense``: ``moe-tiny`` without experts, its MLP as wide as the k experts a token uses
+  (the same active params and matmul FLOPs per token), ``data=8``;
+* ``moe`` on ``data=8``: every device holds all experts (no expert parallelism);
+* ``moe`` on ``expert=8`` and ``data=2,expert=4``: experts split, tokens moved by all-to-all;
+
+each MoE configuration with a capacity factor (``--capacity``, tokens beyond it dropped) and
+dropless (factor 0: ``jax.lax.ragged_dot`` grouped matmuls on one device's experts; with the
+experts split, a capacity of S per sequence, which drops nothing). Besides step time and
+tokens/s: params + optimizer bytes per device and the compiled all-to-all bytes per step with
+the accounting's prediction. Writes moe.json and moe.md to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[0] = ROOT
+sys.path.insert(1, os.path.join(ROOT, "scripts"))
+
+from jaxshard import runtime  # noqa: E402
+
+MESHES = ("data=8", "expert=8", "data=2,expert=4")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="moe-tiny", help="an MoE preset")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--capacity", type=float, default=1.25, help="the dropping runs' capacity factor")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per configuration per round")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds over all configurations")
+    p.add_argument("--out", default="runs/bench-moe")
+    return p
+
+
+def configurations(name: str, capacity: float) -> list[tuple[str, object, str]]:
+    """(label, model, mesh) of every run."""
+    from jaxshard.errors import ConfigError
+    from models import TransformerLM, get_preset
+
+    cfg = get_preset(name)
+    if not cfg.moe_experts:
+        raise ConfigError(f"--model {name} has no MoE layers")
+    d_mlp = cfg.moe_top_k * (cfg.moe_d_mlp or cfg.d_mlp) + cfg.moe_shared_experts * (cfg.moe_d_mlp or cfg.d_mlp)
+    dense = cfg.replace(name=f"{name} dense", moe_experts=0, d_mlp=d_mlp)
+    runs = [(f"dense (d_mlp {d_mlp})", TransformerLM(dense), "data=8")]
+    for factor, what in ((capacity, f"capacity {capacity:g}"), (0.0, "dropless")):
+        model = TransformerLM(cfg.replace(moe_capacity_factor=factor))
+        runs += [(f"moe, {what}", model, mesh) for mesh in MESHES]
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    from jaxshard.cli import one_line_errors
+    from jaxshard.errors import ConfigError
+
+    with one_line_errors():
+        if min(a.steps, a.rounds) < 1:
+            raise ConfigError("--steps and --rounds must be >= 1")
+        runtime.configure(runtime.RuntimeConfig(cpu_devices=8))
+        import jax
+        from tqdm import tqdm
+
+        from bench import bench_one, rules_for
+
+        from jaxshard import accounting
+
+        runs = configurations(a.model, a.capacity)
+        for _, model, mesh in runs:  # every configuration can run, before any does
+            rules_for(model, mesh, 0, False, a.batch_size, a.seq_len)
+        os.makedirs(a.out, exist_ok=True)
+        rounds: list[list[dict]] = [[] for _ in runs]
+        t0 = time.perf_counter()
+        with tqdm(total=len(runs) * a.rounds, desc="bench-moe", unit="run", file=sys.stderr) as bar:
+            for _ in range(a.rounds):
+                for i, (label, model, mesh) in enumerate(runs):
+                    bar.set_postfix(run=label, mesh=mesh)
+                    rounds[i].append(bench_one(model, mesh, 0, False, a.batch_size, a.seq_len, a.warmup, a.steps))
+                    bar.update()
+        results = []
+        for (label, model, mesh), rs in zip(runs, rounds):
+            medians = [r["step_s"]["median"] for r in rs]
+            a2a = [c for c in rs[0]["collectives"] if c["kind"] == "all-to-all"]
+            predicted = accounting.communication(model, rules_for(model, mesh, 0, False, a.batch_size, a.seq_len),
+                                                 a.batch_size, a.seq_len).by_kind().get("all-to-all", 0)
+            results.append({
+                "run": label, "mesh": mesh, "params": model.n_params(), "active_params": model.n_active_params(),
+                "step_s_median": statistics.median(medians), "step_s_rounds": medians,
+                "tokens_per_s": a.batch_size * a.seq_len / statistics.median(medians),
+                "params_opt_bytes_per_device": rs[0]["per_device_bytes"]["params"] + rs[0]["per_device_bytes"]["opt_state"],
+                "all_to_all_bytes": sum(c["bytes"] for c in a2a), "all_to_all_bytes_predicted": predicted,
+                "final_loss": rs[-1]["final_loss"]})
+        meta = {"backend": jax.default_backend(), "devices": jax.device_count(), "cpu_count": os.cpu_count(),
+                "jax": jax.__version__, "model": a.model, "batch_size": a.batch_size, "seq_len": a.seq_len,
+                "timed_steps": a.steps, "rounds": a.rounds, "wall_s": time.perf_counter() - t0}
+        with open(os.path.join(a.out, "moe.json"), "w") as f:
+            json.dump({"meta": meta, "runs": results}, f, indent=1)
+        lines = ["| run | mesh | params (active) | step ms (median; rounds) | tokens/s | params + opt "
+                 "KiB/device | all-to-all KiB/step (compiled / predicted) |", "|" + "---|" * 7]
+        for r in results:
+            rounds_ms = ", ".join(f"{m * 1e3:.0f}" for m in r["step_s_rounds"])
+            lines.append(f"| {r['run']} | `{r['mesh']}` | {r['params']:,} ({r['active_params']:,}) | "
+                         f"{r['step_s_median'] * 1e3:.0f}; {rounds_ms} | {r['tokens_per_s']:,.0f} | "
+                         f"{r['params_opt_bytes_per_device'] / 1024:,.0f} | {r['all_to_all_bytes'] / 1024:,.0f} / "
+                         f"{r['all_to_all_bytes_predicted'] / 1024:,.0f} |")
+        md = "\n".join(lines)
+        with open(os.path.join(a.out, "moe.md"), "w") as f:
+            f.write(f"Measured on {meta['devices']} {meta['backend']} devices ({meta['cpu_count']} cores), jax "
+                    f"{meta['jax']}, {a.model}, global batch {a.batch_size} x {a.seq_len}, {a.rounds} interleaved "
+                    f"rounds of {a.steps} timed steps.\n\n{md}\n")
+        print(md)
+        print(f"\nwrote {a.out}/moe.json, moe.md in {meta['wall_s']:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
