@@ -74,10 +74,11 @@ class Plan:
 
     @property
     def complexity(self) -> int:
-        """Fewer kinds of sharding first: DDP < ZeRO < FSDP < HSDP < + TP < + SP, + remat."""
+        """Fewer kinds of sharding first: DDP < ZeRO < FSDP < HSDP < + EP < + TP < + SP, + remat."""
         data, fsdp, tensor = (self.mesh.get(a, 1) for a in ("data", "fsdp", "tensor"))
         rank = self.strategy.zero + (4 if fsdp > 1 else 0) + (1 if data > 1 and fsdp > 1 else 0)
         rank += (6 if tensor > 1 else 0) + (1 if self.strategy.sequence_parallel else 0)
+        rank += 3 if self.mesh.get("expert", 1) > 1 else 0
         rank += 8 if self.microbatches else 0
         return 2 * rank + (self.remat != Remat.NONE) + (self.grad_accum > 1)
 
@@ -117,13 +118,13 @@ def candidates(model: Any, devices: int, per_host: int,
     recomputing), and with each stage count that divides the layers evenly, outermost."""
     out = []
     for mesh, strategy, remat in _splits(model, devices, per_host, batch_size):
-        shards = mesh["data"] * mesh["fsdp"]
+        shards = mesh["data"] * mesh["fsdp"] * mesh.get("expert", 1)
         for accum in (1, 2, 4, 8) if remat == Remat.NONE else (1,):
             if batch_size % accum == 0 and (batch_size // accum) % shards == 0:
                 out.append((mesh, strategy, remat, None, accum))
     for stages in _divisors(devices):
-        if stages == 1 or model.cfg.n_layers % stages:
-            continue
+        if stages == 1 or model.cfg.n_layers % stages or getattr(model, "moe_layers", ()):
+            continue  # (MoE layers do not run in pipelines yet)
         for mesh, strategy, remat in _splits(model, devices // stages, per_host, batch_size):
             if strategy.zero > 1 or remat != Remat.NONE:
                 continue  # the pipeline keeps few microbatches; ZeRO-2/3 within stages: FSDP's
@@ -135,25 +136,33 @@ def candidates(model: Any, devices: int, per_host: int,
 
 
 def _splits(model: Any, devices: int, per_host: int, batch_size: int) -> list[tuple[dict, Strategy, Remat]]:
+    """Meshes over data, fsdp, expert (an MoE model's; it splits the batch too) and tensor."""
     out = []
     cfg = model.cfg
+    moe = bool(getattr(model, "moe_layers", ()))
     for tensor in _divisors(min(devices, per_host)):
         if cfg.n_heads % tensor or cfg.d_mlp % tensor or cfg.padded_vocab % tensor:
             continue
+        if moe and (cfg.moe_d_mlp or cfg.d_mlp) % tensor:
+            continue
         if tensor > 1 and cfg.n_kv_heads % tensor and tensor % cfg.n_kv_heads:
             continue
-        rest = devices // tensor
-        for data in _divisors(rest):
-            fsdp = rest // data
-            if batch_size % (data * fsdp):
+        for expert in _divisors(devices // tensor) if moe else (1,):
+            if moe and cfg.moe_experts % expert:
                 continue
-            orders = [("data", "fsdp")] if data == 1 or fsdp == 1 else [("data", "fsdp"), ("fsdp", "data")]
-            zeros = (0, 1, 2, 3) if data > 1 and fsdp == 1 else (0, 1) if data > 1 else (0,)
-            for order, zero, sp, remat in itertools.product(
-                    orders, zeros, (False, True) if tensor > 1 else (False,), (Remat.NONE, Remat.FULL)):
-                sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
-                mesh = {a: sizes[a] for a in (*order, "tensor")}
-                out.append((mesh, Strategy(zero=zero, sequence_parallel=sp), remat))
+            rest = devices // tensor // expert
+            for data in _divisors(rest):
+                fsdp = rest // data
+                if batch_size % (data * fsdp * expert):
+                    continue
+                orders = [("data", "fsdp")] if data == 1 or fsdp == 1 else [("data", "fsdp"), ("fsdp", "data")]
+                zeros = (0, 1, 2, 3) if data > 1 and fsdp == 1 else (0, 1) if data > 1 else (0,)
+                # (MoE layers do not run under sequence parallelism yet.)
+                sps = (False, True) if tensor > 1 and not moe else (False,)
+                for order, zero, sp, remat in itertools.product(orders, zeros, sps, (Remat.NONE, Remat.FULL)):
+                    sizes = {"data": data, "fsdp": fsdp, "expert": expert, "tensor": tensor}
+                    mesh = {a: sizes[a] for a in (*order, *(("expert",) if moe else ()), "tensor")}
+                    out.append((mesh, Strategy(zero=zero, sequence_parallel=sp), remat))
     return out
 
 
@@ -237,7 +246,9 @@ def explain(model: Any, plans: list[Plan], device: Device, hosts: int, compute_d
     n = model.n_params()
     state = 16 * n  # float32 params, gradients and two Adam moments per parameter
     c = accounting.dtype_bytes(compute_dtype)
-    layer = c * sum(math.prod(x.shape[1:]) for x in jax.tree.leaves(model.abstract_params()["blocks"]))
+    params = model.abstract_params()
+    layer = c * max(sum(math.prod(x.shape[1:]) for x in jax.tree.leaves(params[stack]))  # the largest kind
+                    for stack in ("blocks", "moe_blocks") if stack in params)
     lines = [f"Model state: {n:,} params x 16 B (float32 params, grads, Adam m and v) = "
              f"{state / GB:,.1f} GB; the classic mixed-precision count 2+2+12 B gives the same 16 B."]
     if state <= 0.9 * device.memory:

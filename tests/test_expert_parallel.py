@@ -28,6 +28,7 @@ FAMILIES = {"moe-tiny": 2, "moe-tiny-gpt2": 1}  # preset: top-k
 
 
 def moe_model(name, factor, **changes):
+    """``factor``: a capacity factor, or "no-drop" for E / k."""
     cfg = get_preset(name)
     if factor == "no-drop":  # the most an expert can get of a sequence: nothing drops
         factor = cfg.moe_experts / cfg.moe_top_k
@@ -37,11 +38,12 @@ def moe_model(name, factor, **changes):
 _REFERENCE = {}
 
 
-def reference(name, factor):
-    if (name, factor) not in _REFERENCE:
-        losses, state, program = train(moe_model(name, factor), "data=1")
-        _REFERENCE[name, factor] = losses, jax.tree.map(np.asarray, state.params), program
-    return _REFERENCE[name, factor]
+def reference(name, factor, k=None):
+    """The one-device run (``k``: another top-k than the preset's)."""
+    if (name, factor, k) not in _REFERENCE:
+        losses, state, program = train(moe_model(name, factor, **({} if k is None else {"moe_top_k": k})), "data=1")
+        _REFERENCE[name, factor, k] = losses, jax.tree.map(np.asarray, state.params), program
+    return _REFERENCE[name, factor, k]
 
 
 @pytest.mark.parametrize("factor", ["no-drop", 0.0])
@@ -59,6 +61,17 @@ def test_expert_parallel_matches_one_device(name, mesh, factor):
     shards = program.rules.size(program.rules.active_axes(("expert", "fsdp", "tensor")))
     assert w.addressable_shards[0].data.size * shards == w.size
     assert w.addressable_shards[0].data.shape[1] == w.shape[1] // program.rules.sizes["expert"]
+
+
+@pytest.mark.parametrize("mesh", ["expert=8", "fsdp=2,expert=2,tensor=2"])
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_the_other_gate_of_each_family_matches_one_device(name, mesh):
+    """Llama with the hard (top-1) gate, GPT-2 with the sparse (top-2) one, dropless."""
+    k = 3 - FAMILIES[name]
+    ref_losses, ref_params, _ = reference(name, 0.0, k)
+    losses, state, _ = train(moe_model(name, 0.0, moe_top_k=k), mesh)
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    assert_params_close(state.params, ref_params)
 
 
 def _step_metrics(model, mesh):

@@ -1,5 +1,6 @@
 """The planner follows the classic guidance because the numbers say so."""
 
+import jax
 import pytest
 
 from jaxshard import devices, planner
@@ -146,3 +147,24 @@ def test_pipeline_plans_hold_a_stage_of_the_layers_and_few_microbatches():
 @pytest.mark.parametrize("stages, batch, shards, want", [(2, 32, 4, 8), (4, 16, 2, 8), (4, 8, 4, None), (2, 6, 1, 6)])
 def test_pipeline_microbatches_are_the_most_up_to_4p_that_split_the_batch(stages, batch, shards, want):
     assert planner.pipeline_microbatches(stages, batch, shards) == want
+
+
+def test_an_moe_model_is_planned_with_expert_parallelism_and_no_pipeline():
+    """Mixtral on 64 H100s: meshes with an expert axis are weighed (no pipelines: MoE layers do
+    not pipeline yet), and one with experts over 8 devices and ZeRO-3 over the other 8 fits,
+    holding 1/64 of the experts and 1/8 of the rest per device."""
+    model = TransformerLM(get_preset("mixtral-8x7b"))
+    plans = planner.plan(model, 64, H100, 64, 2048, hosts=8)
+    assert plans and not any("stage" in p.mesh for p in plans)
+    ep = next(p for p in plans if p.mesh_flag == "data=8,expert=8" and p.strategy.zero == 3)
+    assert ep.fits
+    flat = zip(jax.tree.leaves(model.param_axes(), is_leaf=lambda x: isinstance(x, tuple)),
+               jax.tree.leaves(model.abstract_params()))
+    experts = rest = 0
+    for axes, x in flat:
+        if "experts" in axes:
+            experts += x.size
+        else:
+            rest += x.size
+    assert ep.memory.params == pytest.approx(4 * (experts / 64 + rest / 8), rel=1e-3)
+    assert "does not fit one h100" in " ".join(planner.explain(model, plans, H100, 8, "bfloat16"))
