@@ -19,10 +19,9 @@ class MeshAxis(StrEnum):
 # Canonical nesting (outermost first) for axes the user leaves out of --mesh.
 MESH_AXES: tuple[MeshAxis, ...] = tuple(MeshAxis)
 
-# Axes that split the batch (the DistributedSampler axes), major first: ``expert`` splits it
-# too outside the MoE layers (GShard), as the major part, so that a region manual over
-# ``expert`` alone (the MoE dispatch) takes each device's rows as they lie.
-BATCH_AXES: tuple[MeshAxis, ...] = (MeshAxis.EXPERT, MeshAxis.DATA, MeshAxis.FSDP)
+# Axes that split the batch (the DistributedSampler axes); ``expert`` splits it too outside the
+# MoE layers (GShard).
+BATCH_AXES: tuple[MeshAxis, ...] = (MeshAxis.DATA, MeshAxis.FSDP, MeshAxis.EXPERT)
 
 
 class Dim(StrEnum):

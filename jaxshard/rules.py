@@ -101,7 +101,7 @@ class ShardingRules:
         self.mesh = mesh
         self.strategy = strategy
         self.sizes = {str(a): int(s) for a, s in mesh.shape.items()}
-        self._batch_axes = tuple(a for b in BATCH_AXES for a in self.active_axes((b,)))  # BATCH_AXES' order
+        self._batch_axes = self.active_axes(BATCH_AXES)
         tensor = self.active_axes((MeshAxis.TENSOR,))
         sequence = self.active_axes((MeshAxis.SEQUENCE,))
         if strategy.sequence_parallel and not tensor:
