@@ -236,8 +236,48 @@ def activation_bytes(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: i
             per_token_layer = 6 * D / sp + projections + 6 * F / t
         case _:
             per_token_layer = 6 * D / sp + projections + 2 * N * L / t + 6 * F / t
+    n_moe = getattr(cfg, "n_moe_layers", 0)
+    moe = 0.0
+    if n_moe:  # an MoE layer's feed-forward in place of the dense one
+        moe = n_moe * (_moe_ffn_saved(cfg, rules, remat, L, t, sp) - _dense_ffn_saved(remat, F, mlp_in, t))
     logits = F32 * tokens * cfg.padded_vocab / t
-    return int(c * per_token_layer * tokens * cfg.n_layers + logits + 4 * D * tokens * c / sp)
+    return int(c * (per_token_layer * cfg.n_layers + moe) * tokens + logits + 4 * D * tokens * c / sp)
+
+
+def _dense_ffn_saved(remat: Remat, F: int, mlp_in: int, t: int) -> float:
+    """The MLP's part of :func:`activation_bytes`' per-token-per-layer elements."""
+    match remat.kind:
+        case Kind.NONE | Kind.SELECTIVE:
+            return 6 * F / t
+        case Kind.DOTS | Kind.DOTS_NO_BATCH:
+            return mlp_in * F / t
+        case Kind.NAMES:
+            return sum({"mlp_in": mlp_in * F / t, "mlp_hidden": F / t}.get(n, 0) for n in set(remat.names))
+    return 0.0
+
+
+def _moe_ffn_saved(cfg: Any, rules: ShardingRules, remat: Remat, L: int, t: int, sp: int) -> float:
+    """An MoE layer's feed-forward, per token, as autodiff keeps it (counted from
+    ``print_saved_residuals`` on moe-tiny): per expert slot a token fills -- r = E C / S under a
+    capacity (every slot, filled or not), k dropless (ragged rows) -- the expert MLP's
+    intermediates and 1.5 D of dispatched rows and outputs (no remat), or its matmul outputs
+    (dots; the ragged path's are not dots, the capacity path's are batched over experts, so
+    dots_no_batch keeps neither); the router's logits and probabilities; shared experts as a
+    dense MLP of their width."""
+    E, D = cfg.moe_experts, cfg.d_model
+    Fe = cfg.moe_d_mlp or cfg.d_mlp
+    mlp_in = 2 if getattr(cfg.mlp, "value", cfg.mlp) == "swiglu" else 1
+    cap = cfg.moe_capacity(L) or (L if rules.param_mesh_axes(Dim.EXPERTS) else 0)
+    slots = E * cap / L if cap else cfg.moe_top_k
+    shared = _dense_ffn_saved(remat, cfg.moe_shared_experts * Fe, mlp_in, t) if cfg.moe_shared_experts else 0.0
+    match remat.kind:
+        case Kind.NONE | Kind.SELECTIVE:
+            return slots * (6 * Fe / t + 1.5 * D) + 12 * E + shared
+        case Kind.DOTS:
+            return (slots * (mlp_in * Fe / t + D) if cap else 0) + E + shared
+        case Kind.DOTS_NO_BATCH:
+            return E + shared
+    return shared
 
 
 # ---- communication ----------------------------------------------------------------------------

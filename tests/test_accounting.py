@@ -92,11 +92,14 @@ def test_flops_formula_and_mfu_counts():
     assert f.hardware == 8 * 1024 * (6 * n_matmul + 3 * 12 * 4 * 1024 * 768)
 
 
-@pytest.mark.parametrize("model_name", ["tiny", "tiny-llama", "llama-tiny"])
+@pytest.mark.parametrize("model_name", ["tiny", "tiny-llama", "llama-tiny", "moe-tiny", "moe-tiny-gpt2",
+                                        "moe-tiny:dropless"])
 @pytest.mark.parametrize("remat", [*SIMPLE, "names:qkv,attn_proj", "names:mlp_hidden,attn_proj",
                                    "offload:qkv,mlp_in,attn_out"])
 def test_saved_activation_estimate_matches_autodiff_residuals(model_name, remat):
-    model = TransformerLM(get_preset(model_name), remat=remat)
+    name, _, dropless = model_name.partition(":")
+    cfg = get_preset(name)
+    model = TransformerLM(cfg.replace(moe_capacity_factor=0.0) if dropless else cfg, remat=remat)
     rules = ShardingRules(build_mesh("data=1", jax.devices()[:1]))
     x = jax.ShapeDtypeStruct((2, 64), jnp.int32)
     traced = inspect.jaxpr_saved_bytes(lambda p, x: model.loss(p, x, x)[0], model.abstract_params(), x)
