@@ -124,7 +124,7 @@ def candidates(model: Any, devices: int, per_host: int,
                 out.append((mesh, strategy, remat, None, accum))
     for stages in _divisors(devices):
         if stages == 1 or model.cfg.n_layers % stages or getattr(model, "moe_layers", ()):
-            continue  # (MoE layers do not run in pipelines yet)
+            continue  # (MoE pipelines: the pipeline cost model does not count the all-to-alls yet)
         for mesh, strategy, remat in _splits(model, devices // stages, per_host, batch_size):
             if strategy.zero > 1 or remat != Remat.NONE:
                 continue  # the pipeline keeps few microbatches; ZeRO-2/3 within stages: FSDP's

@@ -136,6 +136,11 @@ class ShardingRules:
         return tuple(a for a in self._batch_axes if a not in manual)
 
     @property
+    def all_batch_axes(self) -> tuple[str, ...]:
+        """The axes that split the batch, manual ones included."""
+        return self._batch_axes
+
+    @property
     def manual_axes(self) -> frozenset[str]:
         """The axes of the manual region being traced (a pipeline stage's), if any."""
         context = jax.sharding.get_abstract_mesh()

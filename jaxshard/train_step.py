@@ -133,6 +133,8 @@ def balance_stages(model: Any, rules: ShardingRules, cfg: StepConfig, batch_size
     if plan is None:
         raise ConfigError("--balance needs a stage axis of size > 1 in --mesh")
     kind, stages, virtual, microbatches = plan
+    if getattr(model, "moe_layers", ()):
+        raise ConfigError("--balance does not model MoE layers yet; give --stage-layers")
     check_batch(rules, batch_size, seq_len, cfg.grad_accum, microbatches)  # before any timing
     rows = batch_size // microbatches // rules.size(rules.batch_axes)
     if cfg.balance == "flops":
@@ -171,8 +173,10 @@ def _pipeline_plan(rules: ShardingRules, model: Any, cfg: StepConfig) -> tuple[s
         raise ConfigError("a stage axis with context parallelism (sequence > 1) is not implemented yet")
     if rules.strategy.offload:
         raise ConfigError("--offload with a stage axis is not implemented yet")
-    if getattr(model, "moe_layers", ()):
-        raise ConfigError("MoE layers (--moe-experts) with a stage axis are not implemented yet")
+    cfg_m = model.cfg
+    if getattr(model, "moe_layers", ()) and (cfg_m.moe_every != 1 or cfg_m.moe_first_dense):
+        raise ConfigError("a stage axis needs every layer of an MoE model to be an MoE layer "
+                          "(--moe-every 1, no first dense layers)")
     if Remat.parse(getattr(model, "remat", Remat.NONE)).kind is Kind.OFFLOAD:
         raise ConfigError("--remat offload with a stage axis is not implemented yet")
     default = 1 if kind == "naive" else stages

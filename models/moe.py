@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxshard.axes import Dim
-from jaxshard.parallel.experts import expert_axes, run_experts
+from jaxshard.parallel.experts import batch_mean, expert_axes, run_experts
 from jaxshard.rules import constrain
 from models.config import Mlp
 from models.layers import FeedForward, _const, _param
@@ -74,12 +74,12 @@ def route(logits_GSE: jax.Array, k: int, capacity_per_group: int) -> Routing:
     place = jnp.sum((jnp.cumsum(flat, axis=1) - 1) * flat, axis=-1)
     position = place.reshape(G, k, S).swapaxes(1, 2)
     kept = position < capacity_per_group if capacity_per_group else jnp.ones(position.shape, bool)
-    f_E = jnp.mean(chosen_GKSE.astype(jnp.float32), axis=(0, 1, 2))  # sums to 1 over e
-    p_E = jnp.mean(probs_GSE, axis=(0, 1))
-    z = jnp.mean(jax.nn.logsumexp(logits_GSE, axis=-1) ** 2)
+    f_E = batch_mean(chosen_GKSE.astype(jnp.float32), axis=(0, 1, 2))  # sums to 1 over e
+    p_E = batch_mean(probs_GSE, axis=(0, 1))
+    z = batch_mean(jax.nn.logsumexp(logits_GSE, axis=-1) ** 2)
     return Routing(experts=experts, gates=gates, position=position, kept=kept,
                    load_balance=E * jnp.sum(f_E * p_E), z_loss=z,
-                   dropped=1.0 - jnp.mean(kept.astype(jnp.float32)))
+                   dropped=1.0 - batch_mean(kept.astype(jnp.float32)))
 
 
 def dispatch_capacity(x_GSD: jax.Array, r: Routing, n_experts: int, cap: int) -> tuple[jax.Array, jax.Array]:

@@ -88,6 +88,12 @@ class TransformerLM:
         staged.stage_layout, staged._abstract = layout, None
         return staged
 
+    @property
+    def stack(self) -> str:
+        """The layer stack a pipeline splits: the one stack of a model whose layers are all of
+        one kind (dense, or all MoE)."""
+        return MOE_BLOCKS if self.moe_layers else BLOCKS
+
     def _stored(self) -> bool:
         return self.stage_layout is not None and not self.stage_layout.trivial
 
@@ -95,13 +101,13 @@ class TransformerLM:
         """Params with the layer stack in model order (as an unstaged model stores it)."""
         if not self._stored():
             return params
-        return {**params, BLOCKS: jax.tree.map(self.stage_layout.to_model, params[BLOCKS])}
+        return {**params, self.stack: jax.tree.map(self.stage_layout.to_model, params[self.stack])}
 
     def stored_order(self, params: Params) -> Params:
         """The inverse of :meth:`model_order`."""
         if not self._stored():
             return params
-        return {**params, BLOCKS: jax.tree.map(self.stage_layout.to_stored, params[BLOCKS])}
+        return {**params, self.stack: jax.tree.map(self.stage_layout.to_stored, params[self.stack])}
 
     # ---- parameters -----------------------------------------------------------------------
     def init(self, key: jax.Array) -> Params:
@@ -267,7 +273,13 @@ class TransformerLM:
         used (the compute dtype)."""
         loss, d_stack, d_outer = self._pipeline(params, inputs_BL, targets_BL, schedule, key, cast,
                                                 seed=seed, train=True)
-        return self._dense_loss(loss, inputs_BL), {**d_outer, BLOCKS: d_stack}
+        tokens = jnp.asarray(inputs_BL.size, jnp.float32)
+        if self.moe_layers:  # (nll, the auxiliary losses, the routing statistics): token-weighted sums
+            nll, extra, stats = loss
+            sums = Loss(nll + extra, tokens, nll, dict(zip(MOE_METRICS, stats)))
+        else:
+            sums = self._dense_loss(loss, inputs_BL)
+        return sums, {**d_outer, self.stack: d_stack}
 
     def pipeline_loss(self, params: Params, inputs_BL: jax.Array, targets_BL: jax.Array,
                       schedule: pipeline.Schedule, *,
@@ -309,13 +321,17 @@ class TransformerLM:
             layer_keys = keys(key)[1]
             if layer_keys is not None:
                 layer_keys = layer_keys[jnp.maximum(layers, 0)]
+            present = layers >= 0 if layout.padded else None
             with microbatch_rows(i, M, **rows):
-                return self.blocks({BLOCKS: cast(chunk)}, x_BLD, layer_keys=layer_keys,
-                                   present=layers >= 0 if layout.padded else None)
+                if not self.moe_layers:
+                    return self.blocks({BLOCKS: cast(chunk)}, x_BLD, layer_keys=layer_keys, present=present)
+                return self._moe_chunk(cast(chunk), x_BLD, layer_keys, present)
 
         def last(chunk, outer, x_BLD, targets_BL, i, layers, key):
-            logits_BLV = self.head(cast(outer), body(chunk, x_BLD, i, layers, key))
-            return cross_entropy(logits_BLV, targets_BL, self.cfg.vocab_size).sum()
+            y = body(chunk, x_BLD, i, layers, key)
+            y_BLD, side = y if self.moe_layers else (y, None)
+            nll = cross_entropy(self.head(cast(outer), y_BLD), targets_BL, self.cfg.vocab_size).sum()
+            return nll if side is None else (nll, side)
 
         # A learned position table enters as its first L rows, the only ones with a gradient:
         # the executor accumulates and reduces those, not the whole table.
@@ -324,15 +340,39 @@ class TransformerLM:
         if table is not None:  # (in the table's own layout: a slice needs no communication)
             spec = rules.param_spec(self.embedder_axes["positions"], table.shape)
             outer["positions"] = jax.lax.with_sharding_constraint(table[:L], rules.named(spec))
+        side = jnp.zeros(len(MOE_METRICS), jnp.float32) if self.moe_layers else None
         out = pipeline.run(
-            schedule, rules.context_mesh, embed=embed, body=body, last=last, blocks=params[BLOCKS],
+            schedule, rules.context_mesh, embed=embed, body=body, last=last, blocks=params[self.stack],
             outer=outer, inputs_MBL=split(inputs_BL), targets_MBL=split(targets_BL), aux=key,
-            replicas=replicas, **run)
+            replicas=replicas, side=side, **run)
         if table is None or not run.get("train"):
             return out
         loss, d_stack, d_outer = out
         d_outer["positions"] = jnp.pad(d_outer["positions"], ((0, table.shape[0] - L), (0, 0)))
         return loss, d_stack, d_outer
+
+    def _moe_chunk(self, chunk: Params, x_BLD: jax.Array, layer_keys, present):
+        """A pipeline chunk of MoE layers (every layer one): (output, (its auxiliary losses,
+        its routing statistics)), both token-weighted sums as :meth:`loss` makes them, the
+        chunk's share of the mean over the model's MoE layers."""
+
+        def layer(x, xs):
+            layer_params, layer_key, here = xs
+
+            def run():
+                y, r = self.moe_block(layer_params, x, key=layer_key)
+                return y, (r.load_balance, r.z_loss, r.dropped)
+
+            if here is None:
+                return run()
+            return jax.lax.cond(here, run, lambda: (x, (jnp.zeros((), jnp.float32),) * 3))  # an empty slot
+
+        x_BLD, stats = jax.lax.scan(remat_lib.apply(layer, self.remat), x_BLD, (chunk, layer_keys, present),
+                                    unroll=self.unroll)
+        per_token = x_BLD.shape[0] * x_BLD.shape[1] / self.cfg.n_moe_layers
+        lb, z, dropped = (per_token * jnp.sum(s) for s in stats)
+        extra = self.cfg.moe_aux_coef * lb + self.cfg.moe_z_coef * z
+        return x_BLD, (extra, jax.lax.stop_gradient(jnp.stack([lb, z, dropped])))
 
     def _check_seq_len(self, inputs_BL: jax.Array) -> None:
         if inputs_BL.shape[1] > self.cfg.max_seq_len:

@@ -177,8 +177,10 @@ def test_microbatch_not_divisible_by_batch_axes():
     (["--model", "moe-tiny", "--mesh", "data=8", "--moe-top-k", "9"],
      "--moe-top-k must be between 1 and the experts (8), got 9"),
     (["--mesh", "data=8", "--moe-top-k", "2"], "--moe-top-k: model tiny has no MoE layers; add --moe-experts E"),
-    (["--model", "moe-tiny", "--mesh", "stage=2,expert=4"],
-     "MoE layers (--moe-experts) with a stage axis are not implemented yet"),
+    (["--model", "moe-tiny-gpt2", "--mesh", "stage=2,expert=4"],
+     "a stage axis needs every layer of an MoE model to be an MoE layer (--moe-every 1, no first dense layers)"),
+    (["--model", "moe-tiny", "--mesh", "stage=2,expert=4", "--balance", "flops"],
+     "--balance does not model MoE layers yet; give --stage-layers"),
     (["--model", "moe-tiny", "--mesh", "expert=4,tensor=2", "--sequence-parallel"],
      "MoE layers with sequence or context parallelism are not implemented yet"),
 ])

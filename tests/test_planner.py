@@ -150,8 +150,8 @@ def test_pipeline_microbatches_are_the_most_up_to_4p_that_split_the_batch(stages
 
 
 def test_an_moe_model_is_planned_with_expert_parallelism_and_no_pipeline():
-    """Mixtral on 64 H100s: meshes with an expert axis are weighed (no pipelines: MoE layers do
-    not pipeline yet), and one with experts over 8 devices and ZeRO-3 over the other 8 fits,
+    """Mixtral on 64 H100s: meshes with an expert axis are weighed (no pipelines: their cost
+    model does not count the all-to-alls yet), and one with experts over 8 devices and ZeRO-3 over the other 8 fits,
     holding 1/64 of the experts and 1/8 of the rest per device."""
     model = TransformerLM(get_preset("mixtral-8x7b"))
     plans = planner.plan(model, 64, H100, 64, 2048, hosts=8)

@@ -36,6 +36,16 @@ from jaxshard.rules import GATHERED, active
 EXCHANGED = "moe_exchanged"
 
 
+def batch_mean(x: jax.Array, axis=None) -> jax.Array:
+    """``jnp.mean(x, axis)`` over the step's tokens (``axis`` covering the batch dim): inside a
+    region manual over batch axes (a pipeline's replicas) the devices' means are averaged too,
+    so routing statistics are those of all the rows, as without the region."""
+    mean = jax.numpy.mean(x, axis=axis)
+    rules = active()
+    axes = () if rules is None else tuple(a for a in rules.manual_axes if a in rules.all_batch_axes)
+    return jax.lax.pmean(mean, axes) if axes else mean
+
+
 def expert_axes() -> tuple[str, ...]:
     """The mesh axes splitting the experts in the step being traced (none outside one)."""
     rules = active()

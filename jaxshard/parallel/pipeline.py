@@ -279,7 +279,7 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         embed: Callable[..., jax.Array], body: Callable[..., jax.Array], last: Callable[..., jax.Array],
         blocks: Any, outer: Any, inputs_MBL: jax.Array, targets_MBL: jax.Array,
         seed: jax.Array | float = 1.0, aux: Any = None, replicas: tuple[str, ...] = (),
-        train: bool = True) -> tuple[jax.Array, Any, Any] | jax.Array:
+        train: bool = True, side: Any = None) -> tuple[Any, Any, Any] | jax.Array:
     """Loss sum and gradients of one step under ``schedule`` (and its ``layout``).
 
     ``embed(outer, tokens, i, aux) -> x``; ``body(chunk, x, i, layers, aux) -> y`` runs one
@@ -294,6 +294,12 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
     microbatches, the stack's gradients (laid out as ``blocks``) and the outer params'.
     ``train=False``: the loss sum alone, from the forward slots (evaluation: the stages run
     their own layers, nothing is kept for a backward pass and no stage gathers another's).
+
+    ``side``: zeros shaped like a chunk's side output (an MoE chunk's routing statistics). Then
+    ``body`` returns ``(y, (extra_loss, side))`` and ``last`` ``(loss, (extra_loss, side))``:
+    ``extra_loss`` (the auxiliary losses) is part of the differentiated loss sum, ``side`` is
+    summed as it is; training returns ``((loss, extra_loss, side), d_blocks, d_outer)``, each
+    summed over microbatches, stages and replicas (evaluation: the loss alone).
     """
     Pn, V, K = schedule.stages, schedule.virtual, schedule.slots
     layout = schedule.layout
@@ -313,6 +319,15 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         x_shape = jax.eval_shape(embed, outer, inputs[0], 0, aux)
         zeros_x = jnp.zeros(x_shape.shape, x_shape.dtype)
         zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
+        no_side = (jnp.zeros((), jnp.float32), zeros(side))
+
+        def run_body(*args):  # (y, (extra loss, side)) whether or not the body has a side output
+            out = body(*args)
+            return out if side is not None else (out, no_side)
+
+        def run_last(*args):
+            out = last(*args)
+            return out if side is not None else (out, no_side)
 
         def chunk(v):
             if V == 1:
@@ -349,14 +364,14 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         def eval_tick(carry, t):
             received_x, stash_x, loss_acc = carry
             i, i_, v_, slot, x_in = take_input(t, received_x)
-            y = jax.lax.cond((i >= 0) & ~is_last(v_), lambda: body(chunk(v_), x_in, i_, layer_ids[s, v_], aux),
+            y = jax.lax.cond((i >= 0) & ~is_last(v_), lambda: run_body(chunk(v_), x_in, i_, layer_ids[s, v_], aux)[0],
                              lambda: zeros_x)
             stash_x = keep(stash_x, x_in, jnp.where(i >= 0, slot, K))
             # The last chunk's loss, at its backward slot (where training runs it).
             j, w = tables["bwd"][t, s], jnp.maximum(tables["bwd_chunk"][t, s], 0)
             j_, back = jnp.maximum(j, 0), jnp.maximum(tables["bwd_slot"][t, s], 0)
-            loss = jax.lax.cond((j >= 0) & is_last(w), lambda: last(
-                chunk(w), outer, stash_x[back], targets[j_], j_, layer_ids[s, w], aux).astype(jnp.float32),
+            loss = jax.lax.cond((j >= 0) & is_last(w), lambda: run_last(
+                chunk(w), outer, stash_x[back], targets[j_], j_, layer_ids[s, w], aux)[0].astype(jnp.float32),
                 lambda: jnp.zeros((), jnp.float32))
             return (jax.lax.ppermute(y, STAGE, to_next), stash_x, loss_acc + loss), None
 
@@ -368,38 +383,46 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         residuals = _Residuals()
 
         def forward(c, x, j, ids):
-            """The chunk's output and what its backward pass needs: the residuals of its
-            ``jax.vjp``, less the chunk's own params (read again in the backward slot)."""
-            y, vjp = jax.vjp(lambda b, x: body(b, x, j, ids, aux), c, x)
-            return y, residuals.split(vjp, c)
+            """The chunk's output, what its backward pass needs -- the residuals of its
+            ``jax.vjp``, less the chunk's own params (read again in the backward slot) -- and
+            its side output."""
+            (y, (extra, side_out)), vjp = jax.vjp(lambda b, x: run_body(b, x, j, ids, aux), c, x)
+            return y, residuals.split(vjp, c), (extra.astype(jnp.float32), side_out)
 
         # The residuals' structure, from one trace.
-        _, res_shapes = jax.eval_shape(forward, chunk(0), zeros_x, 0, layer_ids[s, 0])
+        _, res_shapes, _ = jax.eval_shape(forward, chunk(0), zeros_x, 0, layer_ids[s, 0])
 
         def backward(j, v, x_in, stash_res, slot, received_g):
+            """(loss, (extra loss, side), the gradients of the chunk, the outer params, its input)."""
             c, ids = chunk(v), layer_ids[s, v]
 
             def middle():
-                d_chunk, d_x = residuals.join(kept(stash_res, slot), c)(received_g)
-                return jnp.zeros((), jnp.float32), d_chunk, zeros(outer), d_x
+                # The extra loss is part of the loss sum: its cotangent is the seed.
+                d_chunk, d_x = residuals.join(kept(stash_res, slot), c)(
+                    (received_g, (seed, zeros(side))))
+                return jnp.zeros((), jnp.float32), no_side, d_chunk, zeros(outer), d_x
 
             def end():
-                loss, vjp = jax.vjp(lambda b, o, x: last(b, o, x, targets[j], j, ids, aux), c, outer, x_in)
-                d_chunk, d_outer, d_x = vjp(seed.astype(loss.dtype))
-                return loss, d_chunk, d_outer, d_x
+                def total(b, o, x):
+                    loss, (extra, side_out) = run_last(b, o, x, targets[j], j, ids, aux)
+                    return loss + extra, (loss.astype(jnp.float32), (extra.astype(jnp.float32), side_out))
 
-            loss, d_chunk, d_outer, d_x = jax.lax.cond(is_last(v), end, middle)
+                total_loss, vjp, (loss, extras) = jax.vjp(total, c, outer, x_in, has_aux=True)
+                d_chunk, d_outer, d_x = vjp(seed.astype(total_loss.dtype))
+                return loss, extras, d_chunk, d_outer, d_x
+
+            loss, extras, d_chunk, d_outer, d_x = jax.lax.cond(is_last(v), end, middle)
             # The first chunk: the gradient of its input goes into the embedding.
             d_outer = jax.lax.cond(is_first(v), lambda: jax.tree.map(
                 jnp.add, d_outer, jax.vjp(lambda o: embed(o, inputs[j], j, aux), outer)[1](d_x)[0]),
                 lambda: d_outer)
-            return loss, d_chunk, d_outer, d_x
+            return loss, extras, d_chunk, d_outer, d_x
 
         def idle_backward(j, v, x_in, stash_res, slot, received_g):
-            return jnp.zeros((), jnp.float32), zeros(chunk(0)), zeros(outer), zeros_x
+            return jnp.zeros((), jnp.float32), no_side, zeros(chunk(0)), zeros(outer), zeros_x
 
         def tick(carry, t):
-            received_x, received_g, stash, loss_acc, d_blocks_acc, d_outer_acc = carry
+            received_x, received_g, stash, loss_acc, extras_acc, d_blocks_acc, d_outer_acc = carry
             # Forward slot: take the microbatch's input, run the chunk and keep its residuals
             # (the last chunk keeps its input: its forward runs in its backward slot, with the
             # head), pass the chunk's output on.
@@ -407,39 +430,44 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
             stash_x, stash_res = stash
 
             def run_forward(stash_res):
-                y, res = forward(chunk(v_), x_in, i_, layer_ids[s, v_])
-                return y, keep(stash_res, res, slot)
+                y, res, extras = forward(chunk(v_), x_in, i_, layer_ids[s, v_])
+                return y, keep(stash_res, res, slot), extras
 
             # Residuals are written (in place) only where the chunk runs: the last chunk, whose
             # forward runs in its backward slot, and idle slots move none.
-            y, stash_res = jax.lax.cond((i >= 0) & ~is_last(v_), run_forward,
-                                        lambda stash_res: (zeros_x, stash_res), stash_res)
+            y, stash_res, fwd_extras = jax.lax.cond((i >= 0) & ~is_last(v_), run_forward,
+                                                    lambda stash_res: (zeros_x, stash_res, no_side), stash_res)
             stash = (keep(stash_x, x_in, jnp.where(i >= 0, slot, K)), stash_res)  # idle: spare slot K
             # Backward slot.
             j, w = tables["bwd"][t, s], jnp.maximum(tables["bwd_chunk"][t, s], 0)
             back = jnp.maximum(tables["bwd_slot"][t, s], 0)
-            loss, d_chunk, d_outer, d_x = jax.lax.cond(
+            loss, bwd_extras, d_chunk, d_outer, d_x = jax.lax.cond(
                 j >= 0, backward, idle_backward, jnp.maximum(j, 0), w, kept(stash[0], back), stash[1], back,
                 received_g)
             received_x = jax.lax.ppermute(y, STAGE, to_next)
             received_g = jax.lax.ppermute(d_x, STAGE, to_prev)
-            return (received_x, received_g, stash, loss_acc + loss, add_chunk(d_blocks_acc, d_chunk, w),
+            extras_acc = jax.tree.map(lambda a, f, b: a + f + b, extras_acc, fwd_extras, bwd_extras)
+            return (received_x, received_g, stash, loss_acc + loss, extras_acc, add_chunk(d_blocks_acc, d_chunk, w),
                     jax.tree.map(jnp.add, d_outer_acc, d_outer)), None
 
         slots = lambda tree, n: jax.tree.map(lambda x: jnp.zeros((n, *x.shape), x.dtype), tree)  # noqa: E731
         init = (zeros_x, zeros_x, (slots(zeros_x, K + 1), slots(res_shapes, K)), jnp.zeros((), jnp.float32),
-                zeros(blocks), zeros(outer))
-        (_, _, _, loss, d_blocks, d_outer), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
+                no_side, zeros(blocks), zeros(outer))
+        (_, _, _, loss, extras, d_blocks, d_outer), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
         # The loss lives on the last stage, the outer params' gradients on the two ends; each
         # replica holds its rows' share of both and of the stack's gradients.
         if replicas:
             d_blocks = jax.lax.psum(d_blocks, replicas)
-        return jax.lax.psum(loss, (STAGE, *replicas)), d_blocks, jax.lax.psum(d_outer, (STAGE, *replicas))
+        loss = jax.lax.psum(loss, (STAGE, *replicas))
+        if side is not None:
+            loss = (loss, *jax.lax.psum(extras, (STAGE, *replicas)))
+        return loss, d_blocks, jax.lax.psum(d_outer, (STAGE, *replicas))
 
     stacked = jax.tree.map(lambda _: P(STAGE), blocks)
     replicated = jax.tree.map(lambda _: P(), outer)
     rows = P(None, replicas or None)
+    losses = P() if side is None else (P(), P(), jax.tree.map(lambda _: P(), side))
     return jax.shard_map(local, mesh=mesh, axis_names=frozenset({STAGE, *replicas}), check_vma=False,
                          in_specs=(stacked, replicated, rows, rows, P(), jax.tree.map(lambda _: P(), aux)),
-                         out_specs=(P(), stacked, replicated) if train else P()
+                         out_specs=(losses, stacked, replicated) if train else P()
                          )(blocks, outer, inputs_MBL, targets_MBL, seed, aux)
