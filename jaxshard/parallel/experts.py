@@ -3,9 +3,10 @@ size n) and the tokens go to their experts' devices and back with two all-to-all
 
 The dispatch buffers ``[B, E, C, D]`` (each sequence's C slots per expert, built where the
 sequence lies) enter a ``shard_map`` manual over the batch axes (``expert`` among them), each
-device's rows as they lie; ``tensor`` stays with the partitioner, which splits each expert's
-MLP over it as it does the dense MLP. (Manual over ``expert`` alone, the partitioner gathered
-the buffer over the other batch axes around the all-to-all.) The expert weights come in at
+device's rows as they lie, and over ``tensor``, which splits each expert's MLP by hand as
+Megatron splits the dense one. (Manual over ``expert`` alone, the partitioner gathered the
+buffer over the other batch axes around the all-to-all, and the weights' tensor split
+inside.) The expert weights come in at
 rest and are gathered inside over their ZeRO-3/FSDP axes: backward, that gather's transpose
 reduce-scatters their gradients into their shards, and a weight replicated over ``data`` has
 its gradient all-reduced there, as DDP does.
@@ -15,8 +16,8 @@ sends block j to device j, which receives ``[b, n, E/n, C, D]``: the slots of it
 from every device's rows. The experts run on those, and a second all-to-all returns each
 block to the device its rows came from. Backward, the two transpose into two more: four per
 MoE layer per step, each of the buffer's bytes once (six under ``--remat full``, which
-recomputes the forward pair; every other policy keeps their results). (GShard's einsum dispatch, left to the
-partitioner, inserted all-gathers of the dispatch tensor instead.)
+recomputes the forward pair; every other policy keeps their results). (GShard's einsum
+dispatch, left to the partitioner, inserted all-gathers of the dispatch tensor instead.)
 """
 
 from __future__ import annotations
