@@ -236,7 +236,7 @@ def activation_bytes(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: i
             per_token_layer = 6 * D / sp + projections + 6 * F / t
         case _:
             per_token_layer = 6 * D / sp + projections + 2 * N * L / t + 6 * F / t
-    n_moe = getattr(cfg, "n_moe_layers", 0)
+    n_moe = cfg.n_moe_layers
     moe = 0.0
     if n_moe:  # an MoE layer's feed-forward in place of the dense one
         moe = n_moe * (_moe_ffn_saved(cfg, rules, remat, L, t, sp) - _dense_ffn_saved(remat, F, mlp_in, t))
@@ -267,7 +267,7 @@ def _moe_ffn_saved(cfg: Any, rules: ShardingRules, remat: Remat, L: int, t: int,
     E, D = cfg.moe_experts, cfg.d_model
     Fe = cfg.moe_d_mlp or cfg.d_mlp
     mlp_in = 2 if getattr(cfg.mlp, "value", cfg.mlp) == "swiglu" else 1
-    cap = cfg.moe_capacity(L) or (L if rules.param_mesh_axes(Dim.EXPERTS) else 0)
+    cap = run_capacity(cfg, rules, L)
     slots = E * cap / L if cap else cfg.moe_top_k
     shared = _dense_ffn_saved(remat, cfg.moe_shared_experts * Fe, mlp_in, t) if cfg.moe_shared_experts else 0.0
     match remat.kind:
@@ -420,11 +420,16 @@ def predict(model: Any, rules: ShardingRules, batch_size: int, seq_len: int, sch
             pipeline_communication(model, rules, schedule, batch_size, seq_len, **dtypes))
 
 
+def run_capacity(cfg: Any, rules: ShardingRules, seq_len: int) -> int:
+    """The slots per expert per sequence an MoE layer runs (0: dropless, ragged rows): the
+    config's capacity, or with the experts split over devices and dropless S, which
+    ``models/moe.py`` runs because the all-to-all needs fixed sizes."""
+    return cfg.moe_capacity(seq_len) or (seq_len if rules.param_mesh_axes(Dim.EXPERTS) else 0)
+
+
 def moe_buffer(cfg: Any, rules: ShardingRules, rows: int, seq_len: int, c: int) -> int:
-    """Bytes of a device's MoE dispatch buffer ``[rows, E, C, D]``: C slots per expert per
-    sequence (dropless with the experts split over devices: C = S, as ``models/moe.py`` runs it)."""
-    cap = cfg.moe_capacity(seq_len) or seq_len
-    return rows * cfg.moe_experts * cap * cfg.d_model * c
+    """Bytes of a device's MoE dispatch buffer ``[rows, E, C, D]`` (experts split over devices)."""
+    return rows * cfg.moe_experts * run_capacity(cfg, rules, seq_len) * cfg.d_model * c
 
 
 def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
@@ -646,15 +651,14 @@ def flops(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
     # Matmul params a token passes through, summed over the layers: as the model counts them
     # (MoE: the router and k experts) and as the hardware runs them (under a capacity every
     # expert runs all its C slots per sequence, E C / S per token, filled or not).
-    n_moe = getattr(cfg, "n_moe_layers", 0)
+    n_moe = cfg.n_moe_layers
     layer_params = hw_layer_params = cfg.n_layers * attn_params + (cfg.n_layers - n_moe) * mlp_mats * D * F
     moe_text = ""
     if n_moe:
         E, k = cfg.moe_experts, cfg.moe_top_k
         expert = mlp_mats * D * (cfg.moe_d_mlp or F)
         always = D * E + cfg.moe_shared_experts * expert  # router and shared experts
-        # (dropless with the experts split over devices runs a capacity of S: models/moe.py)
-        cap = cfg.moe_capacity(L) or (L if rules.param_mesh_axes(Dim.EXPERTS) else 0)
+        cap = run_capacity(cfg, rules, L)
         layer_params += n_moe * (always + k * expert)
         hw_layer_params += n_moe * (always + (E * cap / L if cap else k) * expert)
         moe_text = f", of which {n_moe} MoE layers count the router and {k} of {E} experts"

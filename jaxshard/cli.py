@@ -257,8 +257,8 @@ MOE_FLAGS = (
 
 
 def _moe(a: argparse.Namespace) -> tuple[tuple[str, object], ...]:
-    return tuple((flag[2:].replace("-", "_"), getattr(a, flag[2:].replace("-", "_")))
-                 for flag, _, _ in MOE_FLAGS if getattr(a, flag[2:].replace("-", "_")) is not None)
+    fields = (flag[2:].replace("-", "_") for flag, _, _ in MOE_FLAGS)
+    return tuple((f, getattr(a, f)) for f in fields if getattr(a, f) is not None)
 
 
 def _offload(text: str) -> tuple[str, ...]:

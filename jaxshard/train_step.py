@@ -173,8 +173,7 @@ def _pipeline_plan(rules: ShardingRules, model: Any, cfg: StepConfig) -> tuple[s
         raise ConfigError("a stage axis with context parallelism (sequence > 1) is not implemented yet")
     if rules.strategy.offload:
         raise ConfigError("--offload with a stage axis is not implemented yet")
-    cfg_m = model.cfg
-    if getattr(model, "moe_layers", ()) and (cfg_m.moe_every != 1 or cfg_m.moe_first_dense):
+    if getattr(model, "moe_layers", ()) and len(model.moe_layers) != model.cfg.n_layers:
         raise ConfigError("a stage axis needs every layer of an MoE model to be an MoE layer "
                           "(--moe-every 1, no first dense layers)")
     if Remat.parse(getattr(model, "remat", Remat.NONE)).kind is Kind.OFFLOAD:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,11 @@ class Routing:
     load_balance: jax.Array  # scalar: E sum_e f_e P_e
     z_loss: jax.Array  # scalar: mean logsumexp(logits)^2
     dropped: jax.Array  # scalar: fraction of choices dropped
+
+    @property
+    def stats(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(load balance, z-loss, dropped fraction): what the layer scan carries out."""
+        return self.load_balance, self.z_loss, self.dropped
 
 
 def _top_k(p: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -151,6 +157,13 @@ class MoEFeedForward(nnx.Module):
         names = ["w_in", "w_out"] + (["w_gate"] if self.swiglu else []) + (["b_in", "b_out"] if self.use_bias else [])
         return {n: getattr(self, n)[...] for n in names}
 
+    def _hidden(self, h_in: jax.Array, gate: Callable[[], jax.Array], b_in: jax.Array | None) -> jax.Array:
+        """The expert MLP's activation of its up projection ``h_in`` (SwiGLU: times SiLU of the
+        gate projection, made by ``gate``), after the up bias ``b_in`` (broadcast already)."""
+        if b_in is not None:
+            h_in = h_in + b_in
+        return jax.nn.silu(gate()) * h_in if self.swiglu else jax.nn.gelu(h_in, approximate=True)
+
     def _experts(self, names: tuple[str, ...]):
         """Every expert on its slots: ``[..., E, C, D]`` and the named weights (experts dim
         first) to ``[..., E, C, D]``; ``reduce`` as ``parallel.experts.run_experts`` says."""
@@ -158,13 +171,9 @@ class MoEFeedForward(nnx.Module):
         def fn(buf, *weights, reduce):
             w = dict(zip(names, weights))
             hidden = (None,) * (buf.ndim - 1) + (Dim.ACT_MLP,)  # split over tensor, as the dense MLP's
-            h = constrain(jnp.einsum("...ecd,edf->...ecf", buf, w["w_in"]), hidden)
-            if "b_in" in w:
-                h = h + w["b_in"][:, None, :]
-            if self.swiglu:
-                h = jax.nn.silu(constrain(jnp.einsum("...ecd,edf->...ecf", buf, w["w_gate"]), hidden)) * h
-            else:
-                h = jax.nn.gelu(h, approximate=True)
+            h = self._hidden(constrain(jnp.einsum("...ecd,edf->...ecf", buf, w["w_in"]), hidden),
+                             lambda: constrain(jnp.einsum("...ecd,edf->...ecf", buf, w["w_gate"]), hidden),
+                             w["b_in"][:, None, :] if "b_in" in w else None)
             y = reduce(constrain(jnp.einsum("...ecf,efd->...ecd", h, w["w_out"]), (None,) * buf.ndim))
             return y + w["b_out"][:, None, :] if "b_out" in w else y
 
@@ -190,13 +199,9 @@ class MoEFeedForward(nnx.Module):
             token, inverse, sizes = dropless_order(r, self.n_experts)
             rows_TD = x_BLD.reshape(B * L, D)[token]
             expert_T = jnp.sort(r.experts.reshape(-1))
-            h = jax.lax.ragged_dot(rows_TD, weights["w_in"], sizes)
-            if self.use_bias:
-                h = h + weights["b_in"][expert_T]
-            if self.swiglu:
-                h = jax.nn.silu(jax.lax.ragged_dot(rows_TD, weights["w_gate"], sizes)) * h
-            else:
-                h = jax.nn.gelu(h, approximate=True)
+            h = self._hidden(jax.lax.ragged_dot(rows_TD, weights["w_in"], sizes),
+                             lambda: jax.lax.ragged_dot(rows_TD, weights["w_gate"], sizes),
+                             weights["b_in"][expert_T] if self.use_bias else None)
             y_TD = jax.lax.ragged_dot(h, weights["w_out"], sizes)
             if self.use_bias:
                 y_TD = y_TD + weights["b_out"][expert_T]

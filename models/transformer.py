@@ -223,7 +223,7 @@ class TransformerLM:
                 x = self.block(jax.tree.map(lambda p: p[j], dense_g), x,
                                key=None if keys_g is None else keys_g[j])
             x, r = self.moe_block(moe_g, x, key=None if keys_g is None else keys_g[-1])
-            return x, (r.load_balance, r.z_loss, r.dropped)
+            return x, r.stats
 
         return jax.lax.scan(remat_lib.apply(group, self.remat), x_BLD,
                             (in_groups, params[MOE_BLOCKS], group_keys), unroll=self.unroll)
@@ -255,11 +255,12 @@ class TransformerLM:
         nll_BL = cross_entropy(logits_BLV, targets_BL, self.cfg.vocab_size)
         nll, tokens = nll_BL.sum(), jnp.asarray(nll_BL.size, jnp.float32)
         moe = {name: tokens * jnp.mean(s) for name, s in zip(MOE_METRICS, stats)}
-        total = nll
-        if moe:
-            total = nll + (self.cfg.moe_aux_coef * moe["moe_load_balance"]
-                           + self.cfg.moe_z_coef * moe["moe_z_loss"])
+        total = nll + self._aux_loss(moe["moe_load_balance"], moe["moe_z_loss"]) if moe else nll
         return Loss(total, tokens, nll, moe)
+
+    def _aux_loss(self, load_balance: jax.Array, z_loss: jax.Array) -> jax.Array:
+        """The auxiliary losses' part of the differentiated loss (of token-weighted sums)."""
+        return self.cfg.moe_aux_coef * load_balance + self.cfg.moe_z_coef * z_loss
 
     def pipeline_grads(self, params: Params, inputs_BL: jax.Array, targets_BL: jax.Array,
                        schedule: pipeline.Schedule, *, key: jax.Array | None = None,
@@ -361,7 +362,7 @@ class TransformerLM:
 
             def run():
                 y, r = self.moe_block(layer_params, x, key=layer_key)
-                return y, (r.load_balance, r.z_loss, r.dropped)
+                return y, r.stats
 
             if here is None:
                 return run()
@@ -371,8 +372,7 @@ class TransformerLM:
                                     unroll=self.unroll)
         per_token = x_BLD.shape[0] * x_BLD.shape[1] / self.cfg.n_moe_layers
         lb, z, dropped = (per_token * jnp.sum(s) for s in stats)
-        extra = self.cfg.moe_aux_coef * lb + self.cfg.moe_z_coef * z
-        return x_BLD, (extra, jax.lax.stop_gradient(jnp.stack([lb, z, dropped])))
+        return x_BLD, (self._aux_loss(lb, z), jax.lax.stop_gradient(jnp.stack([lb, z, dropped])))
 
     def _check_seq_len(self, inputs_BL: jax.Array) -> None:
         if inputs_BL.shape[1] > self.cfg.max_seq_len:

@@ -3,11 +3,13 @@ experts split over ``expert`` and tokens sent to them by all-to-all.
 
 Five AdamW steps of both families' tiny MoE presets (Llama: top-2 in every layer; GPT-2: top-1,
 every second layer) against the same steps on one device, with a capacity that drops nothing
-(factor E / k: S slots per expert per sequence), dropless, and a capacity that drops (factor
-1: each sequence drops the same choices on any mesh). The compiled step's all-to-alls are the
-prediction's bytes and no collective gathers an expert weight over ``expert``.
+(factor E / k: S slots per expert per sequence) and dropless; with a capacity that drops
+(factor 1) the same choices drop on every mesh (a step's dropped fraction, against a numpy
+count) and pipelines equal one device. The compiled step's all-to-alls are GShard's volume and
+no collective gathers an expert weight over ``expert``.
 """
 
+import functools
 import math
 
 import jax
@@ -36,22 +38,18 @@ def moe_model(name, factor, **changes):
     return TransformerLM(cfg.replace(moe_capacity_factor=factor, **changes))
 
 
-_REFERENCE = {}
-
-
+@functools.cache
 def reference(name, factor, k=None):
-    """The one-device run (``k``: another top-k than the preset's)."""
-    if (name, factor, k) not in _REFERENCE:
-        losses, state, program = train(moe_model(name, factor, **({} if k is None else {"moe_top_k": k})), "data=1")
-        _REFERENCE[name, factor, k] = losses, jax.tree.map(np.asarray, state.params), program
-    return _REFERENCE[name, factor, k]
+    """The one-device run (``k``: another top-k than the preset's): losses and params."""
+    losses, state, _ = train(moe_model(name, factor, **({} if k is None else {"moe_top_k": k})), "data=1")
+    return losses, jax.tree.map(np.asarray, state.params)
 
 
 @pytest.mark.parametrize("factor", ["no-drop", 0.0])
 @pytest.mark.parametrize("mesh", ["expert=2", "expert=4", "expert=8", "data=2,expert=4", "fsdp=2,expert=2,tensor=2"])
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_expert_parallel_matches_one_device(name, mesh, factor):
-    ref_losses, ref_params, _ = reference(name, factor)
+    ref_losses, ref_params = reference(name, factor)
     losses, state, program = train(moe_model(name, factor), mesh)
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
     assert_params_close(state.params, ref_params)
@@ -69,7 +67,7 @@ def test_expert_parallel_matches_one_device(name, mesh, factor):
 def test_the_other_gate_of_each_family_matches_one_device(name, mesh):
     """Llama with the hard (top-1) gate, GPT-2 with the sparse (top-2) one, dropless."""
     k = 3 - FAMILIES[name]
-    ref_losses, ref_params, _ = reference(name, 0.0, k)
+    ref_losses, ref_params = reference(name, 0.0, k)
     losses, state, _ = train(moe_model(name, 0.0, moe_top_k=k), mesh)
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
     assert_params_close(state.params, ref_params)
@@ -158,6 +156,14 @@ def test_compiled_all_to_alls_are_the_predicted_bytes_and_no_expert_weight_is_ga
     assert {c.axes for c in found if c.kind == "all-to-all"} == {("expert",)}
     want = sum(t.bytes * t.executions for t in predicted)
     assert abs(compiled_a2a - want) <= 0.05 * want, (compiled_a2a, want)
+    # GShard's volume: per MoE layer, each device's dispatch buffer (its sequences' C slots of
+    # each of the E experts, D floats each) goes out and comes back, forward and backward
+    # (full remat: the forward pair once more).
+    cfg = model.cfg
+    rows = BATCH // program.rules.size(program.rules.batch_axes)
+    slots = math.ceil(cfg.moe_capacity_factor * cfg.moe_top_k * SEQ / cfg.moe_experts)
+    textbook = (6 if remat == "full" else 4) * cfg.n_moe_layers * rows * cfg.moe_experts * slots * cfg.d_model * 4
+    assert abs(compiled_a2a - textbook) <= 0.05 * textbook, (compiled_a2a, textbook)
     # No all-gather over expert at all (expert weights stay split; tokens move instead).
     assert not [c for c in found if c.kind == "all-gather" and "expert" in c.axes]
 
