@@ -26,6 +26,23 @@ class Positions(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Llama 3's rotary frequency scaling ("rope_type": "llama3" in Hugging Face configs):
+    wavelengths longer than ``original_max_len / low_freq_factor`` are stretched by ``factor``,
+    shorter than ``original_max_len / high_freq_factor`` kept, and those between blended."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_len: int
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0 or self.original_max_len < 1 or not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ConfigError(f"llama3 rope scaling needs factor > 0, original_max_len >= 1 and "
+                              f"0 < low_freq_factor < high_freq_factor, got {self}")
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     """A decoder-only transformer. ``n_kv_heads < n_heads`` is grouped-query attention."""
 
@@ -44,6 +61,7 @@ class ModelConfig:
     use_bias: bool = True
     tie_embeddings: bool = True
     rope_theta: float = 10_000.0
+    rope_scaling: RopeScaling | None = None  # None: plain rotary frequencies
     norm_eps: float = 1e-5
     dropout: float = 0.0
     init_std: float = 0.02

@@ -23,7 +23,7 @@ from jaxshard.parallel.vectors import scale, shift
 from jaxshard.parallel.tensor import column_parallel
 from jaxshard.parallel.vocab import embed_lookup, project
 from jaxshard.rules import active, constrain
-from models.config import ModelConfig, Mlp, Norm, Positions
+from models.config import ModelConfig, Mlp, Norm, Positions, RopeScaling
 
 # The residual stream between sublayers (sequence parallelism splits its length over tensor).
 
@@ -113,11 +113,25 @@ class NormLayer(nnx.Module):
         return y.astype(x_BLD.dtype)
 
 
-def rope_tables(positions_L: jax.Array, d_head: int, theta: float) -> tuple[jax.Array, jax.Array]:
+def rope_tables(positions_L: jax.Array, d_head: int, theta: float,
+                scaling: RopeScaling | None = None) -> tuple[jax.Array, jax.Array]:
     """(sin, cos) of shape [L, H/2] for rotary embeddings."""
     inv_freq = theta ** (-jnp.arange(0, d_head, 2, dtype=jnp.float32) / d_head)
+    if scaling is not None:
+        inv_freq = _llama3_frequencies(inv_freq, scaling)
     angles = positions_L.astype(jnp.float32)[:, None] * inv_freq[None, :]
     return jnp.sin(angles), jnp.cos(angles)
+
+
+def _llama3_frequencies(inv_freq: jax.Array, s: RopeScaling) -> jax.Array:
+    """Llama 3's scaled rotary frequencies (as Hugging Face's ``_compute_llama3_parameters``)."""
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen, high_wavelen = s.original_max_len / s.low_freq_factor, s.original_max_len / s.high_freq_factor
+    stretched = jnp.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * stretched / s.factor + smooth * stretched
+    between = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(between, blended, stretched)
 
 
 def apply_rope(x_BLNH: jax.Array, sin_cos: tuple[jax.Array, jax.Array]) -> jax.Array:

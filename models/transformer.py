@@ -382,4 +382,4 @@ class TransformerLM:
     def _rope(self, length: int) -> tuple[jax.Array, jax.Array] | None:
         if self.cfg.positions is not Positions.ROPE:
             return None
-        return rope_tables(jnp.arange(length), self.cfg.d_head, self.cfg.rope_theta)
+        return rope_tables(jnp.arange(length), self.cfg.d_head, self.cfg.rope_theta, self.cfg.rope_scaling)
