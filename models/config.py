@@ -146,3 +146,25 @@ class ModelConfig:
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        """Plain JSON values (reports, checkpoints); :meth:`from_dict` reads them back."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out.update({k: str(out[k]) for k in ("norm", "mlp", "positions")})
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = dataclasses.asdict(self.rope_scaling)
+        return out
+
+    @classmethod
+    def from_dict(cls, values: dict) -> ModelConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown model config field(s): {', '.join(unknown)}")
+        values = dict(values)
+        for key, kind in (("norm", Norm), ("mlp", Mlp), ("positions", Positions)):
+            if key in values:
+                values[key] = kind(values[key])
+        if values.get("rope_scaling") is not None:
+            values["rope_scaling"] = RopeScaling(**values["rope_scaling"])
+        return cls(**values)
