@@ -21,7 +21,7 @@ from jaxshard.errors import ConfigError  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     with cli.one_line_errors():
-        args = cli.inspect_parser().parse_args(argv)
+        args = cli.parse_with_config(cli.inspect_parser(), argv)
         cfg = cli.train_config(args)
         if cfg.measure_bubble:
             raise ConfigError("--measure-bubble times a training run: give it to experiments/train.py")

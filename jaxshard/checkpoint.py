@@ -68,6 +68,16 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def latest_meta(self) -> dict[str, Any] | None:
+        """The record of the latest complete checkpoint (None if there is none)."""
+        return None if self.latest_step() is None else self.meta()
+
+    def _meta(self, step: int) -> Any:
+        try:
+            return self.manager.restore(step, args=self._ocp.args.Composite(meta=self._ocp.args.JsonRestore()))["meta"]
+        except Exception as e:  # noqa: BLE001 -- orbax raises many kinds; the user needs one line
+            raise CheckpointError(f"checkpoint {self.directory}/{step} is unreadable: {_first_line(e)}") from None
+
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
         """Start an asynchronous save (training goes on while it is written)."""
         ocp = self._ocp
@@ -82,17 +92,7 @@ class Checkpointer:
         """The state of ``step`` (default: the latest complete one) in ``abstract_state``'s
         shardings, and its record."""
         ocp = self._ocp
-        step = self.latest_step() if step is None else step
-        if step is None:
-            raise CheckpointError(f"no complete checkpoint in {self.directory}")
-        where = f"checkpoint {self.directory}/{step}"
-        try:
-            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"{where} is unreadable: {_first_line(e)}") from None
-        saved = meta.get("param_shapes") if isinstance(meta, dict) else None
-        if saved != expected_shapes:
-            raise CheckpointError(f"{where} holds another model: {_shape_difference(saved, expected_shapes)}")
+        step, where, meta = self._checked(step, expected_shapes)
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state)))
@@ -100,9 +100,48 @@ class Checkpointer:
             raise CheckpointError(f"{where} cannot be restored: {_first_line(e)}") from None
         return restored["state"], meta
 
+    def restore_params(self, abstract_params: Any, expected_shapes: dict[str, list[int]],
+                       step: int | None = None) -> tuple[Any, dict[str, Any]]:
+        """Only the params of ``step`` (default: the latest), in ``abstract_params``' shardings
+        (model layer order): what generation needs, without the optimizer state."""
+        ocp = self._ocp
+        step, where, meta = self._checked(step, expected_shapes)
+        item = {"params": abstract_params}
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{where} cannot be restored: {_first_line(e)}") from None
+        return restored["state"]["params"], meta
+
+    def _checked(self, step: int | None, expected_shapes: dict[str, list[int]]) -> tuple[int, str, dict]:
+        """(step, its name, its record) once the record says it holds a model of these shapes."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"no complete checkpoint in {self.directory}")
+        where = f"checkpoint {self.directory}/{step}"
+        meta = self._meta(step)
+        saved = meta.get("param_shapes") if isinstance(meta, dict) else None
+        if saved != expected_shapes:
+            raise CheckpointError(f"{where} holds another model: {_shape_difference(saved, expected_shapes)}")
+        return step, where, meta
+
+    def meta(self, step: int | None = None) -> dict[str, Any]:
+        """The record of ``step`` (default: the latest complete checkpoint)."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"no complete checkpoint in {self.directory}")
+        meta = self._meta(step)
+        if not isinstance(meta, dict):
+            raise CheckpointError(f"checkpoint {self.directory}/{step} has no readable record")
+        return meta
+
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Waits for the last save to be complete; closing twice is harmless."""
+        if self.manager is not None:
+            self.manager.wait_until_finished()
+            self.manager.close()
+            self.manager = None
 
 
 def _shape_difference(saved: dict | None, expected: dict) -> str:

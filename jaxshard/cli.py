@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Sequence
 
 from jaxshard.checkpoint import CheckpointConfig
@@ -24,7 +25,7 @@ from jaxshard.train_step import DTYPES, StepConfig
 
 @dataclass(frozen=True, slots=True)
 class TrainConfig:
-    model: str
+    model: str | None  # a preset (None: --init-from's, or tiny)
     mesh: MeshSpec
     dcn_mesh: MeshSpec | None  # hosts' layout for a hybrid mesh
     strategy: Strategy
@@ -51,6 +52,17 @@ class TrainConfig:
     measure_bubble: bool = False  # after training, time each pipeline stage's work alone
     # ModelConfig moe_* fields the flags override: (field, value) pairs (the preset's otherwise)
     moe: tuple[tuple[str, object], ...] = ()
+    # ModelConfig shape fields the flags override (n_layers, d_model, ...): (field, value) pairs
+    shape: tuple[tuple[str, object], ...] = ()
+    init_from: str | None = None  # a Hugging Face model folder to start from
+    export_hf: str | None = None  # write the final params as a Hugging Face model folder
+    log_every: int = 0  # a log line every N steps; 0: about ten over the run
+    tensorboard: str | None = None  # TensorBoard event files go here
+    profile_steps: str | None = None  # "A:B": a jax.profiler trace of steps A..B
+    profile_dir: str | None = None
+    sample_tokens: int = 0  # after training, generate this many tokens from sample_prompt
+    sample_prompt: str = "\n"
+    flags: dict | None = None  # every flag's effective value (the config file's and the command line's)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "eval_batches"):
@@ -64,6 +76,19 @@ class TrainConfig:
                               "(or give --peak-tflops)")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ConfigError(f"--peak-tflops must be > 0, got {self.peak_tflops}")
+        if self.log_every < 0 or self.sample_tokens < 0:
+            raise ConfigError("--log-every and --sample-tokens must be >= 0")
+        if self.init_from and self.model:
+            raise ConfigError("--model and --init-from both name the model: give one")
+        if self.init_from and self.shape:
+            flags = ", ".join("--" + k.replace("_", "-") for k, _ in self.shape)
+            raise ConfigError(f"{flags}: the shape of an --init-from model is its checkpoint's")
+        if self.init_from and self.moe:
+            raise ConfigError("--moe-* flags: Hugging Face import covers dense GPT-2 and Llama models")
+
+    @property
+    def model_name(self) -> str:
+        return self.model or "tiny"
 
 
 def _bool(text: str) -> bool:
@@ -79,8 +104,14 @@ def train_parser() -> argparse.ArgumentParser:
         description="Train a transformer LM on a device mesh (DDP, ZeRO-1/2/3, FSDP, HSDP, "
                     "tensor, sequence, context and pipeline parallelism).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", default=None, metavar="FILE.toml",
+                   help="a TOML file of flags (keys are the flags' names, e.g. batch_size = 32); "
+                        "flags on the command line override it")
     g = p.add_argument_group("model and mesh")
-    g.add_argument("--model", default="tiny", help="preset name (see models/presets.py)")
+    g.add_argument("--model", default=None, help="preset name (see models/presets.py; default tiny)")
+    g.add_argument("--init-from", default=None, metavar="HF_DIR",
+                   help="start from a local Hugging Face GPT-2 or Llama folder (config.json + "
+                        "*.safetensors): its shape, its weights read straight into their shardings")
     g.add_argument("--mesh", default="data=-1",
                    help="AXIS=SIZE,... over data, fsdp, stage, expert, sequence, tensor; "
                         "outermost first; one -1 fills the remaining devices")
@@ -134,6 +165,9 @@ def train_parser() -> argparse.ArgumentParser:
                         "report the measured bubble beside the theory's (compiles stages + 3 "
                         "more programs)")
     g.add_argument("--dropout", type=float, default=None, help="override the preset's dropout")
+    s = p.add_argument_group("model shape (override the preset's fields)")
+    for flag, kind, text in SHAPE_FLAGS:
+        s.add_argument(flag, type=kind, default=None, help=text)
     m = p.add_argument_group("mixture of experts (override the preset's; see models/moe.py)")
     for flag, kind, text in MOE_FLAGS:
         m.add_argument(flag, type=kind, default=None, help=text)
@@ -166,8 +200,12 @@ def train_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("data")
     g.add_argument("--data", default=None,
-                   help="text file (bytes are tokens) or uint16 .bin; default: the Python "
-                        "standard library's source")
+                   help="a text file, a folder of .txt/.md/.py files (one document each), a "
+                        ".tokens file or a uint16 .bin; default: the Python standard library's source")
+    g.add_argument("--tokenizer", default=None, metavar="bytes|bpe:N|PATH",
+                   help="bytes (ids are UTF-8 bytes), bpe:N (a byte-level BPE of N tokens trained on "
+                        "the training split), or a tokenizer.json (or a folder holding one); default: "
+                        "the --init-from folder's tokenizer.json if it has one, else bytes")
     g.add_argument("--val-fraction", type=float, default=0.05)
     g.add_argument("--eval-every", type=int, default=50, help="validation every N steps; 0: at the end")
     g.add_argument("--eval-batches", type=int, default=4)
@@ -181,6 +219,16 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--metrics", default=None, help="JSON lines, one per step")
     g.add_argument("--report", default=None, help="JSON summary written at the end")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--log-every", type=int, default=0,
+                   help="print a line (loss, tokens/s, MFU) every N steps; 0: about ten per run")
+    g.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="write TensorBoard scalars (loss, val loss, lr, grad norm, tokens/s, MFU)")
+    g.add_argument("--profile-steps", default=None, metavar="A:B",
+                   help="record a jax.profiler trace of steps A to B into --profile-dir")
+    g.add_argument("--profile-dir", default=None, metavar="DIR")
+    g.add_argument("--sample-tokens", type=int, default=0,
+                   help="after training, generate N tokens from --sample-prompt and print them")
+    g.add_argument("--sample-prompt", default="\n", help="the prompt of the final sample")
     g.add_argument("--cpu-devices", type=int, default=None,
                    help="force N host devices when running on CPU (acts before JAX starts)")
     g.add_argument("--platform", default=None, help="cpu, gpu or tpu (default: JAX's choice)")
@@ -194,6 +242,9 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--resume", action="store_true",
                    help="continue from the latest complete checkpoint in --checkpoint-dir, on any mesh")
     g.add_argument("--export", default=None, help="write the final params to this .npz (plain numpy)")
+    g.add_argument("--export-hf", default=None, metavar="DIR",
+                   help="write the final model as a Hugging Face folder (config.json, safetensors, "
+                        "tokenizer.json) that transformers loads as it is")
 
     g = p.add_argument_group("multi-process (one process per host; see the README)")
     g.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
@@ -205,7 +256,63 @@ def train_parser() -> argparse.ArgumentParser:
 
 
 def parse_train(argv: Sequence[str] | None = None) -> TrainConfig:
-    return train_config(train_parser().parse_args(argv))
+    return train_config(parse_with_config(train_parser(), argv))
+
+
+def parse_with_config(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """``parser``'s flags, with ``--config FILE.toml`` giving any of them (flags on the command
+    line win). TOML: typed values and comments in the standard library (``tomllib``); keys are
+    the flags' names (``batch_size`` or ``batch-size``), at the top or in tables of any name
+    (for grouping). An unknown key or a wrong type is an error."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    if known.config:
+        parser.set_defaults(**read_config_file(parser, known.config))
+    return parser.parse_args(argv)
+
+
+def read_config_file(parser: argparse.ArgumentParser, path: str) -> dict[str, object]:
+    """The flag values a TOML file sets, checked against ``parser``'s flags and types."""
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            table = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"--config {path}: {e}") from None
+    flat: dict[str, object] = {}
+    for key, value in table.items():
+        for k, v in (value.items() if isinstance(value, dict) else [(key, value)]):
+            flat[k.replace("-", "_")] = v
+    actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
+    values = {}
+    for key, value in flat.items():
+        if key not in actions:
+            raise ConfigError(f"--config {path}: unknown key '{key}' (keys are the flags' names, "
+                              "e.g. batch_size)")
+        values[key] = _typed(actions[key], value, f"--config {path}: {key}")
+    return values
+
+
+def _typed(action: argparse.Action, value: object, where: str) -> object:
+    """``value`` as the flag would have parsed it; an error if it is of the wrong type."""
+    if action.nargs == 0:  # store_true / store_false
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {value!r}")
+        return value
+    kind = action.type or str
+    wanted = {int: (int,), float: (int, float), str: (str,), _bool: (bool,)}.get(kind)
+    if wanted is None or isinstance(value, bool) and bool not in wanted or not isinstance(value, wanted):
+        name = {int: "an integer", float: "a number", str: "a string", _bool: "true or false"}.get(kind, "a value")
+        raise ConfigError(f"{where} must be {name}, got {value!r}")
+    value = float(value) if kind is float else value
+    if action.choices is not None and value not in action.choices:
+        raise ConfigError(f"{where} must be one of {', '.join(map(str, action.choices))}, got {value!r}")
+    return value
 
 
 def inspect_parser() -> argparse.ArgumentParser:
@@ -256,9 +363,34 @@ MOE_FLAGS = (
 )
 
 
-def _moe(a: argparse.Namespace) -> tuple[tuple[str, object], ...]:
-    fields = (flag[2:].replace("-", "_") for flag, _, _ in MOE_FLAGS)
+SHAPE_FLAGS = (
+    ("--n-layers", int, "layers"),
+    ("--d-model", int, "width of the residual stream"),
+    ("--n-heads", int, "attention heads"),
+    ("--n-kv-heads", int, "key/value heads (fewer than --n-heads: grouped-query attention)"),
+    ("--d-head", int, "width of a head (default d_model / n_heads)"),
+    ("--d-mlp", int, "hidden width of the MLP"),
+    ("--vocab-size", int, "vocabulary (default: the preset's, or a trained tokenizer's)"),
+    ("--max-seq-len", int, "longest sequence (GPT-2: rows of the position table)"),
+    ("--rope-theta", float, "rotary embedding base (Llama family)"),
+)
+
+
+def _fields(a: argparse.Namespace, flags) -> tuple[tuple[str, object], ...]:
+    fields = (flag[2:].replace("-", "_") for flag, _, _ in flags)
     return tuple((f, getattr(a, f)) for f in fields if getattr(a, f) is not None)
+
+
+def _moe(a: argparse.Namespace) -> tuple[tuple[str, object], ...]:
+    return _fields(a, MOE_FLAGS)
+
+
+def _tokenizer(a: argparse.Namespace) -> str:
+    if a.tokenizer:
+        return a.tokenizer
+    if a.init_from and (Path(a.init_from) / "tokenizer.json").is_file():
+        return str(Path(a.init_from) / "tokenizer.json")
+    return "bytes"
 
 
 def _offload(text: str) -> tuple[str, ...]:
@@ -280,7 +412,7 @@ def train_config(a: argparse.Namespace) -> TrainConfig:
                           b1=a.beta1, b2=a.beta2, weight_decay=a.weight_decay,
                           grad_clip=a.grad_clip),
         step=_step_config(a),
-        data=DataConfig(path=a.data, val_fraction=a.val_fraction),
+        data=DataConfig(path=a.data, val_fraction=a.val_fraction, tokenizer=_tokenizer(a)),
         runtime=RuntimeConfig(cpu_devices=a.cpu_devices, platform=a.platform,
                               compile_cache=a.compile_cache or None),
         steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, dropout=a.dropout,
@@ -291,7 +423,11 @@ def train_config(a: argparse.Namespace) -> TrainConfig:
         distributed=DistributedConfig.from_env(a.coordinator, a.num_processes, a.process_id, a.init_timeout),
         checkpoint=CheckpointConfig(directory=a.checkpoint_dir, save_every=a.save_every, keep=a.keep,
                                     resume=a.resume),
-        export=a.export, measure_bubble=a.measure_bubble, moe=_moe(a))
+        export=a.export, measure_bubble=a.measure_bubble, moe=_moe(a),
+        shape=_fields(a, SHAPE_FLAGS), init_from=a.init_from, export_hf=a.export_hf,
+        log_every=a.log_every, tensorboard=a.tensorboard, profile_steps=a.profile_steps,
+        profile_dir=a.profile_dir, sample_tokens=a.sample_tokens, sample_prompt=a.sample_prompt,
+        flags={k: v for k, v in sorted(vars(a).items()) if k != "config"})
 
 
 @contextlib.contextmanager

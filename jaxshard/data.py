@@ -1,8 +1,16 @@
-"""Token corpora and per-process batching.
+"""Token corpora, the token files that cache them, and per-process batching.
 
-The default corpus needs no download: the byte-level tokens of the Python standard
-library's source text, which every machine with Python has. ``--data PATH`` takes a text file
-(bytes are tokens) or a pre-tokenized ``.bin`` of little-endian uint16 ids (nanoGPT's format).
+The default corpus needs no download: the Python standard library's source files, which every
+machine with Python has. ``--data PATH`` takes a text file (one document), a folder (its ``*.txt``,
+``*.md`` and ``*.py`` files, recursively and sorted, are the documents), a token file (``.tokens``,
+see ``TokenWriter``) or a ``.bin`` of little-endian uint16 ids (nanoGPT's format). Documents are
+joined with the tokenizer's end-of-text id between them; the validation split is the corpus's tail.
+
+``--tokenizer bytes`` (the default) reads bytes as tokens, in memory. A text tokenizer (``bpe:N``,
+trained on the training split only, or a ``tokenizer.json``) tokenizes the corpus once, streaming,
+into two token files under ``cache_dir`` named by a hash of the source files (path, size, mtime),
+the tokenizer and the split; later runs map them from disk. Text tokenizers skip files that are
+not valid UTF-8; the byte tokenizer reads every file as it is.
 
 Sample ``g`` of the run (a global offset: step * batch + row) is a window of ``seq_len + 1``
 tokens picked by a per-epoch permutation of the corpus's windows, so the data order depends
@@ -13,20 +21,36 @@ the rows its devices hold (the DistributedSampler idea) and
 
 from __future__ import annotations
 
+import codecs
 import functools
+import hashlib
 import os
 import queue
+import struct
+import sys
 import sysconfig
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from jaxshard.errors import DataError
+from jaxshard.errors import ConfigError, DataError
+from jaxshard.tokenizer import (ByteTokenizer, Tokenizer, load_tokenizer, parse_spec, tokenizer_from_spec,
+                                train_bpe)
 
 STDLIB = "stdlib"  # name of the default corpus
+TEXT_SUFFIXES = (".txt", ".md", ".py")  # the documents of a --data folder
+DEFAULT_TOKEN_CACHE = Path(os.environ.get("JAXSHARD_CACHE", Path.home() / ".cache" / "jaxshard")) / "tokens"
+
+TOKEN_MAGIC = b"JXSHTOK\n"
+TOKEN_VERSION = 1
+# magic, version, bytes per id, vocab size, token count, digest of what produced the ids
+_HEADER = struct.Struct("<8sIIQQ32s")
+_PIECE = 1 << 20  # bytes of text encoded in one call at most (about; see _pieces)
+_BATCH = 4 << 20  # bytes of text per parallel encode_batch call
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,61 +58,411 @@ class DataConfig:
     path: str | None = None  # None: the Python standard library's source
     val_fraction: float = 0.05
     max_bytes: int = 16 << 20  # cap on the default corpus (the stdlib holds ~30-60 MB)
+    tokenizer: str = "bytes"  # 'bytes', 'bpe:N' or a tokenizer.json (or a folder holding one)
+    cache_dir: str | None = None  # token files of text tokenizers; None: DEFAULT_TOKEN_CACHE
 
     def __post_init__(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:
             raise DataError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
+        parse_spec(self.tokenizer)
 
 
 @dataclass(frozen=True)
 class Corpus:
     name: str
-    train: np.ndarray  # 1-D token ids
+    train: np.ndarray  # 1-D token ids (a memmap for token files)
     val: np.ndarray
     vocab_size: int  # ids are < vocab_size
+    tokenizer: Tokenizer | None = None  # None: pre-tokenized data whose tokenizer was not given
 
 
-def load_corpus(cfg: DataConfig) -> Corpus:
-    if cfg.path is None:
-        tokens, name, vocab = _stdlib_tokens(cfg.max_bytes), STDLIB, 256
-    else:
-        tokens, name, vocab = _file_tokens(Path(cfg.path))
-    n_val = max(1, int(len(tokens) * cfg.val_fraction))
+def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> Corpus:
+    """The corpus ``cfg`` names, tokenized by ``tokenizer`` if given (a resumed run passes its
+    checkpoint's), else by the one ``cfg.tokenizer`` names or trains."""
+    if cfg.path is not None and Path(cfg.path).suffix in (".bin", ".tokens"):
+        return _pretokenized(Path(cfg.path), cfg, tokenizer)
+    source = _source(cfg)
+    spec = parse_spec(cfg.tokenizer)
+    if tokenizer is None and spec.kind != "bpe":
+        tokenizer = tokenizer_from_spec(spec)
+    if isinstance(tokenizer, ByteTokenizer):
+        train, val = _split(source.name, _byte_tokens(source), cfg.val_fraction)
+        return Corpus(source.name, train, val, tokenizer.vocab_size, tokenizer)
+    return _text_corpus(source, cfg, tokenizer)
+
+
+def _split(name: str, tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    n_val = max(1, int(len(tokens) * val_fraction))
     if len(tokens) - n_val < 2:
         raise DataError(f"data {name} has only {len(tokens)} tokens; too few to train on")
-    return Corpus(name, tokens[:-n_val], tokens[-n_val:], vocab)
+    return tokens[:-n_val], tokens[-n_val:]
+
+
+@dataclass(frozen=True)
+class _Source:
+    name: str
+    identity: str  # changes when the documents do; part of the token files' names
+    files: Callable[[], list[Path]]  # the documents, in order
+    max_bytes: int | None = None  # cap on the bytes read from them
+
+
+def _source(cfg: DataConfig) -> _Source:
+    if cfg.path is None:
+        identity = f"{STDLIB}:{_stdlib_root()}:{sys.version}:{cfg.max_bytes}"
+        return _Source(STDLIB, identity, _stdlib_files, cfg.max_bytes)
+    path = Path(cfg.path)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
+        if not files:
+            raise DataError(f"data folder {path} holds no {'/'.join(TEXT_SUFFIXES)} files")
+        return _Source(str(path), "\n".join(map(_file_id, files)), lambda: files)
+    if not path.is_file():
+        raise DataError(f"data file not found: {path}")
+    return _Source(str(path), _file_id(path), lambda: [path])
+
+
+def _file_id(path: Path) -> str:
+    st = path.stat()
+    return f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def _stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+@functools.lru_cache(maxsize=1)
+def _stdlib_files() -> list[Path]:
+    root = _stdlib_root()
+    files = sorted(p for p in root.rglob("*.py")
+                   if "site-packages" not in p.parts and "dist-packages" not in p.parts)
+    if not files:
+        raise DataError(f"found no Python sources under {root} for the default corpus; pass --data")
+    return files
+
+
+# ---- bytes: in memory
+
+
+def _byte_tokens(source: _Source) -> np.ndarray:
+    if source.name == STDLIB:
+        return _stdlib_tokens(source.max_bytes)
+    files = source.files()
+    if len(files) == 1:  # mapped, not read: a large text file stays on disk
+        size = files[0].stat().st_size
+        return np.memmap(files[0], dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+    return _joined_bytes(tuple(files), None)
 
 
 @functools.lru_cache(maxsize=2)
 def _stdlib_tokens(max_bytes: int) -> np.ndarray:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py")
-                   if "site-packages" not in p.parts and "dist-packages" not in p.parts)
+    return _joined_bytes(tuple(_stdlib_files()), max_bytes)
+
+
+def _joined_bytes(files: tuple[Path, ...], max_bytes: int | None) -> np.ndarray:
+    """The files' bytes (``max_bytes`` of them at most, separators aside) with NUL, the byte
+    tokenizer's end-of-text id, between files. Unreadable files are skipped."""
     chunks, total = [], 0
     for f in files:
         try:
             data = f.read_bytes()
         except OSError:
             continue
-        chunks.append(data)
-        total += len(data)
-        if total >= max_bytes:
+        if max_bytes is not None:
+            data = data[:max_bytes - total]
+        if data:
+            chunks.append(data)
+            total += len(data)
+        if max_bytes is not None and total >= max_bytes:
             break
-    if not chunks:
-        raise DataError(f"found no Python sources under {root} for the default corpus; pass --data")
-    return np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
+    return np.frombuffer(b"\0".join(chunks), dtype=np.uint8)
 
 
-def _file_tokens(path: Path) -> tuple[np.ndarray, str, int]:
+# ---- text tokenizers: token files in the cache
+
+
+def _text_corpus(source: _Source, cfg: DataConfig, tokenizer: Tokenizer | None) -> Corpus:
+    cache = Path(cfg.cache_dir) if cfg.cache_dir else DEFAULT_TOKEN_CACHE
+    split = repr(cfg.val_fraction)
+    docs = None  # (train, val) byte ranges of the documents: read only on a cache miss
+    if tokenizer is None:  # bpe:N, trained on the training split once and cached
+        bpe_file = cache / f"bpe-{_digest(source.identity, cfg.tokenizer, split).hex()[:24]}.json"
+        if bpe_file.is_file():
+            tokenizer = load_tokenizer(bpe_file)
+            tokenizer.spec = cfg.tokenizer
+        else:
+            docs = _split_documents(source, cfg.val_fraction)
+            texts = (t for r in docs[0] for t in _pieces(*r))
+            tokenizer = train_bpe(texts, parse_spec(cfg.tokenizer).vocab_size)
+            _write_atomic(bpe_file, tokenizer.to_json().encode("utf-8"))
+    digest = _digest(source.identity, _tokenizer_id(tokenizer), split)
+    parts = []
+    for i, part in enumerate(("train", "val")):
+        file = cache / f"{digest.hex()[:24]}.{part}.tokens"
+        if not file.is_file():
+            docs = docs or _split_documents(source, cfg.val_fraction)
+            with TokenWriter(file, tokenizer.vocab_size, digest) as w:
+                for ids in _encode(tokenizer, docs[i]):
+                    w.write(ids)
+        tf = read_tokens(file)
+        if tf.digest != digest or tf.vocab_size != tokenizer.vocab_size:
+            raise DataError(f"token file {file} was written for other data or another tokenizer; delete it")
+        parts.append(tf.tokens)
+    if len(parts[0]) < 2:
+        raise DataError(f"data {source.name} has only {len(parts[0])} training tokens; too few to train on")
+    return Corpus(source.name, parts[0], parts[1], tokenizer.vocab_size, tokenizer)
+
+
+def _digest(*parts: str) -> bytes:
+    return hashlib.sha256("\0".join((str(TOKEN_VERSION), *parts)).encode("utf-8")).digest()
+
+
+def _tokenizer_id(tokenizer: Tokenizer) -> str:
+    text = tokenizer.to_json()
+    return tokenizer.spec if text is None else hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+_Range = tuple[Path, int, int]  # bytes [start, stop) of a file
+
+
+def _split_documents(source: _Source, val_fraction: float) -> tuple[list[_Range], list[_Range]]:
+    """The UTF-8 documents of ``source`` (files that are not valid UTF-8 are skipped), split so the
+    validation split is their last ``val_fraction`` of bytes (cut at a character boundary)."""
+    docs, total = [], 0
+    for f in source.files():
+        n = _utf8_size(f)
+        full = source.max_bytes is not None and total + (n or 0) >= source.max_bytes
+        if n and full:
+            n = _char_start(f, source.max_bytes - total)
+        if n:
+            docs.append((f, 0, n))
+            total += n
+        if full:
+            break
+    if not docs:
+        raise DataError(f"data {source.name} holds no UTF-8 text to tokenize (files that are not UTF-8 "
+                        "are skipped)")
+    cut = total - max(1, int(total * val_fraction))
+    train, val, seen = [], [], 0
+    for f, a, b in docs:
+        k = a if seen >= cut else b if seen + b - a <= cut else _char_start(f, a + cut - seen)
+        train += [(f, a, k)] if k > a else []
+        val += [(f, k, b)] if b > k else []
+        seen += b - a
+    return train, val
+
+
+def _utf8_size(path: Path) -> int | None:
+    """The size of ``path`` if it is readable UTF-8 text, else None."""
+    decoder, n = codecs.getincrementaldecoder("utf-8")(), 0
+    try:
+        with open(path, "rb") as fh:
+            while block := fh.read(_PIECE):
+                decoder.decode(block)
+                n += len(block)
+        decoder.decode(b"", final=True)
+    except (OSError, UnicodeDecodeError):
+        return None
+    return n
+
+
+def _char_start(path: Path, k: int) -> int:
+    """The largest offset <= ``k`` at which a UTF-8 character of ``path`` starts."""
+    lo = max(0, k - 3)
+    with open(path, "rb") as fh:
+        fh.seek(lo)
+        window = fh.read(k - lo + 1)
+    while k > lo and k - lo < len(window) and window[k - lo] & 0xC0 == 0x80:
+        k -= 1
+    return k
+
+
+def _pieces(path: Path, start: int, stop: int) -> Iterator[str]:
+    """The text of bytes [start, stop) of ``path``, in pieces of about ``_PIECE`` bytes cut after a
+    line break between two printable ASCII characters. A byte-level BPE gives the same ids as for
+    the whole text (its pre-tokens never cross such a cut); a tokenizer that treats the start of
+    its input specially (a sentencepiece prefix space) may differ at the cuts."""
+    with open(path, "rb") as fh:
+        fh.seek(start)
+        pending, left = [], stop - start  # the bytes read since the last cut
+        while left > 0:
+            block = fh.read(min(_PIECE, left))
+            if not block:
+                raise DataError(f"{path} changed while it was tokenized; run again")
+            left -= len(block)
+            edge = pending[-1][-1:] if pending else b""  # the byte before the block
+            cut = _last_cut(edge + block) - len(edge) if left > 0 else len(block)
+            if cut <= 0:
+                pending.append(block)
+                continue
+            try:
+                yield b"".join([*pending, block[:cut]]).decode("utf-8")
+            except UnicodeDecodeError:
+                raise DataError(f"{path} changed while it was tokenized; run again") from None
+            pending = [block[cut:]]
+
+
+def _last_cut(buf: bytes) -> int:
+    """The offset just after the last "\\n" of ``buf`` with a printable ASCII byte on both sides; 0
+    if none."""
+    i = buf.rfind(b"\n")
+    while i > 0 and not (i + 1 < len(buf) and 32 < buf[i - 1] < 127 and 32 < buf[i + 1] < 127):
+        i = buf.rfind(b"\n", 0, i)
+    return i + 1 if i > 0 else 0
+
+
+def _encode(tokenizer: Tokenizer, docs: list[_Range]) -> Iterator[np.ndarray]:
+    """The ids of ``docs`` with the end-of-text id between documents, a few MB of text at a time."""
+    eot = None if tokenizer.eot_id is None else np.array([tokenizer.eot_id])
+    items, size = [], 0  # text pieces, and None where an end-of-text id goes
+    for i, r in enumerate(docs):
+        if i and eot is not None:
+            items.append(None)
+        for text in _pieces(*r):
+            items.append(text)
+            size += len(text)
+            if size >= _BATCH:
+                yield from _encode_items(tokenizer, items, eot)
+                items, size = [], 0
+    yield from _encode_items(tokenizer, items, eot)
+
+
+def _encode_items(tokenizer: Tokenizer, items: list[str | None],
+                  eot: np.ndarray | None) -> Iterator[np.ndarray]:
+    encoded = iter(tokenizer.encode_batch([t for t in items if t is not None]))
+    for t in items:
+        yield eot if t is None else next(encoded)
+
+
+# ---- token files
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype("<u2" if vocab_size <= 1 << 16 else "<u4")
+
+
+class TokenWriter:
+    """Appends ids to a token file: a 64-byte header (``_HEADER``: magic, format version, bytes per
+    id, vocab size, token count, a 32-byte digest of what produced the ids) then the ids,
+    little-endian uint16 (vocab <= 65,536) or uint32. Written under a temporary name and moved to
+    ``path`` by ``close``, so an error or a killed process leaves no file at ``path``."""
+
+    def __init__(self, path: str | os.PathLike, vocab_size: int, digest: bytes = bytes(32)):
+        if not 0 < vocab_size <= 1 << 32:
+            raise DataError(f"a token file's vocab size must be in [1, 2**32], got {vocab_size}")
+        self.path, self.vocab_size, self.digest = Path(path), vocab_size, digest
+        self.dtype, self.count = token_dtype(vocab_size), 0
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, self._tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.",
+                                             suffix=".tmp")
+        except OSError as e:
+            raise DataError(f"cannot write token file {self.path}: {e.strerror}") from None
+        self._file = os.fdopen(fd, "wb")
+        self._file.write(self._header())  # the count is filled in by close()
+
+    def _header(self) -> bytes:
+        return _HEADER.pack(TOKEN_MAGIC, TOKEN_VERSION, self.dtype.itemsize, self.vocab_size, self.count,
+                            self.digest)
+
+    def write(self, ids) -> None:
+        ids = np.asarray(ids).ravel()
+        if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
+            raise DataError(f"token ids {ids.min()}..{ids.max()} do not fit a vocab of {self.vocab_size}")
+        self._file.write(ids.astype(self.dtype).tobytes())
+        self.count += ids.size
+
+    def close(self) -> None:
+        self._file.seek(0)
+        self._file.write(self._header())
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self._tmp, self.path)
+
+    def abort(self) -> None:
+        self._file.close()
+        Path(self._tmp).unlink(missing_ok=True)
+
+    def __enter__(self) -> TokenWriter:
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        self.abort() if exc_type is not None else self.close()
+
+
+@dataclass(frozen=True)
+class TokenFile:
+    tokens: np.ndarray  # 1-D, memory-mapped read-only
+    vocab_size: int
+    digest: bytes
+
+
+def read_tokens(path: str | os.PathLike) -> TokenFile:
+    """Map a token file written by ``TokenWriter``; a bad header or size is a DataError."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(_HEADER.size)
+    except OSError as e:
+        raise DataError(f"cannot read token file {path}: {e.strerror}") from None
+
+    def bad(why: str) -> DataError:
+        return DataError(f"{path} is not a valid token file ({why}); delete or re-create it")
+
+    if len(head) < _HEADER.size:
+        raise bad(f"{size} bytes, shorter than the header")
+    magic, version, width, vocab, count, digest = _HEADER.unpack(head)
+    if magic != TOKEN_MAGIC:
+        raise bad("wrong magic bytes")
+    if version != TOKEN_VERSION:
+        raise bad(f"format version {version}, this reads {TOKEN_VERSION}")
+    if not 0 < vocab <= 1 << 32 or width != token_dtype(vocab).itemsize:
+        raise bad(f"{width}-byte ids for a vocab of {vocab}")
+    if size != _HEADER.size + count * width:
+        raise bad(f"{size} bytes where the header says {count} tokens: truncated or corrupt")
+    dtype = token_dtype(vocab)
+    if not count:
+        return TokenFile(np.zeros(0, dtype), vocab, digest)
+    return TokenFile(np.memmap(path, dtype=dtype, mode="r", offset=_HEADER.size, shape=(count,)), vocab, digest)
+
+
+def _write_atomic(path: Path, content: bytes) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(content)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise DataError(f"cannot write {path}: {e.strerror}") from None
+
+
+def _pretokenized(path: Path, cfg: DataConfig, tokenizer: Tokenizer | None) -> Corpus:
+    """A ``.bin`` or ``.tokens`` file. Its tokenizer is the one given or a ``--tokenizer`` path;
+    the default ``bytes`` does not claim pre-tokenized ids (the corpus then has no tokenizer)."""
     if not path.is_file():
         raise DataError(f"data file not found: {path}")
-    if path.suffix == ".bin":
+    if path.suffix == ".tokens":
+        tf = read_tokens(path)
+        tokens, vocab = tf.tokens, tf.vocab_size
+    else:
         if path.stat().st_size % 2:
             raise DataError(f"{path} has an odd size; a .bin must hold little-endian uint16 tokens")
-        tokens = np.memmap(path, dtype="<u2", mode="r")
+        tokens = np.memmap(path, dtype="<u2", mode="r") if path.stat().st_size else np.zeros(0, "<u2")
         vocab = int(tokens.max()) + 1 if len(tokens) else 0
-        return tokens, str(path), vocab
-    return np.fromfile(path, dtype=np.uint8), str(path), 256
+    if tokenizer is None:
+        spec = parse_spec(cfg.tokenizer)
+        if spec.kind == "bpe":
+            raise ConfigError(f"--tokenizer {cfg.tokenizer} trains on text, but {path} is already tokenized")
+        tokenizer = tokenizer_from_spec(spec) if spec.kind == "file" else None
+    if tokenizer is not None:
+        if vocab > tokenizer.vocab_size:
+            raise DataError(f"{path} holds ids up to {vocab - 1}, beyond the vocab of {tokenizer.vocab_size} "
+                            f"of tokenizer {tokenizer.spec}")
+        vocab = tokenizer.vocab_size
+    train, val = _split(str(path), tokens, cfg.val_fraction)
+    return Corpus(str(path), train, val, vocab, tokenizer)
 
 
 class Batches:

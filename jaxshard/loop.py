@@ -7,6 +7,7 @@ import dataclasses
 import math
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -14,13 +15,15 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from jaxshard import accounting, bubble, devices, hlo, inspect
+from jaxshard import accounting, bubble, devices, hf, hlo, inspect
 from jaxshard import data as data_lib
+from jaxshard import tokenizer as tokenizer_lib
 from jaxshard.checkpoint import Checkpointer, check_export_path, export_params, param_shapes
 from jaxshard.cli import TrainConfig
 from jaxshard.errors import ConfigError, DataError, TrainingError
 from jaxshard.mesh import axis_sizes, build_mesh
 from jaxshard.metrics import MetricsLog, progress, write_json_atomic
+from jaxshard.observe import ProfileWindow, TensorBoardLog
 from jaxshard.rules import ShardingRules
 from jaxshard.train_step import Program, balance_stages, build_program, check_batch
 
@@ -42,8 +45,11 @@ def _check_model_fits_data(model: Any, corpus: data_lib.Corpus, seq_len: int) ->
 def _fault(kind: str, step: int) -> None:
     """Fault injection for the crash tests: JAXSHARD_FAULT=kill-after-save:STEP kills this
     process (SIGKILL) while that step's checkpoint is being written; exit:PROCESS:STEP makes
-    process PROCESS exit with status 17 at that step."""
+    process PROCESS exit with status 17 at that step; term:STEP sends this process SIGTERM (a
+    scheduler's preemption notice) as that step is dispatched."""
     spec = os.environ.get("JAXSHARD_FAULT", "").split(":")
+    if kind == "step" and spec[0] == "term" and int(spec[1]) == step:
+        os.kill(os.getpid(), signal.SIGTERM)
     if kind == "save" and spec[0] == "kill-after-save" and int(spec[1]) == step:
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "step" and spec[0] == "exit" and int(spec[1]) == jax.process_index() and int(spec[2]) == step:
@@ -51,7 +57,8 @@ def _fault(kind: str, step: int) -> None:
 
 
 def _start(cfg: TrainConfig, program: Program, model: Any, ckpt: Checkpointer | None):
-    """The initial state, its step and global sample offset: fresh, or the latest checkpoint."""
+    """The initial state, its step and global sample offset: fresh (or --init-from's weights),
+    or the latest checkpoint."""
     if ckpt is not None and cfg.checkpoint.resume and ckpt.latest_step() is not None:
         state, meta = ckpt.restore(program.saved_abstract, param_shapes(model.abstract_params()))
         state = program.unsaved(state)
@@ -66,6 +73,11 @@ def _start(cfg: TrainConfig, program: Program, model: Any, ckpt: Checkpointer | 
                           "pass --resume to continue it, or use an empty folder")
     if cfg.checkpoint.resume:
         _log(f"no complete checkpoint in {cfg.checkpoint.directory}: starting from step 0")
+    if cfg.init_from:
+        shardings = jax.tree.map(lambda x: x.sharding, program.saved_abstract.params)
+        state = program.from_params(hf.load_params(cfg.init_from, model, shardings))
+        _log(f"initialised from {cfg.init_from}")
+        return state, 0, 0
     return program.init(cfg.step.seed), 0, 0
 
 
@@ -80,36 +92,62 @@ def _keep_metrics_until(path: str | None, step: int) -> None:
     Path(path).write_text("".join(line + "\n" for line in lines))
 
 
-def train(cfg: TrainConfig, model: Any) -> dict[str, Any]:
-    """Train ``model`` as ``cfg`` says; returns (and writes, with ``--report``) the report."""
+class Preempted(Exception):
+    """SIGTERM stopped the run at a step boundary; ``code`` is the exit status it asks for."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Train the model ``cfg`` names; returns (and writes, with ``--report``) the report.
+    Raises :class:`Preempted` when SIGTERM ends the run early (after saving, with a checkpoint
+    folder)."""
+    from jaxshard.train import build_model
+
     B, L = cfg.batch_size, cfg.seq_len
     mesh = build_mesh(cfg.mesh, dcn=cfg.dcn_mesh)
     rules = ShardingRules(mesh, cfg.strategy)
-    if cfg.step.balance:
-        step, line = balance_stages(model, rules, cfg.step, B, L)
-        _log(line)
-        cfg = dataclasses.replace(cfg, step=step)
-    program = build_program(model, rules, cfg.optim, cfg.step)  # nothing compiled yet
-    check_batch(rules, B, L, cfg.step.grad_accum, program.schedule.microbatches if program.schedule else 1)
-    if cfg.measure_bubble and program.schedule is None:
-        raise ConfigError("--measure-bubble needs a stage axis (a pipeline) in --mesh")
-    corpus = data_lib.load_corpus(cfg.data)
-    _check_model_fits_data(model, corpus, L)
+    window = ProfileWindow.parse(cfg.profile_steps, cfg.profile_dir)
+    if window is not None:
+        window.check(cfg.steps)
     if cfg.export:
         check_export_path(cfg.export)
-
+    if cfg.export_hf:
+        hf.check_export_dir(cfg.export_hf)
     ckpt = Checkpointer(cfg.checkpoint) if cfg.checkpoint.directory else None
     try:
-        return _train(cfg, model, rules, corpus, program, ckpt)
+        tokenizer = None
+        meta = ckpt.latest_meta() if ckpt is not None and cfg.checkpoint.resume else None
+        if meta and meta.get("tokenizer"):
+            tokenizer = tokenizer_lib.HFTokenizer.from_json(meta["tokenizer"], meta.get("tokenizer_spec", "checkpoint"))
+            _log(f"tokenizer: the checkpoint's ({meta.get('tokenizer_spec')}, {tokenizer.vocab_size:,} tokens)")
+        corpus = data_lib.load_corpus(cfg.data, tokenizer)
+        text = corpus.tokenizer is not None and corpus.tokenizer.to_json() is not None
+        model = build_model(cfg, tokenizer_vocab=corpus.tokenizer.vocab_size if text else None)
+        if cfg.export_hf:
+            hf.family(model.cfg)  # an error now, not after training
+        if cfg.step.balance:
+            step, line = balance_stages(model, rules, cfg.step, B, L)
+            _log(line)
+            cfg = dataclasses.replace(cfg, step=step)
+        program = build_program(model, rules, cfg.optim, cfg.step)  # nothing compiled yet
+        check_batch(rules, B, L, cfg.step.grad_accum, program.schedule.microbatches if program.schedule else 1)
+        if cfg.measure_bubble and program.schedule is None:
+            raise ConfigError("--measure-bubble needs a stage axis (a pipeline) in --mesh")
+        _check_model_fits_data(model, corpus, L)
+        return _train(cfg, model, rules, corpus, program, ckpt, window)
     finally:
         if ckpt is not None:
             ckpt.close()  # waits for the last save to be complete
 
 
 def _train(cfg: TrainConfig, model: Any, rules: ShardingRules, corpus: data_lib.Corpus,
-           program: Program, ckpt: Checkpointer | None) -> dict[str, Any]:
+           program: Program, ckpt: Checkpointer | None, window: ProfileWindow | None) -> dict[str, Any]:
     B, L = cfg.batch_size, cfg.seq_len
     mesh = rules.mesh
+    tokenizer = corpus.tokenizer  # None: the data came as ids
     _log(f"model {model.cfg.name}: {model.n_params():,} params | mesh {axis_sizes(mesh)} | "
          f"strategy {rules.name} | remat {model.remat} | {jax.device_count()} {jax.default_backend()} devices"
          + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""))
@@ -160,7 +198,10 @@ def _train(cfg: TrainConfig, model: Any, rules: ShardingRules, corpus: data_lib.
         ckpt.save(step, program.saved(state), {"step": step, "samples_seen": samples, "seed": cfg.step.seed,
                                 "batch_size": B, "seq_len": L, "model": model.cfg.name,
                                 "mesh": axis_sizes(mesh), "strategy": rules.name,
-                                "param_shapes": param_shapes(model.abstract_params())})
+                                "param_shapes": param_shapes(model.abstract_params()),
+                                "model_config": model.cfg.to_dict(),
+                                "tokenizer_spec": tokenizer and tokenizer.spec,
+                                "tokenizer": tokenizer and tokenizer.to_json(), "flags": cfg.flags})
         _fault("save", step)
 
     def evaluates(step: int) -> bool:
@@ -175,8 +216,10 @@ def _train(cfg: TrainConfig, model: Any, rules: ShardingRules, corpus: data_lib.
     val_loss = None
     last_done = 0.0  # when the previous step's metrics arrived
     writer = MetricsLog(cfg.metrics if jax.process_index() == 0 else None, append=start > 0)
+    board = TensorBoardLog(cfg.tensorboard, start_step=start)
     bar = progress(cfg.steps, cfg.progress and jax.process_index() == 0)
     bar.update(start)
+    log_every = cfg.log_every or max(1, cfg.steps // 10)
 
     def complete(i: int, metrics: dict, started: float) -> None:
         """Read step ``i``'s metrics (waiting for it to finish), log them, and at the steps
@@ -197,6 +240,7 @@ def _train(cfg: TrainConfig, model: Any, rules: ShardingRules, corpus: data_lib.
         if math.isfinite(m["loss"]) and evaluates(step):
             val_loss = record["val_loss"] = validate()
         writer.write(record)
+        board.write(step, record)
         records.append(record)
         if not math.isfinite(m["loss"]):
             raise TrainingError(f"loss is {m['loss']} at step {step}; lower --lr or check the "
@@ -208,6 +252,10 @@ def _train(cfg: TrainConfig, model: Any, rules: ShardingRules, corpus: data_lib.
         bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
                         **{"mfu" if "mfu" in record else "speed": speed}, refresh=False)
         bar.update()
+        if (step % log_every == 0 or "val_loss" in record) and jax.process_index() == 0:
+            val = f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""
+            bar.write(f"step {step}/{cfg.steps} | loss {m['loss']:.4f}{val} | "
+                      f"{record['tokens_per_s']:,.0f} tokens/s | {'MFU ' if 'mfu' in record else ''}{speed}")
 
     def make_batch(i: int) -> dict:
         return data_lib.to_global(train_data.batch_at(samples + (i - start) * B), program.batch_sharding, (B, L))
@@ -219,15 +267,36 @@ def _train(cfg: TrainConfig, model: Any, rules: ShardingRules, corpus: data_lib.
     def dispatch(i: int) -> tuple[dict, float]:
         nonlocal state
         _fault("step", i + 1)
+        if window is not None:
+            window.before(i + 1)
         started = time.perf_counter()
-        state, metrics = compiled(state, batches.get(i))
+        batch = batches.get(i)
+        state, metrics = compiled(state, batch)
+        if window is not None:
+            window.after(i + 1, lambda: jax.block_until_ready(state))
         return metrics, started
 
-    with writer, bar, data_lib.Prefetch(make_batch, range(start, cfg.steps)) as batches:
-        run_pipelined(range(start, cfg.steps), dispatch, lambda i, out: complete(i, *out),
-                      waits=lambda i: evaluates(i + 1) or saves(i + 1))
+    with writer, board, bar, data_lib.Prefetch(make_batch, range(start, cfg.steps)) as batches, \
+            Termination() as term:
+        try:
+            stopped = run_pipelined(range(start, cfg.steps), dispatch, lambda i, out: complete(i, *out),
+                                    waits=lambda i: evaluates(i + 1) or saves(i + 1), stop=term.agreed)
+        finally:
+            if window is not None:
+                window.close()
+    if stopped is not None:
+        _preempted(stopped, samples + (stopped - start) * B, ckpt, save)
+    saved = program.saved(state)
     if cfg.export:
-        _log(f"exported params to {export_params(program.saved(state).params, cfg.export)}")
+        _log(f"exported params to {export_params(saved.params, cfg.export)}")
+    if cfg.export_hf:
+        path = hf.export(saved.params, model.cfg, cfg.export_hf, tokenizer and tokenizer.to_json(),
+                         tokenizer and tokenizer.eot_id)
+        _log(f"exported a Hugging Face model to {path}")
+    if cfg.sample_tokens and tokenizer is None:
+        _log("no sample: the data came as token ids without a tokenizer (give --tokenizer)")
+    elif cfg.sample_tokens:
+        _sample(cfg, model, rules, saved.params, tokenizer)
     measured = None
     if cfg.measure_bubble:
         state = None  # (saved and exported above) the timed programs make their own
@@ -244,13 +313,18 @@ def _train(cfg: TrainConfig, model: Any, rules: ShardingRules, corpus: data_lib.
 
 
 def run_pipelined(steps: range, dispatch: Callable[[int], Any], complete: Callable[[int, Any], None],
-                  waits: Callable[[int], bool]) -> None:
+                  waits: Callable[[int], bool], stop: Callable[[int], bool] = lambda i: False) -> int | None:
     """``dispatch(i)`` for each step in order and ``complete(i, dispatch(i))`` one step late,
     after ``dispatch(i + 1)``, so the devices have the next step queued while the host reads
     this one's results; a step where ``waits(i)`` (evaluation, checkpoint, the last) completes
-    right after its own dispatch."""
+    right after its own dispatch. ``stop(i)`` is asked before dispatching step ``i``: if true,
+    the steps before it are completed and ``i`` is returned (None when all ran)."""
     pending = None
     for i in steps:
+        if stop(i):
+            if pending is not None:
+                complete(*pending)
+            return i
         out = dispatch(i)
         if pending is not None:
             complete(*pending)
@@ -259,6 +333,65 @@ def run_pipelined(steps: range, dispatch: Callable[[int], Any], complete: Callab
             complete(i, out)
         else:
             pending = (i, out)
+
+
+class Termination:
+    """SIGTERM (a scheduler's preemption notice) asks the run to stop at the next step boundary;
+    :meth:`agreed` says whether to stop before step ``i``. With several processes the request is
+    agreed every ``every`` steps (each may receive the signal at a different step, and they
+    must stop at the same one): a small all-gather, which waits for the step before it."""
+
+    def __init__(self, every: int = 10):
+        self.requested, self.every, self._previous = False, every, None
+
+    def __enter__(self) -> Termination:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def agreed(self, i: int) -> bool:
+        if jax.process_count() == 1:
+            return self.requested
+        if i % self.every:
+            return False
+        from jax.experimental import multihost_utils
+
+        return bool(np.any(multihost_utils.process_allgather(np.int32(self.requested))))
+
+
+def _preempted(step: int, samples: int, ckpt: Checkpointer | None, save: Callable[[int, int], None]) -> None:
+    """After SIGTERM stopped the run with ``step`` steps done: save them (unless that step is
+    saved already) and raise :class:`Preempted` -- exit status 0 with a checkpoint, 143 (killed
+    by SIGTERM) without a --checkpoint-dir to save into."""
+    if ckpt is None:
+        raise Preempted(f"SIGTERM: stopped after step {step}; nothing saved (no --checkpoint-dir)", 143)
+    if ckpt.latest_step() != step:
+        save(step, samples)
+    ckpt.close()  # the save is complete before the process exits
+    raise Preempted(f"SIGTERM: saved step {step} in {ckpt.directory}; continue with --resume", 0)
+
+
+def _sample(cfg: TrainConfig, model: Any, rules: ShardingRules, params: Any, tokenizer: Any) -> None:
+    """Print ``--sample-tokens`` tokens generated from ``--sample-prompt`` (temperature 0.8,
+    top-p 0.95, --seed): what the model learned, at a glance."""
+    from jaxshard.generate import generate
+
+    prompt = [int(t) for t in tokenizer.encode(cfg.sample_prompt)]
+    try:
+        new = generate(model, params, [prompt], cfg.sample_tokens, temperature=0.8, top_p=0.95,
+                       seed=cfg.step.seed, rules=rules, stop_id=tokenizer.eot_id)[0]
+    except ConfigError as e:
+        _log(f"no sample: {e}")
+        return
+    text = tokenizer.decode(new[:-1] if new and new[-1] == tokenizer.eot_id else new)
+    _log(f"sample ({len(new)} tokens after {cfg.sample_prompt!r}):\n{cfg.sample_prompt}{text}")
 
 
 def _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compile_s, throughput,
@@ -323,6 +456,10 @@ def _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compil
         "final_loss": records[-1]["loss"],
         "final_val_loss": val_loss,
         "data": corpus.name,
+        "tokenizer": corpus.tokenizer and {"spec": corpus.tokenizer.spec,
+                                           "vocab_size": corpus.tokenizer.vocab_size},
+        "model_config": model.cfg.to_dict(),
+        "config": cfg.flags,
     }
     speed = f"MFU {report['mfu']:.1%}" if report["mfu"] is not None else \
         f"{report['tflops_per_device'] * 1e3:,.2f} GFLOP/s per device"

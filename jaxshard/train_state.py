@@ -81,18 +81,19 @@ def move(tree: Any, src: Any, dst: Any) -> Any:
     return tree if src == dst else jax.device_put(tree, dst)
 
 
+def fresh_state(tx: optax.GradientTransformation, params: Any, param_dtype: Any,
+                initial_scale: float | None = None) -> TrainState:
+    """Step 0 around float32 ``params``: the optimizer sees them as they are (a master copy
+    keeps them exactly); params are stored in ``param_dtype``."""
+    opt_state = tx.init(params)
+    params = cast_floats(params, param_dtype)
+    scale = None if initial_scale is None else loss_scale.init(initial_scale)
+    return TrainState(jnp.zeros((), jnp.int32), params, opt_state, scale)
+
+
 def build_init(model: Any, tx: optax.GradientTransformation, layout: StateLayout,
                initial_scale: float | None = None):
     """``init(seed) -> TrainState``, jitted so every array is created in its own sharding."""
     param_dtype = jax.tree.leaves(layout.abstract.params)[0].dtype
-
-    def init(seed: jax.Array) -> TrainState:
-        params = model.init(jax.random.key(seed))
-        # The optimizer sees the float32 init (a master copy keeps it exactly); params are
-        # stored in their dtype.
-        opt_state = tx.init(params)
-        params = cast_floats(params, param_dtype)
-        scale = None if initial_scale is None else loss_scale.init(initial_scale)
-        return TrainState(jnp.zeros((), jnp.int32), params, opt_state, scale)
-
-    return jax.jit(init, out_shardings=layout.shardings)
+    return jax.jit(lambda seed: fresh_state(tx, model.init(jax.random.key(seed)), param_dtype, initial_scale),
+                   out_shardings=layout.shardings)

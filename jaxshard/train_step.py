@@ -28,7 +28,8 @@ from jaxshard.errors import ConfigError
 from jaxshard.parallel import pipeline
 from jaxshard.remat import Kind, Remat
 from jaxshard.rules import ShardingRules, check_host_memory, constrain, use_rules
-from jaxshard.train_state import StateLayout, TrainState, build_init, cast_floats, move, state_layout
+from jaxshard.train_state import (StateLayout, TrainState, build_init, cast_floats, fresh_state, move,
+                                   state_layout)
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -88,6 +89,8 @@ class Program:
     saved: Callable = lambda state: state
     unsaved: Callable = lambda state: state
     saved_abstract: TrainState | None = None
+    # A fresh state (step 0) around given params in model order, e.g. imported weights.
+    from_params: Callable | None = None
 
     def abstract_batch(self, batch_size: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
         x = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=self.batch_sharding)
@@ -282,10 +285,15 @@ def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig
     saved = {}
     if schedule is not None and not schedule.layout.trivial:
         saved = _saved_forms(model, tx, layout)
+    saved_shardings = jax.tree.map(lambda x: x.sharding, saved.get("saved_abstract", layout.abstract))
+    fresh = jax.jit(lambda params: fresh_state(tx, params, jnp.dtype(cfg.param_dtype), initial_scale),
+                    out_shardings=saved_shardings)
+    unsaved = saved.get("unsaved", lambda state: state)
     return Program(
         rules=rules, layout=layout, batch_sharding=batch_sharding,
         init=build_init(model, tx, layout, initial_scale), loss=loss_sums, schedule=schedule,
         **{"saved_abstract": layout.abstract, **saved},
+        from_params=lambda params: unsaved(fresh(params)),
         step=jax.jit(step, in_shardings=(layout.shardings, batch_sharding),
                      out_shardings=(layout.shardings, replicated), donate_argnums=0,
                      compiler_options=runtime.xla_options()),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -115,11 +115,12 @@ class NormLayer(nnx.Module):
 
 def rope_tables(positions_L: jax.Array, d_head: int, theta: float,
                 scaling: RopeScaling | None = None) -> tuple[jax.Array, jax.Array]:
-    """(sin, cos) of shape [L, H/2] for rotary embeddings."""
+    """(sin, cos) of shape [L, H/2] for rotary embeddings ([B, L, H/2] for per-row positions
+    ``[B, L]``, as decoding uses)."""
     inv_freq = theta ** (-jnp.arange(0, d_head, 2, dtype=jnp.float32) / d_head)
     if scaling is not None:
         inv_freq = _llama3_frequencies(inv_freq, scaling)
-    angles = positions_L.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    angles = positions_L.astype(jnp.float32)[..., None] * inv_freq
     return jnp.sin(angles), jnp.cos(angles)
 
 
@@ -135,10 +136,43 @@ def _llama3_frequencies(inv_freq: jax.Array, s: RopeScaling) -> jax.Array:
 
 
 def apply_rope(x_BLNH: jax.Array, sin_cos: tuple[jax.Array, jax.Array]) -> jax.Array:
-    sin, cos = (t[None, :, None, :] for t in sin_cos)
+    sin, cos = (t[None, :, None, :] if t.ndim == 2 else t[:, :, None, :] for t in sin_cos)
     x1, x2 = jnp.split(x_BLNH.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BLNH.dtype)
+
+
+# A masked-out score: exp() of it minus any row's max is 0.
+_NEG = float(jnp.finfo(jnp.float32).min)
+CACHE_BTKH = (Dim.BATCH, None, Dim.ACT_KV_HEADS, None)  # a layer's cached keys or values
+
+
+class KVCache(NamedTuple):
+    """Keys and values of the tokens seen so far, for decoding. ``k``, ``v``: ``[B, T, K, H]``
+    by slot, which is the token's position (the model's cache stacks them over layers:
+    ``[layers, B, T, K, H]``); ``start`` ``[B]``: each row's slot for the next tokens. Slots
+    at or past a row's ``start`` may hold stale values: attention never reads them."""
+
+    k: jax.Array
+    v: jax.Array
+    start: jax.Array
+
+    def write(self, k_BLKH: jax.Array, v_BLKH: jax.Array) -> KVCache:
+        """The cache with L new tokens at each row's slots ``start .. start + L - 1``."""
+        put = jax.vmap(lambda c, x, s: jax.lax.dynamic_update_slice_in_dim(c, x, s, axis=0))
+        return self._replace(k=constrain(put(self.k, k_BLKH, self.start), CACHE_BTKH),
+                             v=constrain(put(self.v, v_BLKH, self.start), CACHE_BTKH))
+
+    def attend(self, q_BLKGH: jax.Array) -> jax.Array:
+        """Causal attention of queries at slots ``start + l`` to the cache's slots up to
+        theirs; ``[B, L, K, G, H]``. Heads stay where the tensor axes put them."""
+        L, H, T = q_BLKGH.shape[1], q_BLKGH.shape[-1], self.k.shape[1]
+        s_BKGLT = jnp.einsum("blkgh,btkh->bkglt", q_BLKGH, self.k,
+                             preferred_element_type=jnp.float32) / math.sqrt(H)
+        seen_BLT = self.start[:, None, None] + jnp.arange(L)[:, None] >= jnp.arange(T)
+        s_BKGLT = jnp.where(seen_BLT[:, None, None], s_BKGLT, _NEG)
+        p_BKGLT = jax.nn.softmax(s_BKGLT, axis=-1).astype(self.v.dtype)
+        return jnp.einsum("bkglt,btkh->blkgh", p_BKGLT, self.v)
 
 
 class Attention(nnx.Module):
@@ -167,8 +201,12 @@ class Attention(nnx.Module):
     qkv_axes = [(Dim.BATCH, Dim.LENGTH, Dim.ACT_HEADS, None),
                 (Dim.BATCH, Dim.LENGTH, Dim.ACT_KV_HEADS, None), (Dim.BATCH, Dim.LENGTH, Dim.ACT_KV_HEADS, None)]
 
-    def __call__(self, x_BLD: jax.Array, rope: tuple[jax.Array, jax.Array] | None) -> jax.Array:
-        """``x_BLD`` in the residual stream's layout (split over ``tensor`` under SP)."""
+    def __call__(self, x_BLD: jax.Array, rope: tuple[jax.Array, jax.Array] | None,
+                 cache: KVCache | None = None):
+        """``x_BLD`` in the residual stream's layout (split over ``tensor`` under SP). With
+        ``cache`` (decoding), ``x``'s tokens sit at slots ``cache.start + l`` (``rope`` per row,
+        ``[B, L, H/2]``): their keys and values are written there and the queries attend to the
+        cache; returns (output, the updated cache)."""
         q_BLNH, k_BLKH, v_BLKH = column_parallel(
             x_BLD, [self.wq[...], self.wk[...], self.wv[...]], self.weight_axes,
             lambda x, w: jnp.einsum("bld,dnh->blnh", x, w), self.qkv_axes)
@@ -182,13 +220,19 @@ class Attention(nnx.Module):
 
         B, L, N, H = q_BLNH.shape
         K = k_BLKH.shape[2]
-        o_BLKGH = attention_core(causal_attention)(q_BLNH.reshape(B, L, K, N // K, H), k_BLKH, v_BLKH)
+        q_BLKGH = q_BLNH.reshape(B, L, K, N // K, H)
+        if cache is None:
+            o_BLKGH = attention_core(causal_attention)(q_BLKGH, k_BLKH, v_BLKH)
+        else:
+            cache = cache.write(k_BLKH, v_BLKH)
+            o_BLKGH = cache.attend(q_BLKGH)
         o_BLNH = constrain(o_BLKGH.reshape(B, L, N, H), (Dim.BATCH, Dim.LENGTH, Dim.ACT_HEADS, None))
         o_BLNH = tag(o_BLNH, "attn_out")
         # Row-parallel output: the partial sums over heads are reduced into the residual
         # layout (all-reduce, or reduce-scatter under SP) before the bias, as in Megatron.
         y_BLD = tag(constrain(jnp.einsum("blnh,nhd->bld", o_BLNH, self.wo[...]), RESIDUAL_BLD), "attn_proj")
-        return shift(y_BLD, self.bo[...]) if self.use_bias else y_BLD
+        y_BLD = shift(y_BLD, self.bo[...]) if self.use_bias else y_BLD
+        return y_BLD if cache is None else (y_BLD, cache)
 
 
 class FeedForward(nnx.Module):
@@ -229,7 +273,8 @@ class FeedForward(nnx.Module):
 class Block(nnx.Module):
     """One pre-norm layer: x + attn(norm(x)), then x + ffn(norm(x)); the layer scan's body.
     ``ffn``: the feed-forward's class (``models.moe.MoEFeedForward`` for an MoE layer, which
-    returns its routing too: the block then returns ``(x, routing)``)."""
+    returns its routing too: the block then returns ``(x, routing)``). With a ``cache``
+    (decoding, see :class:`Attention`) it returns ``(that, the updated cache)``."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, ffn: type[nnx.Module] | None = None):
         self.dropout = cfg.dropout
@@ -239,15 +284,19 @@ class Block(nnx.Module):
         self.ffn = (ffn or FeedForward)(cfg, rngs)
 
     def __call__(self, x_BLD: jax.Array, rope: tuple[jax.Array, jax.Array] | None,
-                 key: jax.Array | None):
+                 key: jax.Array | None, cache: KVCache | None = None):
         k_attn, k_ffn = jax.random.split(key) if key is not None else (None, None)
-        x_BLD = x_BLD + dropout(self.attn(self.attn_norm(x_BLD), rope), self.dropout, k_attn)
+        a_BLD = self.attn(self.attn_norm(x_BLD), rope, cache)
+        if cache is not None:
+            a_BLD, cache = a_BLD
+        x_BLD = x_BLD + dropout(a_BLD, self.dropout, k_attn)
         x_BLD = constrain(x_BLD, RESIDUAL_BLD)
         y_BLD, routing = self.ffn(self.ffn_norm(x_BLD)), None
         if isinstance(y_BLD, tuple):
             y_BLD, routing = y_BLD
         x_BLD = constrain(x_BLD + dropout(y_BLD, self.dropout, k_ffn), RESIDUAL_BLD)
-        return x_BLD if routing is None else (x_BLD, routing)
+        out = x_BLD if routing is None else (x_BLD, routing)
+        return out if cache is None else (out, cache)
 
 
 class Embedder(nnx.Module):
@@ -266,9 +315,12 @@ class Embedder(nnx.Module):
                                   cfg.init_std)
 
     def encode(self, tokens_BL: jax.Array, positions_L: jax.Array, table: jax.Array | None = None) -> jax.Array:
-        """``table``: the token table to use (e.g. its ``table_copies``); default, the param."""
+        """``table``: the token table to use (e.g. its ``table_copies``); default, the param.
+        ``positions_L``: ``0..L-1``, or per row ``[B, L]`` (decoding)."""
         x_BLD = embed_lookup(self.tokens[...] if table is None else table, tokens_BL)
-        if hasattr(self, "positions"):
+        if hasattr(self, "positions") and positions_L.ndim == 2:
+            x_BLD = x_BLD + jnp.take(self.positions[...], positions_L, axis=0)
+        elif hasattr(self, "positions"):
             # positions_L is 0..L-1: a slice, whose gradient is a dense pad (a scatter-add's
             # would make XLA move the activation gradient around to scatter it).
             x_BLD = shift(x_BLD, self.positions[...][: positions_L.shape[0]])

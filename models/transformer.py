@@ -27,7 +27,7 @@ from jaxshard.parallel import pipeline
 from jaxshard.parallel.vocab import cross_entropy, table_copies
 from jaxshard.rules import active, constrain, for_compute
 from models.config import ModelConfig, Positions
-from models.layers import Block, Embedder, dropout, microbatch_rows, rope_tables
+from models.layers import CACHE_BTKH, Block, Embedder, KVCache, dropout, microbatch_rows, rope_tables
 from models.moe import MoEFeedForward
 
 Params = dict[str, Any]
@@ -172,10 +172,15 @@ class TransformerLM:
         x_BLD = self._embedder(params).encode(tokens_BL, positions_L)
         return dropout(x_BLD, self.cfg.dropout, key)
 
-    def block(self, layer_params: Params, x_BLD: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
-        """One layer, given that layer's (unstacked) params."""
+    def block(self, layer_params: Params, x_BLD: jax.Array, *, key: jax.Array | None = None,
+              cache: KVCache | None = None):
+        """One layer, given that layer's (unstacked) params. With that layer's ``cache``
+        (decoding, :meth:`extend`): (output, the updated cache)."""
         block = nnx.merge(self._block_def, for_compute(layer_params, self.block_axes))
-        return block(x_BLD, self._rope(x_BLD.shape[1]), key)
+        if cache is None:
+            return block(x_BLD, self._rope(x_BLD.shape[1]), key)
+        positions_BL = cache.start[:, None] + jnp.arange(x_BLD.shape[1])
+        return block(x_BLD, self._rope(positions_BL), key, cache)
 
     def blocks(self, params: Params, x_BLD: jax.Array, *, key: jax.Array | None = None,
                layer_keys: jax.Array | None = None, present: jax.Array | None = None) -> jax.Array:
@@ -193,6 +198,35 @@ class TransformerLM:
         x_BLD, _ = jax.lax.scan(remat_lib.apply(body, self.remat), x_BLD, (params[BLOCKS], keys, present),
                                 unroll=self.unroll)
         return x_BLD
+
+    # ---- decoding with a KV cache ------------------------------------------------------------
+    def new_cache(self, batch: int, length: int, dtype: Any = jnp.float32) -> KVCache:
+        """An empty :class:`~models.layers.KVCache` of ``length`` slots for every layer, laid
+        out by the active rules (rows over the batch axes, kv heads over ``tensor``)."""
+        cfg = self.cfg
+        kv = jnp.zeros((cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.d_head), dtype)
+        kv = constrain(kv, (None, *CACHE_BTKH))
+        return KVCache(kv, kv, jnp.zeros((batch,), jnp.int32))
+
+    def extend(self, params: Params, tokens_BL: jax.Array, cache: KVCache,
+               at_B: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+        """Run ``tokens_BL`` at each row's slots ``cache.start + l`` (a prompt, or the token just
+        drawn), the layers attending to the cache: (float32 logits ``[B, L, V]``, the cache
+        with their keys and values and ``start`` advanced by L). ``at_B``: only the logits at
+        index ``at_B[b]`` of each row (``[B, 1, V]``). A dense model in model order only."""
+        L = tokens_BL.shape[1]
+        positions_BL = cache.start[:, None] + jnp.arange(L)
+        x_BLD = self._embedder(params).encode(tokens_BL, positions_BL)
+
+        def body(x, layer):
+            layer_params, k, v = layer
+            x, c = self.block(layer_params, x, cache=KVCache(k, v, cache.start))
+            return x, (c.k, c.v)
+
+        x_BLD, (k, v) = jax.lax.scan(body, x_BLD, (params[BLOCKS], cache.k, cache.v), unroll=self.unroll)
+        if at_B is not None:
+            x_BLD = jnp.take_along_axis(x_BLD, at_B[:, None, None], axis=1)
+        return self.head(params, x_BLD), KVCache(k, v, cache.start + L)
 
     def moe_block(self, layer_params: Params, x_BLD: jax.Array, *,
                   key: jax.Array | None = None) -> tuple[jax.Array, Any]:
@@ -379,7 +413,10 @@ class TransformerLM:
             raise ConfigError(f"--seq-len {inputs_BL.shape[1]} exceeds model {self.cfg.name}'s "
                               f"max_seq_len {self.cfg.max_seq_len}")
 
-    def _rope(self, length: int) -> tuple[jax.Array, jax.Array] | None:
+    def _rope(self, positions: int | jax.Array) -> tuple[jax.Array, jax.Array] | None:
+        """Rotary tables for positions ``0..positions-1``, or for the given ``[B, L]``."""
         if self.cfg.positions is not Positions.ROPE:
             return None
-        return rope_tables(jnp.arange(length), self.cfg.d_head, self.cfg.rope_theta, self.cfg.rope_scaling)
+        if isinstance(positions, int):
+            positions = jnp.arange(positions)
+        return rope_tables(positions, self.cfg.d_head, self.cfg.rope_theta, self.cfg.rope_scaling)

@@ -1,3 +1,6 @@
+import sysconfig
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
@@ -16,6 +19,15 @@ def test_default_corpus_is_python_source_bytes():
     assert b"def " in corpus.train[:200_000].tobytes()
     again = data.load_corpus(data.DataConfig(max_bytes=1 << 20))
     np.testing.assert_array_equal(again.train, corpus.train)
+
+
+def test_default_corpus_separates_source_files_with_nul():
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in sorted(root.rglob("*.py")) if "site-packages" not in p.parts and p.stat().st_size]
+    first, second = files[0].read_bytes(), files[1].read_bytes()
+    corpus = data.load_corpus(data.DataConfig(max_bytes=1 << 20))
+    assert corpus.train[:len(first) + 1 + 100].tobytes() == first + b"\0" + second[:100]
+    assert corpus.tokenizer.eot_id == 0 and corpus.tokenizer.vocab_size == corpus.vocab_size
 
 
 def test_text_and_bin_files(tmp_path):

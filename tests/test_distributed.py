@@ -180,6 +180,28 @@ def test_killed_during_training_resumes_from_the_last_checkpoint(tmp_path, unint
     assert_close(got, want, range(1, 11))
 
 
+def test_sigterm_saves_the_last_finished_step_and_resume_loses_nothing(tmp_path, uninterrupted):
+    """A scheduler's preemption notice (SIGTERM, sent by the process to itself as step 7 is
+    dispatched) stops the run at the next step boundary: exit 0, a complete checkpoint of step 7
+    although --save-every would have saved only 5 and 10, and --resume gives the uninterrupted
+    losses."""
+    _, want = uninterrupted
+    args = ["--mesh", "data=2,fsdp=2,tensor=2", "--steps", "10", "--save-every", "5",
+            "--checkpoint-dir", str(tmp_path / "ck"), "--metrics", str(tmp_path / "m.jsonl")]
+    stopped = run(args, env={"JAXSHARD_FAULT": "term:7"})
+    assert stopped.returncode == 0, stopped.stderr
+    assert f"SIGTERM: saved step 7 in {tmp_path / 'ck'}; continue with --resume" in stopped.stderr
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.isdigit()) == ["5", "7"]
+    assert sorted(losses(tmp_path / "m.jsonl")) == list(range(1, 8))
+    r = run(args + ["--resume"])
+    assert r.returncode == 0, r.stderr
+    assert f"{tmp_path / 'ck'}/7" in r.stdout
+    assert_close(losses(tmp_path / "m.jsonl"), want, range(1, 11))
+    # Without a checkpoint folder there is nothing to save: the status of a run SIGTERM ended.
+    unsaved = run(["--mesh", "data=8", "--steps", "10"], env={"JAXSHARD_FAULT": "term:3"})
+    assert unsaved.returncode == 143 and "stopped after step 3; nothing saved" in unsaved.stderr
+
+
 def test_killed_during_an_async_save_never_uses_the_half_written_step(tmp_path, uninterrupted):
     _, want = uninterrupted
     args = ["--mesh", "data=2,fsdp=2,tensor=2", "--steps", "10", "--save-every", "3",
