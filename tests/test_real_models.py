@@ -190,9 +190,20 @@ def test_generate_from_a_checkpoint_and_from_an_hf_folder(tmp_path, gpt2_folder)
                    "no complete checkpoint")
 
 
-def test_the_training_command_runs_from_any_folder(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "jaxshard.train", *SMALL, "--steps", "2", "--cpu-devices", "1",
-                        "--report", "r.json"], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+def test_the_installed_command_runs_from_any_folder(tmp_path):
+    """``pip install .`` gives ``jaxshard-train`` (installed here without dependencies into a
+    folder of its own; the test's environment provides them)."""
+    target = tmp_path / "installed"
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                          "--target", str(target), str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert pip.returncode == 0, pip.stderr
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    r = subprocess.run([str(target / "bin" / "jaxshard-train"), *SMALL, "--steps", "2", "--cpu-devices", "1",
+                        "--report", "r.json"], capture_output=True, text=True, timeout=300, cwd=work, env=env)
     assert r.returncode == 0, r.stderr
-    assert json.loads((tmp_path / "r.json").read_text())["steps"] == 2
+    assert json.loads((work / "r.json").read_text())["steps"] == 2
+    m = subprocess.run([sys.executable, "-m", "jaxshard.train", "--steps", "0"], capture_output=True,
+                       text=True, timeout=120, cwd=work, env=env)
+    one_line_error(m, "--steps must be >= 1")
