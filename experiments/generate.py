@@ -19,6 +19,7 @@ import sys
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from jaxshard import cli, runtime  # noqa: E402
+from jaxshard.errors import ConfigError  # noqa: E402
 from jaxshard.runtime import DEFAULT_CACHE  # noqa: E402
 
 
@@ -50,38 +51,23 @@ def main(argv: list[str] | None = None) -> int:
         a = parser().parse_args(argv)
         runtime.configure(runtime.RuntimeConfig(cpu_devices=a.cpu_devices, platform=a.platform,
                                                 compile_cache=a.compile_cache or None))
-        from jaxshard import hf
         from jaxshard import tokenizer as tok
-        from jaxshard.checkpoint import CheckpointConfig, Checkpointer, param_shapes
-        from jaxshard.errors import ConfigError
-        from jaxshard.generate import generate
         from jaxshard.mesh import MeshSpec, build_mesh
         from jaxshard.rules import ShardingRules, StateKind, Strategy
-        from models import ModelConfig, TransformerLM
+        from jaxshard.train import restore_model
+        from models import TransformerLM, hf
+        from models.generate import generate
 
         rules = ShardingRules(build_mesh(MeshSpec.parse(a.mesh)), Strategy())
-
-        def shardings(model):
-            return rules.param_shardings(model.param_axes(), model.abstract_params(), StateKind.PARAMS)
-
         if a.checkpoint:
-            ckpt = Checkpointer(CheckpointConfig(directory=a.checkpoint))
-            try:
-                meta = ckpt.meta(a.step)
-                if "model_config" not in meta:
-                    raise ConfigError(f"--checkpoint {a.checkpoint}: its record has no model config "
-                                      "(written by an older jaxshard); export it with --export-hf instead")
-                model = TransformerLM(ModelConfig.from_dict(meta["model_config"]))
-                abstract = jax_abstract(model, shardings(model))
-                params, _ = ckpt.restore_params(abstract, param_shapes(model.abstract_params()), a.step)
-            finally:
-                ckpt.close()
-            saved = meta.get("tokenizer")
-            tokenizer = tok.HFTokenizer.from_json(saved, meta.get("tokenizer_spec", "checkpoint")) \
-                if saved else tok.ByteTokenizer()
+            model, params, tokenizer, _ = restore_model(a.checkpoint, rules, a.step)
+            if tokenizer is None and not a.tokenizer:
+                raise ConfigError(f"--checkpoint {a.checkpoint} was trained on token ids without a "
+                                  "tokenizer: give --tokenizer")
         else:
             model = TransformerLM(hf.read_config(a.init_from))
-            params = hf.load_params(a.init_from, model, shardings(model))
+            shardings = rules.param_shardings(model.param_axes(), model.abstract_params(), StateKind.PARAMS)
+            params = hf.load_params(a.init_from, model, shardings)
             has_own = os.path.isfile(os.path.join(a.init_from, "tokenizer.json"))
             tokenizer = tok.load_tokenizer(a.init_from) if has_own else tok.ByteTokenizer()
         if a.tokenizer:
@@ -98,13 +84,6 @@ def main(argv: list[str] | None = None) -> int:
             if len(texts) > 1:
                 print("-" * 40)
     return 0
-
-
-def jax_abstract(model, shardings):
-    import jax
-
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        model.abstract_params(), shardings)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 The default corpus needs no download: the Python standard library's source files, which every
 machine with Python has. ``--data PATH`` takes a text file (one document), a folder (its ``*.txt``,
 ``*.md`` and ``*.py`` files, recursively and sorted, are the documents), a token file (``.tokens``,
-see ``TokenWriter``) or a ``.bin`` of little-endian uint16 ids (nanoGPT's format). Documents are
-joined with the tokenizer's end-of-text id between them; the validation split is the corpus's tail.
+see ``jaxshard.token_file``) or a ``.bin`` of little-endian uint16 ids (nanoGPT's format).
+Documents are joined with the tokenizer's end-of-text id between them; the validation split is the
+corpus's tail.
 
 ``--tokenizer bytes`` (the default) reads bytes as tokens, in memory. A text tokenizer (``bpe:N``,
 trained on the training split only, or a ``tokenizer.json``) tokenizes the corpus once, streaming,
@@ -26,7 +27,6 @@ import functools
 import hashlib
 import os
 import queue
-import struct
 import sys
 import sysconfig
 import tempfile
@@ -38,17 +38,12 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from jaxshard.errors import ConfigError, DataError
+from jaxshard.token_file import DEFAULT_TOKEN_CACHE, TOKEN_VERSION, TokenWriter, read_tokens
 from jaxshard.tokenizer import (ByteTokenizer, Tokenizer, load_tokenizer, parse_spec, tokenizer_from_spec,
                                 train_bpe)
 
 STDLIB = "stdlib"  # name of the default corpus
 TEXT_SUFFIXES = (".txt", ".md", ".py")  # the documents of a --data folder
-DEFAULT_TOKEN_CACHE = Path(os.environ.get("JAXSHARD_CACHE", Path.home() / ".cache" / "jaxshard")) / "tokens"
-
-TOKEN_MAGIC = b"JXSHTOK\n"
-TOKEN_VERSION = 1
-# magic, version, bytes per id, vocab size, token count, digest of what produced the ids
-_HEADER = struct.Struct("<8sIIQQ32s")
 _PIECE = 1 << 20  # bytes of text encoded in one call at most (about; see _pieces)
 _BATCH = 4 << 20  # bytes of text per parallel encode_batch call
 
@@ -331,100 +326,6 @@ def _encode_items(tokenizer: Tokenizer, items: list[str | None],
     encoded = iter(tokenizer.encode_batch([t for t in items if t is not None]))
     for t in items:
         yield eot if t is None else next(encoded)
-
-
-# ---- token files
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype("<u2" if vocab_size <= 1 << 16 else "<u4")
-
-
-class TokenWriter:
-    """Appends ids to a token file: a 64-byte header (``_HEADER``: magic, format version, bytes per
-    id, vocab size, token count, a 32-byte digest of what produced the ids) then the ids,
-    little-endian uint16 (vocab <= 65,536) or uint32. Written under a temporary name and moved to
-    ``path`` by ``close``, so an error or a killed process leaves no file at ``path``."""
-
-    def __init__(self, path: str | os.PathLike, vocab_size: int, digest: bytes = bytes(32)):
-        if not 0 < vocab_size <= 1 << 32:
-            raise DataError(f"a token file's vocab size must be in [1, 2**32], got {vocab_size}")
-        self.path, self.vocab_size, self.digest = Path(path), vocab_size, digest
-        self.dtype, self.count = token_dtype(vocab_size), 0
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, self._tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.",
-                                             suffix=".tmp")
-        except OSError as e:
-            raise DataError(f"cannot write token file {self.path}: {e.strerror}") from None
-        self._file = os.fdopen(fd, "wb")
-        self._file.write(self._header())  # the count is filled in by close()
-
-    def _header(self) -> bytes:
-        return _HEADER.pack(TOKEN_MAGIC, TOKEN_VERSION, self.dtype.itemsize, self.vocab_size, self.count,
-                            self.digest)
-
-    def write(self, ids) -> None:
-        ids = np.asarray(ids).ravel()
-        if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
-            raise DataError(f"token ids {ids.min()}..{ids.max()} do not fit a vocab of {self.vocab_size}")
-        self._file.write(ids.astype(self.dtype).tobytes())
-        self.count += ids.size
-
-    def close(self) -> None:
-        self._file.seek(0)
-        self._file.write(self._header())
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        os.replace(self._tmp, self.path)
-
-    def abort(self) -> None:
-        self._file.close()
-        Path(self._tmp).unlink(missing_ok=True)
-
-    def __enter__(self) -> TokenWriter:
-        return self
-
-    def __exit__(self, exc_type, *exc) -> None:
-        self.abort() if exc_type is not None else self.close()
-
-
-@dataclass(frozen=True)
-class TokenFile:
-    tokens: np.ndarray  # 1-D, memory-mapped read-only
-    vocab_size: int
-    digest: bytes
-
-
-def read_tokens(path: str | os.PathLike) -> TokenFile:
-    """Map a token file written by ``TokenWriter``; a bad header or size is a DataError."""
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
-            head = fh.read(_HEADER.size)
-    except OSError as e:
-        raise DataError(f"cannot read token file {path}: {e.strerror}") from None
-
-    def bad(why: str) -> DataError:
-        return DataError(f"{path} is not a valid token file ({why}); delete or re-create it")
-
-    if len(head) < _HEADER.size:
-        raise bad(f"{size} bytes, shorter than the header")
-    magic, version, width, vocab, count, digest = _HEADER.unpack(head)
-    if magic != TOKEN_MAGIC:
-        raise bad("wrong magic bytes")
-    if version != TOKEN_VERSION:
-        raise bad(f"format version {version}, this reads {TOKEN_VERSION}")
-    if not 0 < vocab <= 1 << 32 or width != token_dtype(vocab).itemsize:
-        raise bad(f"{width}-byte ids for a vocab of {vocab}")
-    if size != _HEADER.size + count * width:
-        raise bad(f"{size} bytes where the header says {count} tokens: truncated or corrupt")
-    dtype = token_dtype(vocab)
-    if not count:
-        return TokenFile(np.zeros(0, dtype), vocab, digest)
-    return TokenFile(np.memmap(path, dtype=dtype, mode="r", offset=_HEADER.size, shape=(count,)), vocab, digest)
 
 
 def _write_atomic(path: Path, content: bytes) -> None:

@@ -9,13 +9,14 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import jax
 import numpy as np
 
-from jaxshard import accounting, bubble, devices, hf, hlo, inspect
+from jaxshard import accounting, bubble, devices, hlo, inspect
 from jaxshard import data as data_lib
 from jaxshard import tokenizer as tokenizer_lib
 from jaxshard.checkpoint import Checkpointer, check_export_path, export_params, param_shapes
@@ -56,7 +57,7 @@ def _fault(kind: str, step: int) -> None:
         os._exit(17)
 
 
-def _start(cfg: TrainConfig, program: Program, model: Any, ckpt: Checkpointer | None):
+def _start(cfg: TrainConfig, program: Program, model: Any, ckpt: Checkpointer | None, family: Family):
     """The initial state, its step and global sample offset: fresh (or --init-from's weights),
     or the latest checkpoint."""
     if ckpt is not None and cfg.checkpoint.resume and ckpt.latest_step() is not None:
@@ -75,7 +76,7 @@ def _start(cfg: TrainConfig, program: Program, model: Any, ckpt: Checkpointer | 
         _log(f"no complete checkpoint in {cfg.checkpoint.directory}: starting from step 0")
     if cfg.init_from:
         shardings = jax.tree.map(lambda x: x.sharding, program.saved_abstract.params)
-        state = program.from_params(hf.load_params(cfg.init_from, model, shardings))
+        state = program.from_params(family.load_weights(cfg.init_from, model, shardings))
         _log(f"initialised from {cfg.init_from}")
         return state, 0, 0
     return program.init(cfg.step.seed), 0, 0
@@ -100,12 +101,22 @@ class Preempted(Exception):
         self.code = code
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Family:
+    """What the loop needs of the model families beyond a model's own functions. The command
+    (``jaxshard.train``) gives it, so the library imports no model code."""
+
+    build: Callable[..., Any]  # (cfg, tokenizer_vocab=None) -> model
+    load_weights: Callable[[str, Any, Any], Any]  # (--init-from folder, model, shardings) -> params
+    check_export: Callable[[Any, str], None]  # (model config, --export-hf folder): fail now, not after training
+    export: Callable[..., Path]  # (params, model config, folder, tokenizer_json, eot_id) -> folder
+    generate: Callable[..., list[list[int]]]  # (model, params, prompts, n, **sampling, rules=...)
+
+
+def train(cfg: TrainConfig, family: Family) -> dict[str, Any]:
     """Train the model ``cfg`` names; returns (and writes, with ``--report``) the report.
     Raises :class:`Preempted` when SIGTERM ends the run early (after saving, with a checkpoint
     folder)."""
-    from jaxshard.train import build_model
-
     B, L = cfg.batch_size, cfg.seq_len
     mesh = build_mesh(cfg.mesh, dcn=cfg.dcn_mesh)
     rules = ShardingRules(mesh, cfg.strategy)
@@ -114,8 +125,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         window.check(cfg.steps)
     if cfg.export:
         check_export_path(cfg.export)
-    if cfg.export_hf:
-        hf.check_export_dir(cfg.export_hf)
     ckpt = Checkpointer(cfg.checkpoint) if cfg.checkpoint.directory else None
     try:
         tokenizer = None
@@ -125,9 +134,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             _log(f"tokenizer: the checkpoint's ({meta.get('tokenizer_spec')}, {tokenizer.vocab_size:,} tokens)")
         corpus = data_lib.load_corpus(cfg.data, tokenizer)
         text = corpus.tokenizer is not None and corpus.tokenizer.to_json() is not None
-        model = build_model(cfg, tokenizer_vocab=corpus.tokenizer.vocab_size if text else None)
+        model = family.build(cfg, tokenizer_vocab=corpus.tokenizer.vocab_size if text else None)
         if cfg.export_hf:
-            hf.family(model.cfg)  # an error now, not after training
+            family.check_export(model.cfg, cfg.export_hf)
         if cfg.step.balance:
             step, line = balance_stages(model, rules, cfg.step, B, L)
             _log(line)
@@ -137,14 +146,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if cfg.measure_bubble and program.schedule is None:
             raise ConfigError("--measure-bubble needs a stage axis (a pipeline) in --mesh")
         _check_model_fits_data(model, corpus, L)
-        return _train(cfg, model, rules, corpus, program, ckpt, window)
+        return _train(cfg, model, rules, corpus, program, ckpt, window, family)
     finally:
         if ckpt is not None:
             ckpt.close()  # waits for the last save to be complete
 
 
 def _train(cfg: TrainConfig, model: Any, rules: ShardingRules, corpus: data_lib.Corpus,
-           program: Program, ckpt: Checkpointer | None, window: ProfileWindow | None) -> dict[str, Any]:
+           program: Program, ckpt: Checkpointer | None, window: ProfileWindow | None,
+           family: Family) -> dict[str, Any]:
     B, L = cfg.batch_size, cfg.seq_len
     mesh = rules.mesh
     tokenizer = corpus.tokenizer  # None: the data came as ids
@@ -157,7 +167,7 @@ def _train(cfg: TrainConfig, model: Any, rules: ShardingRules, corpus: data_lib.
         _log(f"pipeline {schedule.kind}: {schedule.stages} stages{chunks} (layers {schedule.layout.describe()}), "
              f"{schedule.microbatches} microbatches in {schedule.ticks} ticks, bubble "
              f"(P-1)/({'VM' if chunks else 'M'}+P-1) = {schedule.bubble():.0%}, {schedule.slots} microbatches' activations kept per stage")
-    state, start, samples = _start(cfg, program, model, ckpt)
+    state, start, samples = _start(cfg, program, model, ckpt, family)
     t0 = time.perf_counter()
     compiled = program.lower_step(B, L).compile()
     compile_s = time.perf_counter() - t0
@@ -290,13 +300,13 @@ def _train(cfg: TrainConfig, model: Any, rules: ShardingRules, corpus: data_lib.
     if cfg.export:
         _log(f"exported params to {export_params(saved.params, cfg.export)}")
     if cfg.export_hf:
-        path = hf.export(saved.params, model.cfg, cfg.export_hf, tokenizer and tokenizer.to_json(),
+        path = family.export(saved.params, model.cfg, cfg.export_hf, tokenizer and tokenizer.to_json(),
                          tokenizer and tokenizer.eot_id)
         _log(f"exported a Hugging Face model to {path}")
     if cfg.sample_tokens and tokenizer is None:
         _log("no sample: the data came as token ids without a tokenizer (give --tokenizer)")
     elif cfg.sample_tokens:
-        _sample(cfg, model, rules, saved.params, tokenizer)
+        _sample(cfg, model, rules, saved.params, tokenizer, family.generate)
     measured = None
     if cfg.measure_bubble:
         state = None  # (saved and exported above) the timed programs make their own
@@ -378,11 +388,10 @@ def _preempted(step: int, samples: int, ckpt: Checkpointer | None, save: Callabl
     raise Preempted(f"SIGTERM: saved step {step} in {ckpt.directory}; continue with --resume", 0)
 
 
-def _sample(cfg: TrainConfig, model: Any, rules: ShardingRules, params: Any, tokenizer: Any) -> None:
+def _sample(cfg: TrainConfig, model: Any, rules: ShardingRules, params: Any, tokenizer: Any,
+            generate: Callable[..., list[list[int]]]) -> None:
     """Print ``--sample-tokens`` tokens generated from ``--sample-prompt`` (temperature 0.8,
     top-p 0.95, --seed): what the model learned, at a glance."""
-    from jaxshard.generate import generate
-
     prompt = [int(t) for t in tokenizer.encode(cfg.sample_prompt)]
     try:
         new = generate(model, params, [prompt], cfg.sample_tokens, temperature=0.8, top_p=0.95,

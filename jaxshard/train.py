@@ -1,5 +1,8 @@
 """The training command: ``jaxshard-train`` once installed, ``python -m jaxshard.train``, or
-``experiments/train.py`` in a checkout -- the same flags (``--help``) from any folder."""
+``experiments/train.py`` in a checkout -- the same flags (``--help``) from any folder.
+
+The composition root: the one module of the library that imports ``models/`` (lazily), to pair
+the strategies with this project's model families -- as the experiment scripts do."""
 
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ def model_config(cfg: cli.TrainConfig, tokenizer_vocab: int | None = None):
     from models import get_preset
 
     if cfg.init_from:
-        from jaxshard import hf
+        from models import hf
 
         model_cfg = hf.read_config(cfg.init_from)
     else:
@@ -56,6 +59,44 @@ def build_model(cfg: cli.TrainConfig, unroll: bool = False, tokenizer_vocab: int
     return TransformerLM(model_config(cfg, tokenizer_vocab), remat=remat, unroll=unroll)
 
 
+def family():
+    """The model families' services the training loop uses (Hugging Face weights, generation)."""
+    from jaxshard.loop import Family
+    from models import generate, hf
+
+    return Family(build=build_model, load_weights=hf.load_params, check_export=hf.check_export,
+                  export=hf.export, generate=generate.generate)
+
+
+def restore_model(directory: str, rules, step: int | None = None):
+    """(model, params, tokenizer or None, step) of a training checkpoint: the model its record
+    describes, only its params (no optimizer state) read in ``rules``' param shardings."""
+    import jax
+
+    from jaxshard import tokenizer as tok
+    from jaxshard.checkpoint import CheckpointConfig, Checkpointer, param_shapes
+    from jaxshard.rules import StateKind
+    from models import ModelConfig, TransformerLM
+
+    ckpt = Checkpointer(CheckpointConfig(directory=directory))
+    try:
+        meta = ckpt.meta(step)
+        if "model_config" not in meta:
+            raise ConfigError(f"checkpoint {directory}: its record has no model config (written by an "
+                              "older jaxshard)")
+        model = TransformerLM(ModelConfig.from_dict(meta["model_config"]))
+        shardings = rules.param_shardings(model.param_axes(), model.abstract_params(), StateKind.PARAMS)
+        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                model.abstract_params(), shardings)
+        params, _ = ckpt.restore_params(abstract, param_shapes(model.abstract_params()), meta["step"])
+    finally:
+        ckpt.close()
+    saved = meta.get("tokenizer")
+    spec = meta.get("tokenizer_spec")
+    tokenizer = tok.HFTokenizer.from_json(saved, spec) if saved else tok.ByteTokenizer() if spec == "bytes" else None
+    return model, params, tokenizer, meta["step"]
+
+
 def main(argv: list[str] | None = None) -> int:
     with cli.one_line_errors():
         cfg = cli.parse_train(argv)
@@ -65,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         from jaxshard import loop
 
         try:
-            loop.train(cfg)
+            loop.train(cfg, family())
         except loop.Preempted as e:
             print(e, file=sys.stderr, flush=True)
             return e.code

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxshard import generate as generation
 from jaxshard.errors import ConfigError
-from jaxshard.generate import generate, greedy_by_recompute
 from jaxshard.mesh import build_mesh
 from jaxshard.parallel.pipeline import StageLayout
 from jaxshard.rules import ShardingRules, Strategy, use_rules
 from models import TransformerLM, get_preset
+from models import generate as generation
+from models.generate import generate, greedy_by_recompute
 from models.config import RopeScaling
 
 NEW = 10

@@ -11,7 +11,7 @@ import torch
 import transformers
 from safetensors.numpy import load_file, save_file
 
-from jaxshard import hf
+from models import hf
 from jaxshard.errors import ConfigError
 from jaxshard.mesh import build_mesh
 from jaxshard.pytree import named_leaves

@@ -4,6 +4,7 @@ TensorBoard and profiles, text generation."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -188,14 +189,37 @@ def test_generate_from_a_checkpoint_and_from_an_hf_folder(tmp_path, gpt2_folder)
     assert hf.returncode == 0 and hf.stdout == again.stdout, hf.stderr
     one_line_error(run("experiments/generate.py", "--checkpoint", str(tmp_path / "none"), "--cpu-devices", "1"),
                    "no complete checkpoint")
+    # The converter writes the checkpoint as a Hugging Face folder with jaxshard's logits.
+    converted = run("scripts/convert_checkpoint.py", str(ck), str(tmp_path / "hf"), "--mesh", "tensor=2",
+                    "--cpu-devices", "2", "--platform", "cpu")
+    assert converted.returncode == 0 and "wrote step 2" in converted.stdout, converted.stderr
+    import jax
+
+    from jaxshard.mesh import build_mesh
+    from jaxshard.rules import ShardingRules, Strategy, use_rules
+    from jaxshard.train import restore_model
+
+    model, params, tokenizer, step = restore_model(str(ck), ShardingRules(build_mesh("data=1", jax.devices()[:1]), Strategy()))
+    assert step == 2 and tokenizer.spec == "bytes"
+    x = np.random.default_rng(0).integers(0, 256, (2, 16))
+    with use_rules(None):
+        ours = np.asarray(model.head(params, model.blocks(params, model.embed(params, x))))
+    with torch.no_grad():
+        ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")(torch.tensor(x)).logits.numpy()
+    np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    one_line_error(run("scripts/convert_checkpoint.py", str(ck), str(tmp_path / "hf"), "--cpu-devices", "1"),
+                   "exists and is not an empty folder")
 
 
 def test_the_installed_command_runs_from_any_folder(tmp_path):
     """``pip install .`` gives ``jaxshard-train`` (installed here without dependencies into a
     folder of its own; the test's environment provides them)."""
-    target = tmp_path / "installed"
+    source, target = tmp_path / "source", tmp_path / "installed"
+    source.mkdir()  # a copy: the build leaves its build/ folder there, not in the checkout
+    for part in ("jaxshard", "models", "pyproject.toml", "README.md"):
+        (shutil.copytree if (ROOT / part).is_dir() else shutil.copy)(ROOT / part, source / part)
     pip = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                          "--target", str(target), str(ROOT)], capture_output=True, text=True, timeout=300)
+                          "--target", str(target), str(source)], capture_output=True, text=True, timeout=300)
     assert pip.returncode == 0, pip.stderr
     work = tmp_path / "elsewhere"
     work.mkdir()

@@ -8,6 +8,7 @@ import tokenizers as hf
 
 from jaxshard import data
 from jaxshard.errors import ConfigError, DataError
+from jaxshard.token_file import TokenWriter, read_tokens
 from jaxshard.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer, parse_spec, train_bpe
 
 EOT = "<|endoftext|>"
@@ -125,7 +126,7 @@ def test_token_file_ids_are_uint16_up_to_65536_and_uint32_beyond(tmp_path):
         ids = rng.integers(0, vocab, size=3001)
         ids[-1] = vocab - 1
         path = tmp_path / f"{vocab}.tokens"
-        with data.TokenWriter(path, vocab) as w:
+        with TokenWriter(path, vocab) as w:
             for chunk in np.array_split(ids, 7):  # appended document by document
                 w.write(chunk)
         raw = path.read_bytes()
@@ -133,17 +134,17 @@ def test_token_file_ids_are_uint16_up_to_65536_and_uint32_beyond(tmp_path):
         assert (stored_width, stored_vocab, count) == (width, vocab, len(ids))
         assert len(raw) == 64 + width * len(ids)
         np.testing.assert_array_equal(np.frombuffer(raw[64:], dtype=f"<u{width}"), ids)
-        tf = data.read_tokens(path)
+        tf = read_tokens(path)
         assert tf.tokens.dtype.itemsize == width and isinstance(tf.tokens, np.memmap)
         np.testing.assert_array_equal(tf.tokens, ids)
     with pytest.raises(DataError, match="do not fit a vocab of 10"):
-        with data.TokenWriter(tmp_path / "x.tokens", 10) as w:
+        with TokenWriter(tmp_path / "x.tokens", 10) as w:
             w.write([3, 10])
 
 
 def test_an_interrupted_write_leaves_no_file(tmp_path):
     with pytest.raises(RuntimeError):
-        with data.TokenWriter(tmp_path / "a.tokens", 100) as w:
+        with TokenWriter(tmp_path / "a.tokens", 100) as w:
             w.write(np.arange(50))
             raise RuntimeError("killed")
     assert list(tmp_path.iterdir()) == []
@@ -151,7 +152,7 @@ def test_an_interrupted_write_leaves_no_file(tmp_path):
 
 def test_corrupt_token_files_fail_in_one_line(tmp_path):
     path = tmp_path / "good.tokens"
-    with data.TokenWriter(path, 500) as w:
+    with TokenWriter(path, 500) as w:
         w.write(np.arange(400))
     raw = path.read_bytes()
     cases = {"truncated": raw[:-1], "longer": raw + b"\x00\x00", "short": raw[:40], "empty": b"",
@@ -161,7 +162,7 @@ def test_corrupt_token_files_fail_in_one_line(tmp_path):
         bad = tmp_path / f"{name}.tokens"
         bad.write_bytes(content)
         with pytest.raises(DataError, match=f"{name}.tokens is not a valid token file") as e:
-            data.read_tokens(bad)
+            read_tokens(bad)
         assert "\n" not in str(e.value)
         with pytest.raises(DataError, match="not a valid token file"):
             data.load_corpus(data.DataConfig(path=str(bad)))
@@ -307,7 +308,7 @@ def test_the_default_corpus_trains_bpe_on_utf8_sources(tmp_path):
 
 
 def test_pre_tokenized_data_and_tokenizers(bpe, tmp_path):
-    with data.TokenWriter(tmp_path / "c.tokens", bpe.vocab_size) as w:
+    with TokenWriter(tmp_path / "c.tokens", bpe.vocab_size) as w:
         w.write(bpe.encode(UNICODE * 30))
     bpe.save(tmp_path)
     corpus = data.load_corpus(data.DataConfig(path=str(tmp_path / "c.tokens"), tokenizer=str(tmp_path)))

@@ -395,6 +395,12 @@ def _check_tensors(weights: Weights, cfg: ModelConfig, table: dict[str, Tensor])
 
 # ---- writing --------------------------------------------------------------------------------
 
+def check_export(cfg: ModelConfig, folder: str | os.PathLike) -> None:
+    """Fails now, not after training, if ``cfg`` has no Hugging Face form or ``folder`` is taken."""
+    family(cfg)
+    check_export_dir(folder)
+
+
 def check_export_dir(path: str | os.PathLike) -> Path:
     """An export folder must be new or empty: an export never mixes with older files."""
     path = Path(path)
