@@ -411,10 +411,12 @@ def predict(model: Any, rules: ShardingRules, batch_size: int, seq_len: int, sch
             **kwargs: Any) -> tuple[Memory, Communication]:
     """:func:`memory` and :func:`communication` of a step, or, under a pipeline ``schedule``,
     :func:`pipeline_memory` and :func:`pipeline_communication` (the collectives outside the
-    schedule's slots). ``kwargs``: compute_dtype, remat, grad_accum, param_dtype."""
+    schedule's slots). ``kwargs``: compute_dtype, remat, grad_accum, param_dtype (and reducer,
+    without a schedule)."""
+    reducer = kwargs.pop("reducer", "gspmd")
     if schedule is None:
         return (memory(model, rules, batch_size, seq_len, **kwargs),
-                communication(model, rules, batch_size, seq_len, **kwargs))
+                communication(model, rules, batch_size, seq_len, reducer=reducer, **kwargs))
     dtypes = {k: kwargs[k] for k in ("compute_dtype", "param_dtype") if k in kwargs}
     return (pipeline_memory(model, rules, schedule, batch_size, seq_len, **kwargs),
             pipeline_communication(model, rules, schedule, batch_size, seq_len, **dtypes))
@@ -434,8 +436,10 @@ def moe_buffer(cfg: Any, rules: ShardingRules, rows: int, seq_len: int, c: int) 
 
 def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
                   compute_dtype: str = "float32", remat: Remat = Remat.NONE,
-                  grad_accum: int = 1, param_dtype: str = "float32") -> Communication:
-    """The collectives one step needs, per device, with the textbook reason for each."""
+                  grad_accum: int = 1, param_dtype: str = "float32", reducer: str = "gspmd") -> Communication:
+    """The collectives one step needs, per device, with the textbook reason for each.
+    ``reducer`` 'buckets' (jaxshard.reducer) reduces every gradient whole, as DDP does: a learned
+    position table's too, where GSPMD reduces only the rows the step used."""
     cfg, sizes = model.cfg, rules.sizes
     c = dtype_bytes(compute_dtype)
     pb = dtype_bytes(param_dtype)
@@ -483,7 +487,8 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
         if p.axes and p.axes[0] == Dim.POSITION:
             # A slice of the first L rows: only those rows have a gradient. They are disjoint
             # across the sequence shards, so those gather rather than sum.
-            rows = c * seq_len * shard_elems(p.shape[1:], PartitionSpec(*p.compute[1:]), sizes)
+            used_rows = p.shape[0] if reducer == "buckets" else seq_len
+            rows = c * used_rows * shard_elems(p.shape[1:], PartitionSpec(*p.compute[1:]), sizes)
             seq_axes = reduce_axes - set(rules.batch_axes)
             # (HSDP + ZeRO-1: XLA reduce-scatters them over fsdp and all-reduces that shard
             # over data; they are a few rows.)

@@ -172,6 +172,7 @@ class Verification:
     # tick ran them -- an upper bound; they run as often as a stage has work), not compared.
     in_slots: list[tuple[str, tuple[str, ...], int]] = field(default_factory=list)
     pipelined: bool = False
+    buckets: tuple[list[int], list[int]] | None = None  # --reducer buckets: (planned, compiled) bytes
 
 
 def verify(model: Any, program: Any, compiled: jax.stages.Compiled, batch_size: int, seq_len: int,
@@ -187,6 +188,8 @@ def verify(model: Any, program: Any, compiled: jax.stages.Compiled, batch_size: 
     remat = model.remat
     kwargs = dict(compute_dtype=compute_dtype, remat=remat, grad_accum=grad_accum, param_dtype=param_dtype)
     schedule = program.schedule
+    if getattr(program, "buckets", None):
+        kwargs["reducer"] = "buckets"
     mem, comm = accounting.predict(model, rules, batch_size, seq_len, schedule, **kwargs)
     fl = accounting.flops(model.cfg, rules, batch_size, seq_len, remat=remat, model=model)
     found = compiled_collectives(compiled, program.rules.mesh)
@@ -218,6 +221,10 @@ def verify(model: Any, program: Any, compiled: jax.stages.Compiled, batch_size: 
     for k, p, m in by_kind:
         if abs(m - p) > TOLERANCE * p + slack:
             flags.append(f"{k}: compiled {m:,} B vs predicted {p:,} B per step")
+    buckets = bucket_check(program, found)
+    if buckets and buckets[0] != buckets[1]:
+        flags.append(f"buckets: the compiled step reduces the gradients in {len(buckets[1])} collectives "
+                     f"of {buckets[1]} B, the plan in {len(buckets[0])} of {buckets[0]} B")
     # Backends with a separate host memory space report offloaded arguments apart.
     argument = xla["argument"] + xla["host_argument"] if xla else None
     if xla and abs(argument - mem.argument) > TOLERANCE * mem.argument:
@@ -242,7 +249,19 @@ def verify(model: Any, program: Any, compiled: jax.stages.Compiled, batch_size: 
         params=accounting.param_infos(model if schedule is None else model.staged(schedule.layout), rules),
         sizes=rules.sizes,
         allowances=comm.allowances, flags=flags, unrolled=getattr(model, "unroll", False),
-        pipelined=schedule is not None, in_slots=[(k, a, b) for (k, a), b in sorted(in_slots.items())])
+        pipelined=schedule is not None, in_slots=[(k, a, b) for (k, a), b in sorted(in_slots.items())],
+        buckets=buckets)
+
+
+def bucket_check(program: Any, found: list[hlo.Collective]) -> tuple[list[int], list[int]] | None:
+    """``--reducer buckets``: (the planned buckets' bytes, the compiled step's gradient
+    collectives' bytes), in order of size; the gradient collectives are the step's non-scalar
+    all-reduces and reduce-scatters (the loss sums and the norm are scalars)."""
+    if not getattr(program, "buckets", None):
+        return None
+    compiled = sorted(c.bytes for c in found if c.kind in ("all-reduce", "reduce-scatter")
+                      and any(math.prod(s) > 1 for s in c.shapes))
+    return sorted(b.bytes for b in program.buckets), compiled
 
 
 def max_bytes_abstract(tree: Any) -> int:
@@ -265,6 +284,9 @@ def format_verification(v: Verification) -> str:
         lines.append("  in the pipeline's slots (not predicted; bytes if every tick ran them, an upper bound):")
         for kind, axes, b in v.in_slots:
             lines.append(f"  {kind:<16} {','.join(axes):<16} {'-':>14} {b:>15,}")
+    if v.buckets:
+        lines.append(f"  gradient buckets: {len(v.buckets[0])} planned, {len(v.buckets[1])} compiled "
+                     f"({'the same sizes' if v.buckets[0] == v.buckets[1] else 'sizes differ'})")
     lines.append("  by kind:")
     for kind, p, m in v.by_kind:
         ratio = f"{m / p:.3f}" if p else "-"

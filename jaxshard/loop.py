@@ -313,10 +313,10 @@ def _train(cfg: TrainConfig, model: Any, rules: ShardingRules, corpus: data_lib.
         _log(f"measuring the bubble: the step and each stage's work alone ({schedule.stages + 3} programs)")
         measured = bubble.measure(
             lambda table: program if table is None else build_program(model, rules, cfg.optim, cfg.step, table),
-            schedule, B, L, model.cfg.vocab_size, steps=3)
+            schedule, B, L, model.cfg.vocab_size, steps=5)
         _log(measured.line())
     report = _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compile_s,
-                     throughput, flops, peak_source, schedule, measured)
+                     throughput, flops, peak_source, schedule, measured, program.buckets)
     if cfg.report and jax.process_index() == 0:
         write_json_atomic(cfg.report, report)
     return report
@@ -404,12 +404,12 @@ def _sample(cfg: TrainConfig, model: Any, rules: ShardingRules, params: Any, tok
 
 
 def _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compile_s, throughput,
-            flops, peak_source, schedule, measured=None) -> dict[str, Any]:
+            flops, peak_source, schedule, measured=None, program_buckets=None) -> dict[str, Any]:
     B, L = cfg.batch_size, cfg.seq_len
     timed = [r["step_time_s"] for r in records[1:]] or [records[0]["step_time_s"]]
     median = throughput(float(np.median(timed)))
     kwargs = {"compute_dtype": cfg.step.compute_dtype, "remat": model.remat, "grad_accum": cfg.step.grad_accum,
-              "param_dtype": cfg.step.param_dtype}
+              "param_dtype": cfg.step.param_dtype, **({"reducer": "buckets"} if program_buckets else {})}
     found = inspect.compiled_collectives(compiled, rules.mesh)
     # (Under a pipeline, what the schedule's slots run -- FSDP's gathers, TP's reductions -- is
     # not predicted.)
@@ -432,6 +432,9 @@ def _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compil
         "param_dtype": cfg.step.param_dtype,
         "remat": str(model.remat),
         "reshard_after_forward": cfg.strategy.reshard_after_forward,
+        "reducer": cfg.step.reducer,
+        "buckets": program_buckets and [{"kind": b.kind, "bytes": b.bytes, "params": len(b.pieces)}
+                                        for b in program_buckets],
         "offload": list(cfg.strategy.offload),
         "skipped_steps": int(records[-1].get("skipped_steps", 0)),
         "per_device_bytes": held,

@@ -12,6 +12,7 @@ reduce-scatter for ZeRO-2/3), and the updated params to theirs (the ZeRO-1/2 all
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -23,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from jaxshard import balance as balance_lib
 from jaxshard import loss_scale as scaling
 from jaxshard import optim, runtime
+from jaxshard import reducer as reducer_lib
 from jaxshard.axes import Dim, MeshAxis
 from jaxshard.errors import ConfigError
 from jaxshard.parallel import pipeline
@@ -51,6 +53,10 @@ class StepConfig:
     virtual_stages: int | None = None
     stage_layers: tuple[int, ...] | None = None
     balance: str | None = None  # choose stage_layers: see balance_stages()
+    # Who reduces the gradients: the partitioner ('gspmd'), or the step itself in buckets of
+    # bucket_mb MB ('buckets': DDP's Reducer by hand, see jaxshard/reducer.py).
+    reducer: str = "gspmd"
+    bucket_mb: float = 25.0
 
     def __post_init__(self) -> None:
         if self.grad_accum < 1:
@@ -64,6 +70,10 @@ class StepConfig:
             raise ConfigError(f"--balance must be one of {', '.join(balance_lib.HOW)}, got {self.balance!r}")
         if self.balance is not None and self.stage_layers is not None:
             raise ConfigError("--balance chooses --stage-layers: give one of them")
+        if self.reducer not in reducer_lib.REDUCERS:
+            raise ConfigError(f"--reducer must be one of {', '.join(reducer_lib.REDUCERS)}, got {self.reducer!r}")
+        if not self.bucket_mb > 0:
+            raise ConfigError(f"--bucket-mb must be > 0, got {self.bucket_mb}")
 
     @property
     def scaled(self) -> bool:
@@ -91,6 +101,7 @@ class Program:
     saved_abstract: TrainState | None = None
     # A fresh state (step 0) around given params in model order, e.g. imported weights.
     from_params: Callable | None = None
+    buckets: list | None = None  # --reducer buckets: the gradient buckets (jaxshard.reducer.plan)
 
     def abstract_batch(self, batch_size: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
         x = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=self.batch_sharding)
@@ -209,17 +220,46 @@ def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig
     batch_sharding = rules.batch_sharding()
     rest, compute = layout.shardings, layout.compute
 
-    def loss_sums(params, batch, key):
-        with use_rules(rules):
+    def loss_sums(params, batch, key, under=rules):
+        with use_rules(under):
             return model.loss(cast_floats(params, dtype), batch["inputs"], batch["targets"], key=key)
 
-    def scaled_loss(params, batch, key, factor):
-        sums = loss_sums(params, batch, key)
+    def scaled_loss(params, batch, key, factor, under=rules):
+        sums = loss_sums(params, batch, key, under)
         return (sums.total if factor is None else sums.total * factor), sums
 
     grad_fn = jax.grad(scaled_loss, has_aux=True)
 
-    def reduced_grads(params, batch, key, factor):
+    if cfg.reducer == "buckets":
+        reducer_lib.check(rules, model, cfg.grad_accum, schedule)
+        buckets = reducer_lib.plan(layout.abstract.params, model.param_axes(), layout.reduce_shardings,
+                                   cfg.bucket_mb)
+        n_data = rules.mesh.shape[reducer_lib.DATA]
+        grad_specs = jax.tree.map(lambda s: s.spec, layout.reduce_shardings)
+
+        # One device's program: the region is manual over data.
+        local_grad_fn = jax.grad(functools.partial(scaled_loss, under=None), has_aux=True)
+
+        def local_grads(params, batch, key, factor):
+            """This device's rows: their loss sums and gradients, reduced over data by hand.
+            The params are marked as varying over data: the gradient of a value the same on
+            every device would come back already summed (autodiff's own all-reduce)."""
+            params = jax.tree.map(lambda x: jax.lax.pcast(x, reducer_lib.DATA, to="varying"), params)
+            grads, sums = local_grad_fn(params, batch, key, factor)
+            sums = jax.tree.map(lambda x: jax.lax.psum(x, reducer_lib.DATA), sums)
+            return sums, reducer_lib.reduce(grads, buckets, n_data)
+
+        def reduced_grads(params, batch, key, factor):
+            scalars = (key, factor) if factor is not None else (key,)
+            fn = (lambda p, b, k, f: local_grads(p, b, k, f)) if factor is not None else \
+                (lambda p, b, k: local_grads(p, b, k, None))
+            return jax.shard_map(fn, mesh=rules.mesh, axis_names=frozenset({reducer_lib.DATA}),
+                                 in_specs=(P(), P(reducer_lib.DATA), *[P()] * len(scalars)),
+                                 out_specs=(P(), grad_specs))(params, batch, *scalars)
+    else:
+        buckets = None
+
+    def gspmd_reduced_grads(params, batch, key, factor):
         """(the loss's sums, gradients of the total's sum)."""
         if schedule is None:
             grads, sums = grad_fn(params, batch, key, factor)
@@ -230,6 +270,9 @@ def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig
         # Into the layout the update uses (rules.reduced_into): replicated -> all-reduce;
         # sharded (ZeRO-1's optimizer shard, ZeRO-2/3's gradient shard) -> reduce-scatter.
         return sums, jax.lax.with_sharding_constraint(grads, layout.reduce_shardings)
+
+    if buckets is None:
+        reduced_grads = gspmd_reduced_grads
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         with use_rules(rules):
@@ -293,10 +336,10 @@ def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig
         rules=rules, layout=layout, batch_sharding=batch_sharding,
         init=build_init(model, tx, layout, initial_scale), loss=loss_sums, schedule=schedule,
         **{"saved_abstract": layout.abstract, **saved},
-        from_params=lambda params: unsaved(fresh(params)),
+        from_params=lambda params: unsaved(fresh(params)), buckets=buckets,
         step=jax.jit(step, in_shardings=(layout.shardings, batch_sharding),
                      out_shardings=(layout.shardings, replicated), donate_argnums=0,
-                     compiler_options=runtime.xla_options()),
+                     compiler_options=runtime.xla_options() | (reducer_lib.COMPILER_OPTIONS if buckets else {})),
         eval=jax.jit(evaluate, in_shardings=(layout.shardings.params, batch_sharding),
                      out_shardings=replicated, compiler_options=runtime.xla_options()))
 

@@ -25,8 +25,6 @@ from jaxshard.parallel.vocab import embed_lookup, project
 from jaxshard.rules import active, constrain
 from models.config import ModelConfig, Mlp, Norm, Positions, RopeScaling
 
-# The residual stream between sublayers (sequence parallelism splits its length over tensor).
-
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[Dim, ...], std: float) -> nnx.Param:
     return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), logical_axes=axes)

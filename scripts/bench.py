@@ -73,7 +73,8 @@ def rules_for(model, mesh_spec: str, zero: int, sp: bool, batch: int, seq: int):
 
 
 def bench_one(model, mesh_spec: str, zero: int, sp: bool, batch: int, seq: int, warmup: int,
-              steps: int) -> dict:
+              steps: int, step: dict | None = None) -> dict:
+    """``step``: StepConfig fields (e.g. the reducer) beside the defaults."""
     import jax
     import numpy as np
 
@@ -84,7 +85,7 @@ def bench_one(model, mesh_spec: str, zero: int, sp: bool, batch: int, seq: int, 
 
     rules = rules_for(model, mesh_spec, zero, sp, batch, seq)
     n = rules.mesh.devices.size
-    program = build_program(model, rules, OptimConfig(), StepConfig())
+    program = build_program(model, rules, OptimConfig(), StepConfig(**(step or {})))
     t0 = time.perf_counter()
     compiled = program.lower_step(batch, seq).compile()
     compile_s = time.perf_counter() - t0
@@ -113,9 +114,23 @@ def bench_one(model, mesh_spec: str, zero: int, sp: bool, batch: int, seq: int, 
                              "xla_argument": mem.get("argument"), "xla_temp": mem.get("temp")},
         "collectives": hlo.summary(found),
         "collective_bytes": sum(c.bytes * c.executions for c in found),
+        # Each gradient reduction (non-scalar all-reduce / reduce-scatter) as it runs: bytes.
+        "reductions": [c.bytes for c in found if c.kind in ("all-reduce", "reduce-scatter")
+                       and any(math.prod(s) > 1 for s in c.shapes) for _ in range(c.executions)],
         "collective_bytes_predicted": sum(predicted.values()),
         "final_loss": float(metrics["loss"]),
     }
+
+
+def write_markdown(out: str, stem: str, meta: dict, what: str, md: str) -> None:
+    """``{out}/{stem}.md``: the machine and run line, then the table ``md``; prints the table.
+    ``what``: the model, mesh and batch, as the line names them."""
+    with open(os.path.join(out, f"{stem}.md"), "w") as f:
+        f.write(f"Measured on {meta['devices']} {meta['backend']} devices ({meta['cpu_count']} cores), jax "
+                f"{meta['jax']}, {what}, {meta['rounds']} interleaved rounds of {meta['timed_steps']} timed "
+                f"steps.\n\n{md}\n")
+    print(md)
+    print(f"\nwrote {out}/{stem}.json, {stem}.md in {meta['wall_s']:.0f}s")
 
 
 def table(results: list[dict]) -> str:

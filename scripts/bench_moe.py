@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         import jax
         from tqdm import tqdm
 
-        from bench import bench_one, rules_for
+        from bench import bench_one, rules_for, write_markdown
 
         from jaxshard import accounting
 
@@ -123,13 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"{r['step_s_median'] * 1e3:.0f}; {rounds_ms} | {r['tokens_per_s']:,.0f} | "
                          f"{r['params_opt_bytes_per_device'] / 1024:,.0f} | {r['all_to_all_bytes'] / 1024:,.0f} / "
                          f"{r['all_to_all_bytes_predicted'] / 1024:,.0f} |")
-        md = "\n".join(lines)
-        with open(os.path.join(a.out, "moe.md"), "w") as f:
-            f.write(f"Measured on {meta['devices']} {meta['backend']} devices ({meta['cpu_count']} cores), jax "
-                    f"{meta['jax']}, {a.model}, global batch {a.batch_size} x {a.seq_len}, {a.rounds} interleaved "
-                    f"rounds of {a.steps} timed steps.\n\n{md}\n")
-        print(md)
-        print(f"\nwrote {a.out}/moe.json, moe.md in {meta['wall_s']:.0f}s")
+        write_markdown(a.out, "moe", meta, f"{a.model}, global batch {a.batch_size} x {a.seq_len}",
+                       "\n".join(lines))
     return 0
 
 
