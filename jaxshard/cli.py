@@ -54,6 +54,7 @@ class TrainConfig:
     moe: tuple[tuple[str, object], ...] = ()
     # ModelConfig shape fields the flags override (n_layers, d_model, ...): (field, value) pairs
     shape: tuple[tuple[str, object], ...] = ()
+    sync_every: int | None = None  # local SGD: average the data replicas every H steps (None: DDP)
     init_from: str | None = None  # a Hugging Face model folder to start from
     export_hf: str | None = None  # write the final params as a Hugging Face model folder
     log_every: int = 0  # a log line every N steps; 0: about ten over the run
@@ -142,6 +143,10 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--bucket-mb", type=float, default=None,
                    help="--reducer buckets: MB of gradients per bucket, filled in reverse layer order "
                         "(default 25, DDP's)")
+    g.add_argument("--sync-every", type=int, default=None, metavar="H",
+                   help="local SGD: each data replica steps on its own rows and the replicas (params "
+                        "and Adam moments) are averaged every H steps, those steps DDP steps; H = 1 is "
+                        "DDP (data-only meshes)")
     g.add_argument("--reshard-after-forward", type=_bool, default=True, metavar="true|false",
                    help="ZeRO-3/FSDP: gather each layer's weights again for its backward pass "
                         "instead of keeping all gathered layers from the forward pass")
@@ -434,7 +439,7 @@ def train_config(a: argparse.Namespace) -> TrainConfig:
         checkpoint=CheckpointConfig(directory=a.checkpoint_dir, save_every=a.save_every, keep=a.keep,
                                     resume=a.resume),
         export=a.export, measure_bubble=a.measure_bubble, moe=_moe(a),
-        shape=_fields(a, SHAPE_FLAGS), init_from=a.init_from, export_hf=a.export_hf,
+        shape=_fields(a, SHAPE_FLAGS), sync_every=a.sync_every, init_from=a.init_from, export_hf=a.export_hf,
         log_every=a.log_every, tensorboard=a.tensorboard, profile_steps=a.profile_steps,
         profile_dir=a.profile_dir, sample_tokens=a.sample_tokens, sample_prompt=a.sample_prompt,
         flags={k: v for k, v in sorted(vars(a).items()) if k != "config"})

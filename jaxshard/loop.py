@@ -16,7 +16,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from jaxshard import accounting, bubble, devices, hlo, inspect
+from jaxshard import accounting, bubble, devices, hlo, inspect, local_sgd
 from jaxshard import data as data_lib
 from jaxshard import tokenizer as tokenizer_lib
 from jaxshard.checkpoint import Checkpointer, check_export_path, export_params, param_shapes
@@ -61,6 +61,8 @@ def _start(cfg: TrainConfig, program: Program, model: Any, ckpt: Checkpointer | 
     """The initial state, its step and global sample offset: fresh (or --init-from's weights),
     or the latest checkpoint."""
     if ckpt is not None and cfg.checkpoint.resume and ckpt.latest_step() is not None:
+        if isinstance(program, local_sgd.LocalSGDProgram):
+            local_sgd.check_restore(ckpt.meta(), program.replicas)
         state, meta = ckpt.restore(program.saved_abstract, param_shapes(model.abstract_params()))
         state = program.unsaved(state)
         if meta["seed"] != cfg.step.seed:
@@ -75,7 +77,8 @@ def _start(cfg: TrainConfig, program: Program, model: Any, ckpt: Checkpointer | 
     if cfg.checkpoint.resume:
         _log(f"no complete checkpoint in {cfg.checkpoint.directory}: starting from step 0")
     if cfg.init_from:
-        shardings = jax.tree.map(lambda x: x.sharding, program.saved_abstract.params)
+        shardings = getattr(program, "model_shardings", None) or \
+            jax.tree.map(lambda x: x.sharding, program.saved_abstract.params)
         state = program.from_params(family.load_weights(cfg.init_from, model, shardings))
         _log(f"initialised from {cfg.init_from}")
         return state, 0, 0
@@ -141,7 +144,11 @@ def train(cfg: TrainConfig, family: Family) -> dict[str, Any]:
             step, line = balance_stages(model, rules, cfg.step, B, L)
             _log(line)
             cfg = dataclasses.replace(cfg, step=step)
-        program = build_program(model, rules, cfg.optim, cfg.step)  # nothing compiled yet
+        if cfg.sync_every is not None:
+            program = local_sgd.build_local_sgd_program(model, rules, cfg.optim, cfg.step, cfg.sync_every,
+                                                        measure_spread=False)
+        else:
+            program = build_program(model, rules, cfg.optim, cfg.step)  # nothing compiled yet
         check_batch(rules, B, L, cfg.step.grad_accum, program.schedule.microbatches if program.schedule else 1)
         if cfg.measure_bubble and program.schedule is None:
             raise ConfigError("--measure-bubble needs a stage axis (a pipeline) in --mesh")
@@ -159,7 +166,7 @@ def _train(cfg: TrainConfig, model: Any, rules: ShardingRules, corpus: data_lib.
     mesh = rules.mesh
     tokenizer = corpus.tokenizer  # None: the data came as ids
     _log(f"model {model.cfg.name}: {model.n_params():,} params | mesh {axis_sizes(mesh)} | "
-         f"strategy {rules.name} | remat {model.remat} | {jax.device_count()} {jax.default_backend()} devices"
+         f"strategy {rules.name}{f' + local SGD, averaged every {cfg.sync_every} steps' if cfg.sync_every else ''} | remat {model.remat} | {jax.device_count()} {jax.default_backend()} devices"
          + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""))
     schedule = program.schedule
     if schedule:
@@ -297,6 +304,8 @@ def _train(cfg: TrainConfig, model: Any, rules: ShardingRules, corpus: data_lib.
     if stopped is not None:
         _preempted(stopped, samples + (stopped - start) * B, ckpt, save)
     saved = program.saved(state)
+    if isinstance(program, local_sgd.LocalSGDProgram):  # the replicas' average is the model
+        saved = saved._replace(params=local_sgd.consensus(saved.params))
     if cfg.export:
         _log(f"exported params to {export_params(saved.params, cfg.export)}")
     if cfg.export_hf:
@@ -433,6 +442,7 @@ def _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compil
         "remat": str(model.remat),
         "reshard_after_forward": cfg.strategy.reshard_after_forward,
         "reducer": cfg.step.reducer,
+        "sync_every": cfg.sync_every,
         "buckets": program_buckets and [{"kind": b.kind, "bytes": b.bytes, "params": len(b.pieces)}
                                         for b in program_buckets],
         "offload": list(cfg.strategy.offload),
