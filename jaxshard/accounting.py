@@ -438,7 +438,7 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
                   compute_dtype: str = "float32", remat: Remat = Remat.NONE,
                   grad_accum: int = 1, param_dtype: str = "float32", reducer: str = "gspmd") -> Communication:
     """The collectives one step needs, per device, with the textbook reason for each.
-    ``reducer`` 'buckets' (jaxshard.reducer) reduces every gradient whole, as DDP does: a learned
+    ``reducer`` 'explicit' (jaxshard.reducer) reduces every gradient whole, as DDP does: a learned
     position table's too, where GSPMD reduces only the rows the step used."""
     cfg, sizes = model.cfg, rules.sizes
     c = dtype_bytes(compute_dtype)
@@ -487,7 +487,7 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
         if p.axes and p.axes[0] == Dim.POSITION:
             # A slice of the first L rows: only those rows have a gradient. They are disjoint
             # across the sequence shards, so those gather rather than sum.
-            used_rows = p.shape[0] if reducer == "buckets" else seq_len
+            used_rows = p.shape[0] if reducer == "explicit" else seq_len
             rows = c * used_rows * shard_elems(p.shape[1:], PartitionSpec(*p.compute[1:]), sizes)
             seq_axes = reduce_axes - set(rules.batch_axes)
             # (HSDP + ZeRO-1: XLA reduce-scatters them over fsdp and all-reduces that shard

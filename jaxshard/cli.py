@@ -136,12 +136,13 @@ def train_parser() -> argparse.ArgumentParser:
                         "selective (recompute the attention core), names:N1,N2 (keep only these "
                         "activations), offload:N1,N2 (keep them in host memory); names: "
                         + ", ".join(NAMES))
-    g.add_argument("--reducer", default="gspmd", choices=("gspmd", "buckets"),
-                   help="who reduces the gradients over data: the partitioner (gspmd), or the step "
-                        "itself in buckets like DDP's Reducer (buckets: an all-reduce per bucket, a "
-                        "reduce-scatter per bucket with --zero 1/2; data-only meshes)")
+    g.add_argument("--strategy", default="gspmd", choices=("gspmd", "explicit"),
+                   help="gspmd: the partitioner places the collectives; explicit: the data-parallel "
+                        "step written with shard_map, reducing its gradients itself in buckets like "
+                        "DDP's Reducer (an all-reduce per bucket; a reduce-scatter per bucket, "
+                        "explicit ZeRO-2, with --zero 1/2; data-only meshes)")
     g.add_argument("--bucket-mb", type=float, default=None,
-                   help="--reducer buckets: MB of gradients per bucket, filled in reverse layer order "
+                   help="--strategy explicit: MB of gradients per bucket, filled in reverse layer order "
                         "(default 25, DDP's)")
     g.add_argument("--sync-every", type=int, default=None, metavar="H",
                    help="local SGD: each data replica steps on its own rows and the replicas (params "
@@ -346,10 +347,10 @@ def _step_config(a: argparse.Namespace) -> StepConfig:
     step = StepConfig(grad_accum=a.grad_accum, compute_dtype=compute, seed=a.seed,
                       param_dtype=a.param_dtype, pipeline_schedule=a.pipeline_schedule,
                       microbatches=a.microbatches, virtual_stages=a.virtual_stages,
-                      stage_layers=_counts(a.stage_layers), balance=a.balance, reducer=a.reducer,
+                      stage_layers=_counts(a.stage_layers), balance=a.balance, reducer=a.strategy,
                       **({"bucket_mb": a.bucket_mb} if a.bucket_mb is not None else {}), **scale)
-    if a.bucket_mb is not None and a.reducer != "buckets":
-        raise ConfigError("--bucket-mb sizes the buckets of --reducer buckets; add it")
+    if a.bucket_mb is not None and a.strategy != "explicit":
+        raise ConfigError("--bucket-mb sizes the buckets of --strategy explicit; add it")
     if scale and not step.scaled:
         raise ConfigError("--loss-scale and --loss-scale-period apply to float16 training only "
                           "(--compute-dtype or --param-dtype float16)")

@@ -172,7 +172,7 @@ class Verification:
     # tick ran them -- an upper bound; they run as often as a stage has work), not compared.
     in_slots: list[tuple[str, tuple[str, ...], int]] = field(default_factory=list)
     pipelined: bool = False
-    buckets: tuple[list[int], list[int]] | None = None  # --reducer buckets: (planned, compiled) bytes
+    buckets: tuple[list[int], list[int]] | None = None  # --strategy explicit: (planned, compiled) bytes
 
 
 def verify(model: Any, program: Any, compiled: jax.stages.Compiled, batch_size: int, seq_len: int,
@@ -189,7 +189,7 @@ def verify(model: Any, program: Any, compiled: jax.stages.Compiled, batch_size: 
     kwargs = dict(compute_dtype=compute_dtype, remat=remat, grad_accum=grad_accum, param_dtype=param_dtype)
     schedule = program.schedule
     if getattr(program, "buckets", None):
-        kwargs["reducer"] = "buckets"
+        kwargs["reducer"] = "explicit"
     mem, comm = accounting.predict(model, rules, batch_size, seq_len, schedule, **kwargs)
     fl = accounting.flops(model.cfg, rules, batch_size, seq_len, remat=remat, model=model)
     found = compiled_collectives(compiled, program.rules.mesh)
@@ -254,7 +254,7 @@ def verify(model: Any, program: Any, compiled: jax.stages.Compiled, batch_size: 
 
 
 def bucket_check(program: Any, found: list[hlo.Collective]) -> tuple[list[int], list[int]] | None:
-    """``--reducer buckets``: (the planned buckets' bytes, the compiled step's gradient
+    """``--strategy explicit``: (the planned buckets' bytes, the compiled step's gradient
     collectives' bytes), in order of size; the gradient collectives are the step's non-scalar
     all-reduces and reduce-scatters (the loss sums and the norm are scalars)."""
     if not getattr(program, "buckets", None):

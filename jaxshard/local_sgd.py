@@ -85,7 +85,7 @@ def check(model: Any, rules: ShardingRules, cfg: StepConfig, sync_every: int) ->
         raise ConfigError("--sync-every needs float32 params and no loss scaling "
                           "(--param-dtype float32, --compute-dtype float32 or bfloat16)")
     if cfg.reducer != "gspmd":
-        raise ConfigError("--sync-every reduces the gradients itself: not with --reducer buckets")
+        raise ConfigError("--sync-every reduces the gradients itself: not with --strategy explicit")
 
 
 def build_local_sgd_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig,

@@ -418,7 +418,7 @@ def _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compil
     timed = [r["step_time_s"] for r in records[1:]] or [records[0]["step_time_s"]]
     median = throughput(float(np.median(timed)))
     kwargs = {"compute_dtype": cfg.step.compute_dtype, "remat": model.remat, "grad_accum": cfg.step.grad_accum,
-              "param_dtype": cfg.step.param_dtype, **({"reducer": "buckets"} if program_buckets else {})}
+              "param_dtype": cfg.step.param_dtype, **({"reducer": "explicit"} if program_buckets else {})}
     found = inspect.compiled_collectives(compiled, rules.mesh)
     # (Under a pipeline, what the schedule's slots run -- FSDP's gathers, TP's reductions -- is
     # not predicted.)

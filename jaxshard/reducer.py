@@ -1,4 +1,4 @@
-"""Data parallelism by hand: DDP's Reducer as an explicit ``shard_map`` (``--reducer buckets``).
+"""Data parallelism by hand: DDP's Reducer as an explicit ``shard_map`` (``--strategy explicit``).
 
 GSPMD DDP leaves the gradient all-reduce to the partitioner. Here every device computes the
 gradients of its own rows in a region manual over ``data``, and reduces them itself, as
@@ -37,7 +37,7 @@ from jaxshard.errors import ConfigError
 from jaxshard.pytree import named_leaves
 
 DATA = str(MeshAxis.DATA)
-REDUCERS = ("gspmd", "buckets")
+REDUCERS = ("gspmd", "explicit")
 # XLA merges independent all-reduces into one (its combiner): buckets exist to stay apart.
 COMPILER_OPTIONS = {"xla_disable_hlo_passes": "all-reduce-combiner,cpu-all-reduce-combiner"}
 
@@ -69,17 +69,17 @@ class Bucket:
 
 
 def check(rules: Any, model: Any, grad_accum: int, schedule: Any) -> None:
-    """One-line errors for what ``--reducer buckets`` does not cover."""
+    """One-line errors for what ``--strategy explicit`` does not cover."""
     others = {a: n for a, n in rules.mesh.shape.items() if a != DATA and n > 1}
     if others:
-        raise ConfigError(f"--reducer buckets reduces over data only; the mesh also has "
-                          f"{', '.join(f'{a}={n}' for a, n in others.items())} (use --reducer gspmd)")
+        raise ConfigError(f"--strategy explicit reduces over data only; the mesh also has "
+                          f"{', '.join(f'{a}={n}' for a, n in others.items())} (use --strategy gspmd)")
     if rules.strategy.zero == 3 or rules.strategy.offload:
-        raise ConfigError("--reducer buckets covers DDP and ZeRO-1/2 (--zero 0, 1, 2) without --offload")
+        raise ConfigError("--strategy explicit covers DDP and ZeRO-1/2 (--zero 0, 1, 2) without --offload")
     if grad_accum > 1 or schedule is not None:
-        raise ConfigError("--reducer buckets reduces once per step: not with --grad-accum > 1 or a pipeline")
+        raise ConfigError("--strategy explicit reduces once per step: not with --grad-accum > 1 or a pipeline")
     if getattr(model, "moe_layers", ()):
-        raise ConfigError("--reducer buckets covers dense models (MoE layers: use --reducer gspmd)")
+        raise ConfigError("--strategy explicit covers dense models (MoE layers: use --strategy gspmd)")
 
 
 def plan(abstract_params: Any, axes: Any, reduce_shardings: Any, bucket_mb: float) -> list[Bucket]:

@@ -53,8 +53,8 @@ class StepConfig:
     virtual_stages: int | None = None
     stage_layers: tuple[int, ...] | None = None
     balance: str | None = None  # choose stage_layers: see balance_stages()
-    # Who reduces the gradients: the partitioner ('gspmd'), or the step itself in buckets of
-    # bucket_mb MB ('buckets': DDP's Reducer by hand, see jaxshard/reducer.py).
+    # Who reduces the gradients (--strategy): the partitioner ('gspmd'), or the step itself in
+    # buckets of bucket_mb MB ('explicit': DDP's Reducer by hand, see jaxshard/reducer.py).
     reducer: str = "gspmd"
     bucket_mb: float = 25.0
 
@@ -71,7 +71,7 @@ class StepConfig:
         if self.balance is not None and self.stage_layers is not None:
             raise ConfigError("--balance chooses --stage-layers: give one of them")
         if self.reducer not in reducer_lib.REDUCERS:
-            raise ConfigError(f"--reducer must be one of {', '.join(reducer_lib.REDUCERS)}, got {self.reducer!r}")
+            raise ConfigError(f"--strategy must be one of {', '.join(reducer_lib.REDUCERS)}, got {self.reducer!r}")
         if not self.bucket_mb > 0:
             raise ConfigError(f"--bucket-mb must be > 0, got {self.bucket_mb}")
 
@@ -101,7 +101,7 @@ class Program:
     saved_abstract: TrainState | None = None
     # A fresh state (step 0) around given params in model order, e.g. imported weights.
     from_params: Callable | None = None
-    buckets: list | None = None  # --reducer buckets: the gradient buckets (jaxshard.reducer.plan)
+    buckets: list | None = None  # --strategy explicit: the gradient buckets (jaxshard.reducer.plan)
 
     def abstract_batch(self, batch_size: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
         x = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=self.batch_sharding)
@@ -230,7 +230,7 @@ def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig
 
     grad_fn = jax.grad(scaled_loss, has_aux=True)
 
-    if cfg.reducer == "buckets":
+    if cfg.reducer == "explicit":
         reducer_lib.check(rules, model, cfg.grad_accum, schedule)
         buckets = reducer_lib.plan(layout.abstract.params, model.param_axes(), layout.reduce_shardings,
                                    cfg.bucket_mb)

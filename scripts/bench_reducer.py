@@ -1,5 +1,5 @@
 """Gradient reduction benchmark: GSPMD DDP (the partitioner's all-reduce) against DDP's Reducer
-by hand (``--reducer buckets``) for several bucket sizes, and the same for ZeRO-2 (a
+by hand (``--strategy explicit``) for several bucket sizes, and the same for ZeRO-2 (a
 reduce-scatter per bucket).
 
     python scripts/bench_reducer.py                    # ~3 minutes on 2 CPU cores
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = []
         for zero in (0, 2):
             runs.append((f"gspmd, zero {zero}", zero, {}))
-            runs += [(f"buckets {mb:g} MB, zero {zero}", zero, {"reducer": "buckets", "bucket_mb": mb}) for mb in sizes]
+            runs += [(f"explicit, buckets {mb:g} MB, zero {zero}", zero, {"reducer": "explicit", "bucket_mb": mb}) for mb in sizes]
         rules_for(model, "data=8", 0, False, a.batch_size, a.seq_len)
         os.makedirs(a.out, exist_ok=True)
         rounds: list[list[dict]] = [[] for _ in runs]

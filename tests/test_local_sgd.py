@@ -326,7 +326,7 @@ def build(sync_every=4, mesh="data=8", model=MODEL, strategy=None, **step):
     ({"model": TransformerLM(get_preset("moe-tiny"))}, "--sync-every covers dense models"),
     ({"param_dtype": "bfloat16"}, "--sync-every needs float32 params"),
     ({"compute_dtype": "float16"}, "--sync-every needs float32 params and no loss scaling"),
-    ({"reducer": "buckets"}, "--sync-every reduces the gradients itself: not with --reducer buckets"),
+    ({"reducer": "explicit"}, "--sync-every reduces the gradients itself: not with --strategy explicit"),
 ])
 def test_bad_inputs_are_one_line(kwargs, match):
     with pytest.raises(ConfigError, match=match) as e:

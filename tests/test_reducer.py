@@ -1,4 +1,4 @@
-"""DDP's Reducer by hand (--reducer buckets): the gradients reduced by the step itself in
+"""DDP's Reducer by hand (--strategy explicit): the gradients reduced by the step itself in
 buckets, equal to GSPMD DDP and to one device, one collective per bucket in the compiled step."""
 
 import jax
@@ -39,7 +39,7 @@ def _run(program, name):
     ("tiny-llama", 0, 0.05), ("tiny-llama", 2, 0.2),
 ])
 def test_buckets_equal_gspmd_ddp_and_one_device(gspmd, name, zero, bucket_mb):
-    program = make_program(TransformerLM(get_preset(name)), "data=8", zero=zero, reducer="buckets",
+    program = make_program(TransformerLM(get_preset(name)), "data=8", zero=zero, reducer="explicit",
                            bucket_mb=bucket_mb)
     losses, norms, params = _run(program, name)
     want_losses, want_norms, want_params = gspmd[name]
@@ -63,7 +63,7 @@ def test_buckets_equal_gspmd_ddp_and_one_device(gspmd, name, zero, bucket_mb):
 
 def test_buckets_are_filled_in_reverse_layer_order_and_hold_every_gradient_once():
     model = TransformerLM(get_preset("tiny-llama"))
-    program = make_program(model, "data=8", reducer="buckets", bucket_mb=0.1)
+    program = make_program(model, "data=8", reducer="explicit", bucket_mb=0.1)
     limit = 0.1 * 2 ** 20
     for b in program.buckets:
         assert b.bytes <= limit or len(b.pieces) == 1  # a param larger than a bucket is one alone
@@ -88,9 +88,9 @@ def test_buckets_are_filled_in_reverse_layer_order_and_hold_every_gradient_once(
 def test_what_buckets_do_not_cover_is_one_line(kwargs, message):
     mesh = kwargs.pop("mesh", "data=8")
     with pytest.raises(ConfigError, match=message):
-        make_program(TransformerLM(get_preset("tiny")), mesh, reducer="buckets", **kwargs)
+        make_program(TransformerLM(get_preset("tiny")), mesh, reducer="explicit", **kwargs)
     with pytest.raises(ConfigError, match="covers dense models"):
-        make_program(TransformerLM(get_preset("moe-tiny")), "data=8", reducer="buckets")
+        make_program(TransformerLM(get_preset("moe-tiny")), "data=8", reducer="explicit")
 
 
 def test_inspect_verifies_the_buckets_and_a_run_reports_them(tmp_path):
@@ -100,7 +100,7 @@ def test_inspect_verifies_the_buckets_and_a_run_reports_them(tmp_path):
 
     from test_cli import CACHE, ROOT, assert_one_line_error, train as cli_train
 
-    common = ["--model", "tiny", "--mesh", "data=8", "--cpu-devices", "8", "--reducer", "buckets",
+    common = ["--model", "tiny", "--mesh", "data=8", "--cpu-devices", "8", "--strategy", "explicit",
               "--bucket-mb", "0.1", "--batch-size", "16", "--seq-len", "32"]
     r = subprocess.run([sys.executable, str(ROOT / "experiments" / "inspect.py"), *common, "--strict",
                         "--no-unroll", "--platform", "cpu", "--compile-cache", CACHE],
@@ -110,5 +110,5 @@ def test_inspect_verifies_the_buckets_and_a_run_reports_them(tmp_path):
     run = cli_train(*common, "--steps", "3", "--zero", "2", "--report", str(tmp_path / "r.json"))
     assert run.returncode == 0, run.stderr
     report = json.loads((tmp_path / "r.json").read_text())
-    assert report["reducer"] == "buckets" and {b["kind"] for b in report["buckets"]} == {"reduce-scatter"}
+    assert report["reducer"] == "explicit" and {b["kind"] for b in report["buckets"]} == {"reduce-scatter"}
     assert_one_line_error(cli_train("--bucket-mb", "4", "--cpu-devices", "1"), "--bucket-mb sizes the buckets")
