@@ -23,11 +23,6 @@ from jaxshard import cli, runtime  # noqa: E402
 from jaxshard.errors import ConfigError  # noqa: E402
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, as for every other bad input
-        raise ConfigError(message)
-
-
 def _max_diff(a, b) -> float:
     import jax
     import numpy as np
@@ -37,7 +32,7 @@ def _max_diff(a, b) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = _Parser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = cli.Parser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=64, help="global batch, in images")
     p.add_argument("--devices", type=int, default=None, help="devices of the data-parallel runs (default: all)")

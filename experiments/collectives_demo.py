@@ -27,13 +27,8 @@ NAMES = ("broadcast", "reduce", "all_reduce", "scatter", "gather", "all_gather",
          "all_to_all", "barrier", "send_recv_ring")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line on stderr and status 2, like every other bad input
-        raise ConfigError(message)
-
-
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__.split("\n\n")[0])
+    p = cli.Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mesh", default="data=-1",
                    help="AXIS=SIZE,... outermost first, one -1 filling the devices (default: data=-1)")
     p.add_argument("--axis", default=None,

@@ -24,8 +24,7 @@ from jaxshard.runtime import DEFAULT_CACHE  # noqa: E402
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = cli.Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", metavar="DIR", help="a training run's --checkpoint-dir")
     source.add_argument("--init-from", metavar="HF_DIR", help="a Hugging Face GPT-2 or Llama folder")

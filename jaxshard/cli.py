@@ -92,6 +92,15 @@ class TrainConfig:
         return self.model or "tiny"
 
 
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors (an unknown flag, a value of the wrong type) are
+    :class:`ConfigError`s: one line on stderr and status 2 under :func:`one_line_errors`, like
+    every other bad input, not argparse's usage block."""
+
+    def error(self, message: str):
+        raise ConfigError(message)
+
+
 def _bool(text: str) -> bool:
     if text.lower() in ("true", "1", "yes"):
         return True
@@ -101,7 +110,7 @@ def _bool(text: str) -> bool:
 
 
 def train_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         description="Train a transformer LM on a device mesh (DDP, ZeRO-1/2/3, FSDP, HSDP, "
                     "tensor, sequence, context and pipeline parallelism).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -20,7 +20,7 @@ from jaxshard import cli, runtime  # noqa: E402
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="a training run's --checkpoint-dir")
     p.add_argument("out", help="the Hugging Face folder to write (new or empty)")
     p.add_argument("--step", type=int, default=None, help="default: the latest complete step")

@@ -56,6 +56,9 @@ def test_bad_values():
     assert_one_line_error(train("--seq-len", "512", "--cpu-devices", "1"),
                           "--seq-len 512 exceeds model tiny's max_seq_len 256")
     assert_one_line_error(train("--export", "params.txt", "--cpu-devices", "1"), "--export must name a .npz")
+    # argparse's own errors too: one line, not its usage block.
+    assert_one_line_error(train("--zero", "5", "--cpu-devices", "1"), "argument --zero: invalid choice: 5")
+    assert_one_line_error(train("--stepz", "5", "--cpu-devices", "1"), "unrecognized arguments: --stepz 5")
 
 
 def test_nan_loss_stops_with_one_line_and_no_report(tmp_path):
