@@ -11,7 +11,6 @@ and without ZeRO-Offload), the textbook's next to the live arrays'.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -42,7 +41,7 @@ LESSONS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = cli.Parser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="small")
     p.add_argument("--devices", type=int, default=8, help="devices each strategy uses")
     p.add_argument("--tensor", type=int, default=None,

@@ -24,7 +24,7 @@ from jaxshard.errors import ConfigError  # noqa: E402
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = cli.Parser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="tiny", help="a preset (models/presets.py)")
     p.add_argument("--devices", type=int, default=None, help="devices to use (default: all)")
     p.add_argument("--steps", type=int, default=5)

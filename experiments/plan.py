@@ -22,8 +22,8 @@ from jaxshard.errors import ConfigError  # noqa: E402
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = cli.Parser(description=__doc__.split("\n")[0],
+                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", required=True, help="preset name")
     p.add_argument("--devices", type=int, required=True, help="accelerators in all")
     p.add_argument("--hosts", type=int, default=1, help="hosts they are spread over (evenly)")

@@ -23,8 +23,8 @@ from jaxshard.observe import read_curve  # noqa: E402
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser(description=__doc__.split("\n\n")[0],
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", metavar="RUN",
                    help="a metrics JSON-lines file, or a folder holding metrics.jsonl or event files")
     p.add_argument("--out", default="loss.png", metavar="FILE.png", help="the figure (default %(default)s)")
