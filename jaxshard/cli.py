@@ -23,6 +23,9 @@ from jaxshard.runtime import DEFAULT_CACHE, RuntimeConfig
 from jaxshard.train_step import DTYPES, StepConfig
 
 
+SAMPLE_PROMPT = "\n"  # the final sample's default prompt
+
+
 @dataclass(frozen=True, slots=True)
 class TrainConfig:
     model: str | None  # a preset (None: --init-from's, or tiny)
@@ -62,7 +65,7 @@ class TrainConfig:
     profile_steps: str | None = None  # "A:B": a jax.profiler trace of steps A..B
     profile_dir: str | None = None
     sample_tokens: int = 0  # after training, generate this many tokens from sample_prompt
-    sample_prompt: str = "\n"
+    sample_prompt: str = SAMPLE_PROMPT
     flags: dict | None = None  # every flag's effective value (the config file's and the command line's)
 
     def __post_init__(self) -> None:
@@ -79,6 +82,8 @@ class TrainConfig:
             raise ConfigError(f"--peak-tflops must be > 0, got {self.peak_tflops}")
         if self.log_every < 0 or self.sample_tokens < 0:
             raise ConfigError("--log-every and --sample-tokens must be >= 0")
+        if self.sample_prompt != SAMPLE_PROMPT and not self.sample_tokens:
+            raise ConfigError("--sample-prompt is the prompt of --sample-tokens N's sample; add it")
         if self.init_from and self.model:
             raise ConfigError("--model and --init-from both name the model: give one")
         if self.init_from and self.shape:
@@ -250,7 +255,7 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--profile-dir", default=None, metavar="DIR")
     g.add_argument("--sample-tokens", type=int, default=0,
                    help="after training, generate N tokens from --sample-prompt and print them")
-    g.add_argument("--sample-prompt", default="\n", help="the prompt of the final sample")
+    g.add_argument("--sample-prompt", default=SAMPLE_PROMPT, help="the prompt of the final sample")
     g.add_argument("--cpu-devices", type=int, default=None,
                    help="force N host devices when running on CPU (acts before JAX starts)")
     g.add_argument("--platform", default=None, help="cpu, gpu or tpu (default: JAX's choice)")

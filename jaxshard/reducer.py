@@ -84,9 +84,7 @@ def check(rules: Any, model: Any, grad_accum: int, schedule: Any) -> None:
 
 def plan(abstract_params: Any, axes: Any, reduce_shardings: Any, bucket_mb: float) -> list[Bucket]:
     """The buckets, in the order they are filled (reverse registration order)."""
-    if not bucket_mb > 0:
-        raise ConfigError(f"--bucket-mb must be > 0, got {bucket_mb}")
-    limit = bucket_mb * 2 ** 20
+    limit = bucket_mb * 2 ** 20  # (StepConfig checked it is > 0)
     specs = dict(named_leaves(reduce_shardings))
     dims = dict(named_leaves(axes, is_leaf=lambda x: isinstance(x, tuple)))
     stacked, outer = [], []
@@ -145,11 +143,3 @@ def reduce(grads: Any, buckets: list[Bucket], n: int) -> Any:
 
 def _piece(flat: dict[str, jax.Array], p: Piece) -> jax.Array:
     return flat[p.name] if p.layer is None else flat[p.name][p.layer]
-
-
-def describe(buckets: list[Bucket]) -> str:
-    kinds = {}
-    for b in buckets:
-        kinds.setdefault(b.kind, []).append(b.bytes)
-    return "; ".join(f"{len(v)} {k} bucket{'s' * (len(v) > 1)} of {', '.join(f'{x / 2**20:.2f}' for x in v)} MiB"
-                     for k, v in kinds.items())

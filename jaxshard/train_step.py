@@ -250,12 +250,11 @@ def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig
             return sums, reducer_lib.reduce(grads, buckets, n_data)
 
         def reduced_grads(params, batch, key, factor):
-            scalars = (key, factor) if factor is not None else (key,)
-            fn = (lambda p, b, k, f: local_grads(p, b, k, f)) if factor is not None else \
-                (lambda p, b, k: local_grads(p, b, k, None))
-            return jax.shard_map(fn, mesh=rules.mesh, axis_names=frozenset({reducer_lib.DATA}),
-                                 in_specs=(P(), P(reducer_lib.DATA), *[P()] * len(scalars)),
-                                 out_specs=(P(), grad_specs))(params, batch, *scalars)
+            scale = () if factor is None else (factor,)  # float16's loss scale, when there is one
+            return jax.shard_map(lambda p, b, k, *f: local_grads(p, b, k, *f or (None,)),
+                                 mesh=rules.mesh, axis_names=frozenset({reducer_lib.DATA}),
+                                 in_specs=(P(), P(reducer_lib.DATA), P(), *[P()] * len(scale)),
+                                 out_specs=(P(), grad_specs))(params, batch, key, *scale)
     else:
         buckets = None
 

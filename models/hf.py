@@ -181,12 +181,6 @@ class Tensor:
     perm: tuple[int, ...] | None = None
     part: tuple[int, int, int] | None = None
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """Our param's (per-layer) shape."""
-        dims = [d for g in self.groups for d in g]
-        return tuple(dims[p] for p in self.perm) if self.perm else tuple(dims)
-
 
 def mapping(cfg: ModelConfig) -> dict[str, Tensor]:
     """Our param names ('blocks/attn/wq', ...) -> their Hugging Face tensors."""
@@ -318,7 +312,7 @@ def _block(weights: Weights, t: Tensor, layer: int | None, index: tuple[slice, .
     for ours, view in enumerate(perm):
         view_index[view] = index[ours]
     view_ranges = [np.arange(*s.indices(n)) for s, n in zip(view_index, dims)]
-    flat, starts, at = [], [], 0
+    flat, at = [], 0
     for axis, g in enumerate(t.groups):
         grid = np.meshgrid(*view_ranges[at:at + len(g)], indexing="ij")
         f = np.ravel_multi_index([x.ravel() for x in grid], g) if g else np.zeros(1, int)

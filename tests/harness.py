@@ -8,6 +8,7 @@ import math
 import jax
 import numpy as np
 
+from jaxshard import data_parallel
 from jaxshard.mesh import MeshSpec, build_mesh
 from jaxshard.optim import OptimConfig
 from jaxshard.rules import ShardingRules, Strategy
@@ -20,13 +21,8 @@ OPTIM = OptimConfig(lr=1e-2, warmup_steps=2, total_steps=10)
 
 
 def random_batches(vocab: int, seed: int = 0):
-    """Random tokens; each target is a fixed function of its input, so there is something to learn."""
-    rng = np.random.default_rng(seed)
-    batches = []
-    for _ in range(STEPS):
-        inputs = rng.integers(0, vocab, (BATCH, SEQ), dtype=np.int32)
-        batches.append({"inputs": inputs, "targets": (inputs * 7 + 3) % vocab})
-    return batches
+    """STEPS random batches; each target is a fixed function of its input (something to learn)."""
+    return data_parallel.random_batches(vocab, STEPS, BATCH, SEQ, seed)
 
 
 def make_program(model, mesh_spec: str, *, zero=0, sequence_parallel=False, accum=1,

@@ -59,6 +59,7 @@ def test_bad_values():
     # argparse's own errors too: one line, not its usage block.
     assert_one_line_error(train("--zero", "5", "--cpu-devices", "1"), "argument --zero: invalid choice: 5")
     assert_one_line_error(train("--stepz", "5", "--cpu-devices", "1"), "unrecognized arguments: --stepz 5")
+    assert_one_line_error(train("--sample-prompt", "def ", "--cpu-devices", "1"), "--sample-prompt is the prompt")
 
 
 def test_nan_loss_stops_with_one_line_and_no_report(tmp_path):

@@ -56,6 +56,9 @@ def test_buckets_equal_gspmd_ddp_and_one_device(gspmd, name, zero, bucket_mb):
     found = compiled_collectives(compiled, program.rules.mesh)
     planned, got = bucket_check(program, found)
     assert planned == got and len(got) == len(program.buckets) > 1
+    # The textbook's volume: every gradient byte goes through one bucket collective once, 4 bytes
+    # per param (counted from the model's shapes, not from the plan).
+    assert sum(got) == 4 * TransformerLM(get_preset(name)).n_params()
     kind = "all-reduce" if zero == 0 else "reduce-scatter"
     assert {b.kind for b in program.buckets} == {kind}
     assert all(c.axes == ("data",) for c in found if c.kind == kind)
