@@ -29,6 +29,7 @@ from jaxshard.axes import Dim, MeshAxis
 from jaxshard.errors import ConfigError
 from jaxshard.parallel import pipeline
 from jaxshard.remat import Kind, Remat
+from jaxshard.rows import microbatch_rows
 from jaxshard.rules import ShardingRules, check_host_memory, constrain, use_rules
 from jaxshard.train_state import (StateLayout, TrainState, build_init, cast_floats, fresh_state, move,
                                    state_layout)
@@ -249,19 +250,28 @@ def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig
             sums = jax.tree.map(lambda x: jax.lax.psum(x, reducer_lib.DATA), sums)
             return sums, reducer_lib.reduce(grads, buckets, n_data)
 
-        def reduced_grads(params, batch, key, factor):
+        def reduced_grads(params, batch, key, factor, micro=(0, 1)):
+            """``micro``: (index, count) of the microbatch ``batch`` is (dropout draws its
+            rows of the whole batch's mask; here each device its block of them)."""
+            index, count = micro
             scale = () if factor is None else (factor,)  # float16's loss scale, when there is one
-            return jax.shard_map(lambda p, b, k, *f: local_grads(p, b, k, *f or (None,)),
-                                 mesh=rules.mesh, axis_names=frozenset({reducer_lib.DATA}),
-                                 in_specs=(P(), P(reducer_lib.DATA), P(), *[P()] * len(scale)),
-                                 out_specs=(P(), grad_specs))(params, batch, key, *scale)
+
+            def local(p, b, k, i, *f):
+                with microbatch_rows(i, count, (reducer_lib.DATA,), n_data):
+                    return local_grads(p, b, k, *f or (None,))
+
+            return jax.shard_map(local, mesh=rules.mesh, axis_names=frozenset({reducer_lib.DATA}),
+                                 in_specs=(P(), P(reducer_lib.DATA), P(), P(), *[P()] * len(scale)),
+                                 out_specs=(P(), grad_specs))(params, batch, key, jnp.asarray(index), *scale)
     else:
         buckets = None
 
-    def gspmd_reduced_grads(params, batch, key, factor):
-        """(the loss's sums, gradients of the total's sum)."""
+    def gspmd_reduced_grads(params, batch, key, factor, micro=(0, 1)):
+        """(the loss's sums, gradients of the total's sum) of microbatch ``micro`` = (index,
+        count) of the step's batch."""
         if schedule is None:
-            grads, sums = grad_fn(params, batch, key, factor)
+            with microbatch_rows(*micro):
+                grads, sums = grad_fn(params, batch, key, factor)
         else:
             sums, grads = model.pipeline_grads(
                 params, batch["inputs"], batch["targets"], schedule, key=key,
@@ -381,7 +391,7 @@ def _accumulate(reduced_grads, params, batch, key, factor, n_micro: int, grad_sh
 
     Microbatch ``i`` is rows ``i, i + n, i + 2n, ...`` of the batch, so every microbatch stays
     spread over all batch shards (no device idles) and the full-batch mean is recovered
-    exactly by dividing the sums once.
+    exactly by dividing the sums once; with dropout, the step equals the whole batch's.
     """
 
     def split(x_BL):
@@ -392,8 +402,8 @@ def _accumulate(reduced_grads, params, batch, key, factor, n_micro: int, grad_sh
     micro = jax.tree.map(split, batch)
 
     def body(carry, xs):
-        mb, i = xs
-        return jax.tree.map(jnp.add, carry, reduced_grads(params, mb, jax.random.fold_in(key, i), factor)), None
+        mb, i = xs  # one key: dropout draws the microbatch's rows of the whole batch's mask
+        return jax.tree.map(jnp.add, carry, reduced_grads(params, mb, key, factor, (i, n_micro))), None
 
     zeros = jax.lax.with_sharding_constraint(
         jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), grad_shardings)

@@ -7,15 +7,14 @@ F d_mlp, V vocab.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxshard import rows
 from jaxshard.axes import RESIDUAL_BLD, Dim
 from jaxshard.remat import attention_core, tag
 from jaxshard.parallel.attention import causal_attention
@@ -53,41 +52,14 @@ def token_einsum(spec: str, x: jax.Array, w: jax.Array, out_axes: tuple | None =
     return constrain(y, out_axes) if out_axes is not None else y
 
 
-# While a pipeline runs microbatch i of M (rows i, i + M, ... of the batch): (i, M). Dropout
-# then draws the whole batch's mask and keeps the microbatch's rows, so a pipelined step drops
-# exactly what the unpipelined one does.
-_MICROBATCH: contextvars.ContextVar[tuple[jax.Array, int, tuple[str, ...], int] | None] = \
-    contextvars.ContextVar("microbatch", default=None)
-
-
-@contextlib.contextmanager
-def microbatch_rows(index: jax.Array, count: int, shards: tuple[str, ...] = (), n_shards: int = 1) -> Iterator[None]:
-    """``shards``: manual batch axes (``n_shards`` devices) over which each device holds its
-    own block of the microbatch's rows."""
-    token = _MICROBATCH.set((index, count, shards, n_shards))
-    try:
-        yield
-    finally:
-        _MICROBATCH.reset(token)
-
-
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
-    """Inverted dropout. The mask is drawn at the global shape inside the jitted step, so with
-    partitionable threefry it is the same on any mesh (sharding-invariant); inside a pipeline's
-    microbatch (:func:`microbatch_rows`) it is the microbatch's rows of the whole batch's mask
-    (inside a region manual over batch axes, this device's block of them)."""
+    """Inverted dropout. The mask is the whole batch's, drawn inside the jitted step (with
+    partitionable threefry the same on any mesh); on a microbatch or inside a region manual over
+    batch axes, that part's rows of it (:mod:`jaxshard.rows`), so accumulating, pipelining or
+    reducing by hand drops what the whole batch on one device drops."""
     if key is None or rate == 0.0:
         return x
-    micro = _MICROBATCH.get()
-    if micro is None:
-        keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-    else:
-        index, count, shards, n = micro
-        rows = x.shape[0]
-        every = jax.random.bernoulli(key, 1.0 - rate, (n * rows, count, *x.shape[1:]))
-        if shards:  # this device's block of the microbatch's rows
-            every = jax.lax.dynamic_slice_in_dim(every, jax.lax.axis_index(shards) * rows, rows)
-        keep = jax.lax.dynamic_index_in_dim(every, index, axis=1, keepdims=False)
+    keep = rows.bernoulli(key, 1.0 - rate, x.shape)
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 

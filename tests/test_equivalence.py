@@ -53,6 +53,17 @@ def test_dropout_is_sharding_invariant():
     assert_matches_reference("tiny", "data=2,fsdp=4", dropout=0.1)
 
 
+@pytest.mark.parametrize("mesh", ["data=1", "data=2,fsdp=2"])  # 4-row microbatches
+def test_gradient_accumulation_with_dropout_equals_the_whole_batch(mesh):
+    """Each microbatch drops its rows of the whole batch's mask: --grad-accum 4 with dropout
+    trains as --grad-accum 1 with dropout does (one device, and sharded)."""
+    model = TransformerLM(get_preset("tiny").replace(dropout=0.1))
+    whole_losses, whole_params = reference("tiny", 1, dropout=0.1)
+    losses, state, _ = train(model, mesh, accum=4)
+    np.testing.assert_allclose(losses, whole_losses, rtol=RTOL)
+    assert_params_close(state.params, whole_params)
+
+
 def test_uneven_dims_train_like_one_device():
     """d_model 36 and 4 heads do not divide by 8: FSDP picks other dims instead of failing."""
     cfg = ModelConfig(name="odd", n_layers=2, d_model=36, n_heads=4, d_mlp=144, vocab_size=256,

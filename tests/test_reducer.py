@@ -34,6 +34,24 @@ def _run(program, name):
     return np.array(losses), np.array(norms), jax.tree.map(np.asarray, state.params)
 
 
+@pytest.mark.parametrize("zero", [0, 2])
+def test_explicit_with_dropout_draws_the_whole_batch_mask(zero):
+    """Each device drops its own rows of the mask the whole batch draws: explicit DDP and
+    explicit ZeRO-2 with dropout equal GSPMD DDP with dropout and one device (a replicated
+    mask drawn at each device's shape would make every replica drop the same units)."""
+    model = TransformerLM(get_preset("tiny").replace(dropout=0.1))
+    program = make_program(model, "data=8", zero=zero, reducer="explicit", bucket_mb=0.1)
+    losses, norms, params = _run(program, "tiny")
+    want_losses, want_norms, want_params = _run(make_program(model, "data=8"), "tiny")
+    np.testing.assert_allclose(norms, want_norms, rtol=1e-6)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+    assert_params_close(params, want_params, rtol=1e-6)
+    ref_losses, ref_params = reference("tiny", dropout=0.1)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_params_close(params, ref_params)
+    assert np.abs(ref_losses - reference("tiny")[0]).max() > 1e-3  # dropout is on
+
+
 @pytest.mark.parametrize("name, zero, bucket_mb", [
     ("tiny", 0, 0.05), ("tiny", 0, 0.2), ("tiny", 2, 0.05), ("tiny", 1, 0.2),
     ("tiny-llama", 0, 0.05), ("tiny-llama", 2, 0.2),
