@@ -48,11 +48,25 @@ def schedule(cfg: OptimConfig) -> optax.Schedule:
         decay_steps=max(cfg.total_steps, warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio)
 
 
+# Dims that stack copies of a param (one per layer, one per expert) rather than index its
+# features, and dims that together index one feature dim (a projection's heads x head width).
+_STACKED = frozenset({Dim.LAYERS, Dim.EXPERTS})
+_HEAD_FEATURES = frozenset({Dim.HEADS, Dim.KV_HEADS, Dim.HEAD_DIM})
+
+
+def is_matrix(axes: tuple) -> bool:
+    """Whether a param of these logical dims maps features to features (a weight matrix) rather
+    than holding one vector per copy (a bias, a norm scale): two feature dims or more, with the
+    stacking dims left out and heads x head width counted as one. So an expert's ``(experts,
+    mlp)`` bias and a query bias ``(heads, head_dim)`` are vectors."""
+    features = [d for d in axes if d not in _STACKED]
+    return sum(d not in _HEAD_FEATURES for d in features) + any(d in _HEAD_FEATURES for d in features) >= 2
+
+
 def decay_mask(param_axes: Any) -> Any:
-    """Weight decay on matrices only, not on norm scales and biases (GPT-2/Llama practice).
-    Judged by logical dims, so a stacked ``(layers, embed)`` norm scale counts as a vector."""
-    return jax.tree.map(lambda axes: sum(d != Dim.LAYERS for d in axes) >= 2, param_axes,
-                        is_leaf=lambda x: isinstance(x, tuple))
+    """Weight decay on matrices only, not on norm scales and biases (GPT-2/Llama practice),
+    judged by logical dims (:func:`is_matrix`)."""
+    return jax.tree.map(is_matrix, param_axes, is_leaf=lambda x: isinstance(x, tuple))
 
 
 def make(cfg: OptimConfig, param_axes: Any) -> optax.GradientTransformation:

@@ -160,3 +160,134 @@ def test_shared_expert_adds_a_dense_mlp():
 def test_bad_moe_configs_are_one_line_errors(changes, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         get_preset("tiny").replace(**changes)
+
+
+@pytest.mark.parametrize("preset", ["moe-tiny", "moe-tiny-gpt2", "tiny"])
+def test_weight_decay_reaches_matrices_only(preset):
+    """One AdamW update with zero gradients is weight decay alone: every weight matrix (the
+    experts', the router, projections, embeddings) shrinks by lr x decay, every bias and norm
+    scale -- the experts' biases and the query/value biases included -- is left as it was.
+    Which is which is read from the params' names here, not from their logical dims."""
+    from jaxshard import optim
+    from jaxshard.pytree import named_leaves
+    from models import TransformerLM
+
+    model = TransformerLM(get_preset(preset))
+    cfg = optim.OptimConfig(lr=0.1, warmup_steps=0, total_steps=10, weight_decay=0.5)
+    tx = optim.make(cfg, model.param_axes())
+    # Random values everywhere: biases start at zero, where decay would not show.
+    params = jax.tree.map(lambda p: jax.random.normal(jax.random.key(p.size), p.shape), model.init(jax.random.key(0)))
+    updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    vectors = 0
+    for (name, p), u in zip(named_leaves(params), jax.tree.leaves(updates)):
+        leaf = name.rsplit("/", 1)[-1]
+        vector = leaf.startswith("b") or leaf in ("scale", "bias")
+        vectors += vector
+        want = np.zeros_like(p) if vector else -0.1 * 0.5 * np.asarray(p)
+        np.testing.assert_allclose(np.asarray(u), want, rtol=1e-6, atol=1e-12, err_msg=name)
+    assert vectors >= (3 if preset == "moe-tiny" else 10)  # norm scales; and biases
+
+
+def _aux_numpy(logits, k, f=None):
+    """(load balance E sum_e f_e P_e, z-loss mean lse^2, f) of one layer's router logits
+    ``[B, L, E]``, in float64; ``f``: the routed fractions to hold fixed (they are counts)."""
+    x = np.asarray(logits, np.float64)
+    E = x.shape[-1]
+    p = softmax(x)
+    if f is None:
+        chosen = np.argsort(-p, axis=-1, kind="stable")[..., :k]
+        f = np.array([(chosen == e).mean() for e in range(E)])
+    lse = np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1)) + x.max(-1)
+    return E * np.sum(f * p.reshape(-1, E).mean(0)), np.mean(lse ** 2), f
+
+
+@pytest.mark.parametrize("preset", ["moe-tiny", "moe-tiny-gpt2"])
+def test_auxiliary_losses_reach_the_router_gradient(preset, monkeypatch):
+    """The model's total adds coef x the load-balancing and z losses, and their gradient
+    reaches the router: checked against numpy on the router logits the model computes
+    (captured as it runs). Values: total - nll = tokens (a mean_l LB_l + z mean_l Z_l).
+    Gradients: along a random direction V of the last MoE layer's router, the change the
+    coefficients make to the total's gradient equals a central difference, in float64, of
+    a LB + z Z at logits moved by that layer's x V (logits are linear in the router)."""
+    from models import TransformerLM, moe
+
+    captured = []
+    real = moe.route
+
+    def spy(logits, k, cap):
+        jax.debug.callback(lambda x: captured.append(np.asarray(x)), logits)
+        return real(logits, k, cap)
+
+    monkeypatch.setattr(moe, "route", spy)
+    a, z = 0.3, 0.05
+    cfg = get_preset(preset).replace(moe_aux_coef=a, moe_z_coef=z)
+    model, plain = TransformerLM(cfg), TransformerLM(cfg.replace(moe_aux_coef=0.0, moe_z_coef=0.0))
+    params = model.init(jax.random.key(0))
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 16)), jnp.int32)
+    y = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 16)), jnp.int32)
+    n_moe, k, tokens = cfg.n_moe_layers, cfg.moe_top_k, x.size
+
+    sums = jax.jit(model.loss)(params, x, y)
+    jax.effects_barrier()
+    logits0, captured[:] = list(captured), []
+    assert len(logits0) == n_moe
+    layers = [_aux_numpy(lg, k) for lg in logits0]
+    lb, zl = np.mean([t[0] for t in layers]), np.mean([t[1] for t in layers])
+    np.testing.assert_allclose(float(sums.moe["moe_load_balance"]), tokens * lb, rtol=1e-5)
+    np.testing.assert_allclose(float(sums.moe["moe_z_loss"]), tokens * zl, rtol=1e-5)
+    np.testing.assert_allclose(float(sums.total - sums.nll), tokens * (a * lb + z * zl), rtol=1e-4)
+
+    # The last MoE layer's router moved by V: its logits move by x V.
+    V = rng.normal(size=params["moe_blocks"]["ffn"]["router"].shape[1:]).astype(np.float32)
+    moved = jax.tree.map(lambda p: p, params)
+    moved["moe_blocks"]["ffn"]["router"] = params["moe_blocks"]["ffn"]["router"].at[-1].add(V)
+    jax.jit(model.loss)(moved, x, y)
+    jax.effects_barrier()
+    dL = np.asarray(captured[-1], np.float64) - logits0[-1]
+    f = layers[-1][2]
+
+    def aux(eps):
+        lb_, z_, _ = _aux_numpy(logits0[-1] + eps * dL, k, f)
+        return a * lb_ + z * z_
+
+    eps = 1e-4
+    want = tokens / n_moe * (aux(eps) - aux(-eps)) / (2 * eps)
+
+    def router_grad(m):
+        g = jax.grad(lambda p: m.loss(p, x, y).total)(params)
+        return np.asarray(g["moe_blocks"]["ffn"]["router"][-1], np.float64)
+
+    got = np.sum((router_grad(model) - router_grad(plain)) * V)
+    assert abs(want) > 1e-3  # the direction moves the losses
+    np.testing.assert_allclose(got, want, rtol=2e-3)
+
+
+def test_the_coefficients_change_the_training_step_by_their_gradient():
+    """Through the training step (one device): the logged gradient norm at the first step is the
+    norm, per token, of the gradient of nll + a LB + z Z that the model's loss gives -- for
+    (a, z) = (0, 0) and (0.5, 0.05), which differ -- and over 8 steps a load-balancing weight
+    keeps the routing more balanced (LB nearer 1) than none does."""
+    from harness import make_program, random_batches
+    from models import TransformerLM
+
+    batches = random_batches(256, 0)[:1] * 8  # one batch, again and again: routing drifts on it
+    runs = {}
+    for a, z in ((0.0, 0.0), (0.5, 0.05)):
+        model = TransformerLM(get_preset("moe-tiny").replace(moe_aux_coef=a, moe_z_coef=z))
+        program = make_program(model, "data=1")
+        state = program.init(0)
+        b = batches[0]
+        grads = jax.grad(lambda p: model.loss(p, jnp.asarray(b["inputs"]), jnp.asarray(b["targets"])).total)(
+            jax.tree.map(np.asarray, state.params))
+        want = np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64))) for g in jax.tree.leaves(grads))) / b["inputs"].size
+        metrics = []
+        for batch in batches:
+            state, m = program.step(state, jax.device_put(batch, program.batch_sharding))
+            metrics.append({k: float(v) for k, v in m.items()})
+        np.testing.assert_allclose(metrics[0]["grad_norm"], want, rtol=1e-5)
+        runs[(a, z)] = metrics
+    plain, weighted = runs[(0.0, 0.0)], runs[(0.5, 0.05)]
+    assert plain[0]["grad_norm"] != pytest.approx(weighted[0]["grad_norm"], rel=1e-4)
+    assert plain[0]["moe_load_balance"] == pytest.approx(weighted[0]["moe_load_balance"], rel=1e-6)
+    assert weighted[-1]["moe_load_balance"] < plain[-1]["moe_load_balance"]
