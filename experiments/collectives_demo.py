@@ -1,13 +1,16 @@
 """Show what each collective does on a device mesh: every device's x before and after, the HLO
-collectives it compiles to, and the bytes each device sends.
+collectives it compiles to, and each device's collective buffers (read from the HLO) and the bytes
+it sends under the ring model.
 
     python experiments/collectives_demo.py                       # 8 CPU devices, one axis of 8
     python experiments/collectives_demo.py --mesh data=2,tensor=4 --axis tensor --root 1
     python experiments/collectives_demo.py --mesh data=2,tensor=4 --axis data,tensor --only gather,scatter
 
 Device d starts with x = 10*d + [0, 1, ..., m-1] (int32; 100*d from m = 11 on), m being the
-axis size, so that x splits into one element per member. Bytes sent follow the ring model of
-jaxshard.hlo, read from the compiled program (as ``--report`` does for a training step).
+axis size, so that x splits into one element per member. Per device: "buffers", the bytes of
+the collective buffers it takes part in, read from the compiled program's HLO (measured); and
+"sends", those collectives' bytes under the ring model of jaxshard.hlo (modelled: the HLO says
+what moves, not how the transport routes it), as ``--report``'s ``sent_bytes`` are.
 """
 
 from __future__ import annotations
@@ -109,6 +112,7 @@ def show(mesh, axis, names, a) -> None:
         compiled = fn.lower(x).compile()
         found = hlo.parse(compiled.as_text())
         sent = collectives.bytes_sent(compiled, mesh)
+        held = collectives.buffer_bytes(compiled, mesh)
         after = np.asarray(compiled(x))
         ops = Counter(c.spelled_as if c.kind == c.spelled_as else f"{c.spelled_as} (read as {c.kind})"
                       for c in {c.name.split("#")[0]: c for c in found}.values())  # a tuple op once
@@ -117,8 +121,10 @@ def show(mesh, axis, names, a) -> None:
         print(f"\n{name}({call})  ->  {compiled_to}")
         width = max(len(_row(row)) for row in x)
         sent_width = max(len(str(b)) for b in sent.values())
+        held_width = max(len(str(b)) for b in held.values())
         for label, d, before, now in zip(labels, devices, x, after):
-            print(f"  {label}  sends {sent[d.id]:>{sent_width}} B   {_row(before):<{width}}  ->  {_row(now)}")
+            print(f"  {label}  buffers {held[d.id]:>{held_width}} B, sends {sent[d.id]:>{sent_width}} B"
+                  f"   {_row(before):<{width}}  ->  {_row(now)}")
 
 
 def _row(values) -> str:

@@ -7,7 +7,9 @@ Trains the same model on the same random batches three ways -- one device, DDP
 optimizer state on device 0; each step a broadcast of the params, a scatter of the batch, a
 gather of the gradients and loss sums to device 0, the update there) -- and prints the losses
 side by side, each run's largest param difference from one device, the bytes each device
-moves per step (measured and predicted from the parameter count) and the step times.
+moves per step (DataParallel's transfers counted from the moved arrays' shardings, a model;
+DDP's collectives read from its compiled HLO; both against a prediction from the parameter
+count) and the step times.
 """
 
 from __future__ import annotations

@@ -5,9 +5,11 @@ in the tuple's order (``lax.axis_index``'s numbering), so member ``i`` of ``("da
 on ``data=2,tensor=4`` is ``data * 4 + tensor``. ``root`` is such a member number. Every member
 of the axis must make the same call (SPMD), and each device only ever holds its own block.
 
-What each one compiles to on XLA:CPU, per device, for an ``n``-byte ``x`` on an axis of 8
-(bytes sent under the ring model of :func:`jaxshard.hlo.ring_sent_bytes`; measured with
-:func:`bytes_sent` and pinned by the tests):
+What each one compiles to on XLA:CPU, per device, for an ``n``-byte ``x`` on an axis of 8. The
+collectives and their buffers are read from the compiled HLO (:func:`buffer_bytes`); the bytes
+*sent* are the ring model's (:func:`jaxshard.hlo.ring_sent_bytes`) applied to them by
+:func:`bytes_sent` -- modelled, since the HLO says what a collective moves, not how NCCL or gloo
+route it -- and pinned by the tests:
 
 =================  ======================================  =========================================
 function           HLO                                     bytes sent per device
@@ -287,10 +289,24 @@ def sent_by_partition(found: list[hlo.Collective]) -> dict[int, float]:
     return dict(sent)
 
 
+def buffer_bytes(fn: Callable | jax.stages.Compiled, mesh: jax.sharding.Mesh, *args) -> dict[int, int]:
+    """``{device id: bytes}`` of the collective buffers each device of ``mesh`` takes part in,
+    read from the compiled HLO (an all-reduce's buffer, an all-gather's result, a reduce-scatter's
+    input, a permute's buffer at its source and its target): measured, no model."""
+    held: dict[int, float] = defaultdict(float)
+    for c in collectives_of(fn, *args):
+        members = {p for pair in c.groups for p in pair if len(set(pair)) > 1} \
+            if c.kind == "collective-permute" else {p for g in c.groups for p in g}
+        for p in members:
+            held[p] += c.bytes * c.executions
+    return {d.id: round(held.get(p, 0.0)) for p, d in enumerate(mesh.devices.flat)}
+
+
 def bytes_sent(fn: Callable | jax.stages.Compiled, mesh: jax.sharding.Mesh, *args) -> dict[int, int]:
-    """``{device id: bytes}`` that each device of ``mesh`` sends when the program runs: a compiled
-    one, or ``fn`` compiled for ``args`` (``fn`` built on ``mesh``, e.g. with :func:`each_device`).
-    Read from the compiled HLO; partition p of the program is ``mesh.devices.flat[p]``, as jit
-    places a mesh's devices."""
+    """``{device id: bytes}`` that each device of ``mesh`` sends when the program runs, under the
+    ring model (a model: see the module's docstring): a compiled program, or ``fn`` compiled for
+    ``args`` (``fn`` built on ``mesh``, e.g. with :func:`each_device`). The collectives are read
+    from the compiled HLO; partition p of the program is ``mesh.devices.flat[p]``, as jit places
+    a mesh's devices."""
     sent = sent_by_partition(collectives_of(fn, *args))
     return {d.id: round(sent.get(p, 0.0)) for p, d in enumerate(mesh.devices.flat)}

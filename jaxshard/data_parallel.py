@@ -13,9 +13,11 @@ The params and the AdamW state live on device 0 only (a ``SingleDeviceSharding``
    the arithmetic of :func:`jaxshard.train_step.build_program`), in a program of its own.
 
 The transfers are driven from the host, outside any compiled program, as PyTorch's are. Each
-step counts them from the shards of the arrays it moves (:func:`transfer`: the bytes that land
-on a device that did not hold them, and who sent them), and :meth:`DataParallel.compiled_collectives`
-reads the collectives of its two programs from their HLO (none; a test holds it to that).
+step counts them from the shardings of the arrays it moves (:func:`transfer`: the bytes that
+land on a device that did not hold them, and who sent them) -- a model of what ``device_put``
+moves, not a measurement: no compiled program holds these transfers -- and
+:meth:`DataParallel.compiled_collectives` reads the collectives of its two programs from their
+HLO (none; a test holds it to that).
 
 Bytes per step. P: the params' bytes, N: devices, X: the batch's bytes (inputs and targets),
 S: one device's loss sums (float32 scalars: 3 for a dense model); "per device" counts a
@@ -419,10 +421,12 @@ def format_comparison(c: Comparison) -> str:
     for name in names[1:]:
         lines.append(f"max |param - one device's|, {name}: {c.max_param_diff(name):.2e}")
     p, N, other = c.predicted, c.n_devices, 1 if c.n_devices > 1 else 0
-    lines += ["", f"Bytes per step ({c.n_params:,} params, P = {p.param_bytes:,} B, N = {N}); measured: "
-              "DataParallel's transfers from the moved arrays' shards (+ its compiled programs' "
-              f"collectives: {len(c.dp_collectives)}), DDP's from its compiled HLO",
-              f"  {'':<44}{'measured':>14}{'predicted':>14}"]
+    lines += ["", f"Bytes per step ({c.n_params:,} params, P = {p.param_bytes:,} B, N = {N}). \"observed\": "
+              "DataParallel's host-driven transfers counted from the moved arrays' shardings (modelled: "
+              "a device_put compiles to no program whose transfers could be read) plus its compiled "
+              f"programs' collectives ({len(c.dp_collectives)}, from their HLO); DDP's buffers from its "
+              "compiled HLO (measured); a ring's sent bytes are the ring model's",
+              f"  {'':<44}{'observed':>14}{'predicted':>14}"]
 
     def row(what, measured, predicted):
         lines.append(f"  {what:<44}{measured:>14,.0f}{predicted:>14,.0f}")
@@ -440,8 +444,8 @@ def format_comparison(c: Comparison) -> str:
         row("              loss sums gathered out", out_of("gather loss"), p.gather_loss)
         row("              total (each device k > 0)", c.data_parallel_bytes(other), p.data_parallel)
         row("DataParallel, device 0 (sent + received)", c.data_parallel_bytes(0), p.root)
-    row("DDP, each device: collectives (buffers)", c.ddp_bytes, p.ddp_all_reduce)
-    row("DDP, each device: sent by a ring", c.ddp_sent, p.ddp_ring_sent)
+    row("DDP, each device: collectives (buffers, compiled)", c.ddp_bytes, p.ddp_all_reduce)
+    row("DDP, each device: sent by a ring (ring model)", c.ddp_sent, p.ddp_ring_sent)
     if other:
         row("DataParallel - DDP, per device", c.data_parallel_bytes(other) - c.ddp_bytes, p.excess)
     short = p.ddp_all_reduce - c.ddp_bytes

@@ -46,6 +46,7 @@ class Collective:
     # bound (which branch runs is decided at run time).
     conditional: bool = False
     axes: tuple[str, ...] = ()  # mesh axes its groups span (see attribute())
+    n_partitions: int = 0  # devices of the program (0: unknown)
 
     @property
     def group_size(self) -> int:
@@ -53,7 +54,13 @@ class Collective:
 
     @property
     def sent_bytes(self) -> float:
-        """Bytes one device sends per execution under the ring algorithm."""
+        """Bytes one device sends per execution, on average over the program's devices: under
+        the ring algorithm for the grouped collectives; a collective-permute's buffer from each
+        device that is a source of its pairs (a partial permute -- a pipeline's last stage,
+        say -- sends nothing from the others)."""
+        if self.kind == "collective-permute" and self.n_partitions:
+            senders = {s for s, t in self.groups if s != t}
+            return self.bytes * len(senders) / self.n_partitions
         return ring_sent_bytes(self.kind, self.bytes, self.group_size)
 
     def dims(self) -> set[int]:
@@ -62,7 +69,8 @@ class Collective:
 
 def ring_sent_bytes(kind: str, nbytes: float, group: int) -> float:
     """Bytes one device sends for a collective on a ``group``-device ring, ``nbytes`` being the
-    full buffer: 2(n-1)/n for an all-reduce, (n-1)/n for the others, all of it for a permute."""
+    full buffer: 2(n-1)/n for an all-reduce, (n-1)/n for the others, all of it for a permute
+    every device takes part in. A model, not a measurement."""
     if kind == "collective-permute":
         return float(nbytes)
     if group <= 1:
@@ -173,7 +181,7 @@ def parse(hlo_text: str) -> list[Collective]:
                 kind=kind, name=name, shapes=tuple(s for _, s in res),
                 operand_shapes=tuple(s for _, s in ops), bytes=_nbytes(full), groups=groups,
                 spelled_as=op, executions=runs.get(where[m["name"]], 1),
-                conditional=where[m["name"]] in in_branch))
+                conditional=where[m["name"]] in in_branch, n_partitions=n_partitions))
     return found
 
 
@@ -267,6 +275,19 @@ def loop_states(text: str) -> list[list[tuple[str, tuple[int, ...]]]]:
         if m and m["op"] == "while":
             out.append(_arrays(m["shape"]))
     return out
+
+
+def fingerprint(hlo_text: str) -> str:
+    """A short hash of a compiled program's HLO without its source metadata: two runs compiled
+    the same program exactly when their fingerprints agree (what a flag changed, at a glance)."""
+    import hashlib
+
+    # The computations only: the source tables before them (file names, stack frames) and each
+    # instruction's metadata say where the code came from, and a program loaded from the
+    # compilation cache carries fewer of them than a fresh compile.
+    lines = [line for line in hlo_text.splitlines() if re.match(r"\s*(?:ROOT |ENTRY )?%", line)]
+    text = re.sub(r",? metadata=\{[^{}]*\}", "", "\n".join(lines))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 # A layout's memory space: S(5) is the host (XLA's kHostMemorySpace), as in f32[8]{0:S(5)}.

@@ -104,11 +104,14 @@ def test_bytes_sent_follow_the_groups_of_a_2d_mesh(mesh_2x4):
     program = C.each_device(lambda x: C.all_reduce(x, "tensor"), mesh_2x4)
     (found,) = C.collectives_of(program, x)
     assert sorted(map(sorted, found.groups)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert set(C.bytes_sent(program, mesh_2x4, x).values()) == {2 * 3 / 4 * N}
+    assert set(C.bytes_sent(program, mesh_2x4, x).values()) == {2 * 3 / 4 * N}  # the ring model
+    assert set(C.buffer_bytes(program, mesh_2x4, x).values()) == {N}  # the compiled buffer
     # gather over data to member 1: the data=0 row sends its block, the data=1 row (the roots) nothing
     program = C.each_device(lambda x: C.gather(x, "data", 1), mesh_2x4)
     sent = C.bytes_sent(program, mesh_2x4, x)
     assert [sent[d.id] for d in mesh_2x4.devices.flat] == [N] * 4 + [0] * 4
+    held = C.buffer_bytes(program, mesh_2x4, x)  # each permute's buffer at its source and target
+    assert [held[d.id] for d in mesh_2x4.devices.flat] == [N] * 8
 
 
 def test_a_ring_shift_of_a_whole_turn_sends_nothing():
@@ -166,8 +169,8 @@ def test_demo_shows_each_device_before_and_after():
         assert [line.split(" ")[1] for line in out[i + 1:i + 9]] == [str(d) for d in range(8)], name
     assert "scatter(x, 'data', root=0) -> 7 x collective-permute" in out
     i = out.index("scatter(x, 'data', root=0) -> 7 x collective-permute")
-    assert out[i + 1] == "device 0 data=0 member 0 sends 28 B [0 1 2 3 4 5 6 7] -> [0]"
-    assert out[i + 4] == "device 3 data=3 member 3 sends 0 B [30 31 32 33 34 35 36 37] -> [3]"
+    assert out[i + 1] == "device 0 data=0 member 0 buffers 28 B, sends 28 B [0 1 2 3 4 5 6 7] -> [0]"
+    assert out[i + 4] == "device 3 data=3 member 3 buffers 4 B, sends 0 B [30 31 32 33 34 35 36 37] -> [3]"
 
 
 def test_demo_on_one_axis_of_a_2d_mesh():
@@ -175,10 +178,10 @@ def test_demo_on_one_axis_of_a_2d_mesh():
     assert r.returncode == 0, r.stderr
     out = lines(r.stdout)
     assert "gather(x, 'tensor', root=1) -> 3 x collective-permute" in out
-    assert "device 5 data=1,tensor=1 member 1 sends 0 B [50 51 52 53] -> " \
+    assert "device 5 data=1,tensor=1 member 1 buffers 48 B, sends 0 B [50 51 52 53] -> " \
            "[40 41 42 43 50 51 52 53 60 61 62 63 70 71 72 73]" in out
-    assert "device 6 data=1,tensor=2 member 2 sends 16 B [60 61 62 63] -> [0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0]" in out
-    assert "device 7 data=1,tensor=3 member 3 sends 12 B [70 71 72 73] -> [232]" in out  # 43+53+63+73
+    assert "device 6 data=1,tensor=2 member 2 buffers 16 B, sends 16 B [60 61 62 63] -> [0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0]" in out
+    assert "device 7 data=1,tensor=3 member 3 buffers 16 B, sends 12 B [70 71 72 73] -> [232]" in out  # 43+53+63+73
     assert not any(line.startswith("broadcast(") for line in out)
 
 

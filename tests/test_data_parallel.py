@@ -49,8 +49,9 @@ def test_trains_like_one_device_and_ddp():
 
 
 def test_moves_a_params_broadcast_more_than_ddp():
-    """Measured from one real step (the transfers) and the compiled programs, against a
-    prediction from the parameter count. At the model's full sequence length every param gets
+    """Counted from the shardings of one real step's transfers (a model of what device_put
+    moves: no compiled program holds them) and measured from the compiled programs (DDP's
+    all-reduce, DataParallel's none), against a prediction from the parameter count. At the model's full sequence length every param gets
     a gradient (a shorter one leaves position rows whose zero gradients DDP need not reduce)."""
     n, batch, seq = 8, 8, MODEL.cfg.max_seq_len
     params_bytes = 4 * sum(math.prod(x.shape) for x in jax.tree.leaves(MODEL.abstract_params()))
