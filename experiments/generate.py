@@ -48,10 +48,13 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     with cli.one_line_errors():
         a = parser().parse_args(argv)
+        if a.step is not None and not a.checkpoint:
+            raise ConfigError("--step picks a step of --checkpoint's; --init-from has one set of weights")
         runtime.configure(runtime.RuntimeConfig(cpu_devices=a.cpu_devices, platform=a.platform,
                                                 compile_cache=a.compile_cache or None))
         from jaxshard import tokenizer as tok
-        from jaxshard.mesh import MeshSpec, build_mesh
+        from jaxshard.inspect import max_bytes_per_device
+        from jaxshard.mesh import MeshSpec, axis_sizes, build_mesh
         from jaxshard.rules import ShardingRules, StateKind, Strategy
         from jaxshard.train import restore_model
         from models import TransformerLM, hf
@@ -82,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
             print(text + tokenizer.decode(new))
             if len(texts) > 1:
                 print("-" * 40)
+        print(f"model {model.cfg.name}: {model.n_params():,} params, {max_bytes_per_device(params):,} B "
+              f"per device on mesh {axis_sizes(rules.mesh)}", file=sys.stderr)
     return 0
 
 

@@ -21,14 +21,17 @@ from jaxshard.errors import ConfigError  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     with cli.one_line_errors():
-        args = cli.parse_with_config(cli.inspect_parser(), argv)
+        parser = cli.inspect_parser()
+        args = cli.parse_with_config(parser, argv)
+        cli.check_compile_only(parser, args)
         cfg = cli.train_config(args)
-        if cfg.measure_bubble:
-            raise ConfigError("--measure-bubble times a training run: give it to experiments/train.py")
+        if cfg.sync_every is not None:
+            raise ConfigError("--sync-every: the verifier covers the DDP-family step, not local SGD's "
+                              "(its compiled collectives are in the training report)")
         runtime.configure(cfg.runtime)
 
         from experiments.common import build_model
-        from jaxshard import inspect
+        from jaxshard import hlo, inspect
         from jaxshard.mesh import axis_sizes, build_mesh
         from jaxshard.rules import ShardingRules
         from jaxshard.train_step import balance_stages, build_program, check_batch
@@ -49,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                            compute_dtype=cfg.step.compute_dtype, grad_accum=cfg.step.grad_accum,
                            param_dtype=cfg.step.param_dtype)
         print(inspect.format_verification(v))
+        print(f"\ncompiled step: fingerprint {hlo.fingerprint(compiled.as_text())} (a hash of its HLO)")
         return 1 if args.strict and v.flags else 0
 
 

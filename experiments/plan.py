@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if not 0 < a.mfu <= 1:
             raise ConfigError(f"--mfu must be in (0, 1], got {a.mfu}")
+        if a.inter_bw is not None and a.hosts == 1:
+            raise ConfigError("--inter-bw prices the links between hosts; --hosts is 1")
         device = devices.device_spec(
             a.device, memory=devices.parse_bytes(a.device_memory) if a.device_memory else None,
             peak_tflops=a.peak_tflops, intra_gbs=a.intra_bw, inter_gbs=a.inter_bw)

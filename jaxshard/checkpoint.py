@@ -31,16 +31,20 @@ class CheckpointError(JaxshardError):
 class CheckpointConfig:
     directory: str | None = None
     save_every: int = 0  # steps between saves; 0: only the final step
-    keep: int = 3  # most recent checkpoints kept
+    keep: int | None = None  # most recent checkpoints kept (None: 3)
     resume: bool = False  # continue from the latest complete checkpoint, if any
 
     def __post_init__(self) -> None:
-        if (self.save_every or self.resume) and not self.directory:
-            raise ConfigError("--save-every and --resume need --checkpoint-dir")
+        if (self.save_every or self.resume or self.keep is not None) and not self.directory:
+            raise ConfigError("--save-every, --keep and --resume need --checkpoint-dir")
         if self.save_every < 0:
             raise ConfigError(f"--save-every must be >= 0, got {self.save_every}")
-        if self.keep < 1:
+        if self.keep is not None and self.keep < 1:
             raise ConfigError(f"--keep must be >= 1, got {self.keep}")
+
+    @property
+    def kept(self) -> int:
+        return 3 if self.keep is None else self.keep
 
 
 def param_shapes(params: Any) -> dict[str, list[int]]:
@@ -58,7 +62,7 @@ class Checkpointer:
         self.directory = Path(cfg.directory).expanduser().resolve()  # orbax wants absolute paths
         if self.directory.exists() and not self.directory.is_dir():
             raise CheckpointError(f"--checkpoint-dir {self.directory} is a file, not a folder")
-        options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=True,
+        options = ocp.CheckpointManagerOptions(max_to_keep=cfg.kept, enable_async_checkpointing=True,
                                                create=True)
         try:
             self.manager = ocp.CheckpointManager(self.directory, options=options)

@@ -265,7 +265,7 @@ def train_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("checkpoints")
     g.add_argument("--checkpoint-dir", default=None, help="where sharded checkpoints go")
     g.add_argument("--save-every", type=int, default=0, help="steps between saves (0: at the end only)")
-    g.add_argument("--keep", type=int, default=3, help="most recent checkpoints kept")
+    g.add_argument("--keep", type=int, default=None, help="most recent checkpoints kept (default 3)")
     g.add_argument("--resume", action="store_true",
                    help="continue from the latest complete checkpoint in --checkpoint-dir, on any mesh")
     g.add_argument("--export", default=None, help="write the final params to this .npz (plain numpy)")
@@ -277,8 +277,8 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
     g.add_argument("--num-processes", type=int, default=None)
     g.add_argument("--process-id", type=int, default=None)
-    g.add_argument("--init-timeout", type=float, default=120.0,
-                   help="seconds to wait for every process to join")
+    g.add_argument("--init-timeout", type=float, default=None,
+                   help="seconds to wait for every process to join (default 120)")
     return p
 
 
@@ -352,6 +352,27 @@ def inspect_parser() -> argparse.ArgumentParser:
                    help="keep the layer scan rolled (faster to compile; XLA's FLOP count then "
                         "covers one layer of each loop)")
     return p
+
+
+# Flags of a training run that compiling one step does not use (data, evaluation, outputs,
+# checkpoints, processes): inspect.py rejects them on its command line. (A --config file may
+# set them: it describes the whole run.)
+TRAINING_ONLY = ("data", "tokenizer", "val_fraction", "eval_every", "eval_batches", "metrics", "report",
+                 "no_progress", "log_every", "tensorboard", "profile_steps", "profile_dir", "sample_tokens",
+                 "sample_prompt", "device", "peak_tflops", "checkpoint_dir", "save_every", "keep", "resume",
+                 "export", "export_hf", "measure_bubble", "coordinator", "num_processes", "process_id",
+                 "init_timeout")
+
+
+def check_compile_only(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """One line for a training-only flag given to a command that compiles a step without
+    running it (the defaults here are the config file's, if any)."""
+    for dest in TRAINING_ONLY:
+        if getattr(a, dest) != parser.get_default(dest):
+            flag = "--" + dest.replace("_", "-")
+            hint = " (give --vocab-size for a tokenizer's vocabulary)" if dest in ("data", "tokenizer") else ""
+            raise ConfigError(f"{flag} belongs to a training run: inspect.py compiles one step without "
+                              f"running it or reading data{hint}")
 
 
 def _step_config(a: argparse.Namespace) -> StepConfig:
@@ -467,6 +488,11 @@ def one_line_errors() -> Iterator[None]:
         yield
     except JaxshardError as e:
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except RuntimeError as e:  # a backend the machine lacks (--platform), found at the first device query
+        if not str(e).startswith("Unable to initialize backend"):
+            raise
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

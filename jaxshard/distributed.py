@@ -31,6 +31,7 @@ class DistributedConfig:
     num_processes: int | None = None
     process_id: int | None = None
     timeout_s: float = 120.0
+    timeout_given: bool = False  # --init-timeout was given (it bounds a multi-process start)
 
     def __post_init__(self) -> None:
         given = [v is not None for v in (self.coordinator, self.num_processes, self.process_id)]
@@ -52,15 +53,16 @@ class DistributedConfig:
         return (self.num_processes or 1) > 1
 
     @classmethod
-    def from_env(cls, coordinator=None, num_processes=None, process_id=None, timeout_s=120.0):
-        """Flags win; else the JAXSHARD_* environment variables."""
+    def from_env(cls, coordinator=None, num_processes=None, process_id=None, timeout_s=None):
+        """Flags win; else the JAXSHARD_* environment variables. ``timeout_s`` None: 120 s."""
         env = os.environ
         coordinator = coordinator or env.get("JAXSHARD_COORDINATOR")
         if num_processes is None and "JAXSHARD_NUM_PROCESSES" in env:
             num_processes = _int(env["JAXSHARD_NUM_PROCESSES"], "JAXSHARD_NUM_PROCESSES")
         if process_id is None and "JAXSHARD_PROCESS_ID" in env:
             process_id = _int(env["JAXSHARD_PROCESS_ID"], "JAXSHARD_PROCESS_ID")
-        return cls(coordinator, num_processes, process_id, timeout_s)
+        return cls(coordinator, num_processes, process_id, 120.0 if timeout_s is None else timeout_s,
+                   timeout_s is not None)
 
 
 def _int(text: str, name: str) -> int:
@@ -95,6 +97,9 @@ def initialize(cfg: DistributedConfig, platform: str | None = None) -> None:
 
     detected = None if cfg.coordinator else cluster_detected()
     if not cfg.multi_process and detected is None:
+        if cfg.timeout_given and cfg.coordinator is None:
+            raise DistributedError("--init-timeout bounds the wait for the processes of a multi-process "
+                                   "job; this run is one process")
         return
     if (platform or os.environ.get("JAX_PLATFORMS", "")).startswith("cpu"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -27,7 +27,8 @@ the params every step; ``measure_spread=False`` leaves it out.
 
 Checkpoints hold every replica, so a resume on a mesh with the same ``data`` size continues
 exactly; another ``data`` size cannot restore the state (see :func:`check_restore`). The
-replicas' average (:func:`consensus`) is what evaluation, exports and samples use.
+replicas' average (:func:`consensus`) is what evaluation, exports and samples use, and what
+generation and the checkpoint converter read from such a checkpoint (:func:`saved_replicas`).
 """
 
 from __future__ import annotations
@@ -225,6 +226,41 @@ def check_restore(meta: dict[str, Any], replicas: int) -> None:
     if saved != replicas:
         raise ConfigError(f"--sync-every: the checkpoint holds {saved} replicas (data={saved}) but this "
                           f"mesh has data={replicas}; resume on data={saved}")
+
+
+def predicted_collectives(model: Any, sync_every: int) -> list[dict[str, Any]]:
+    """What a step sends per device beyond the loss's scalars, as the report lists it: on a
+    synchronising step (``sync_every`` > 1: one in H, inside a conditional) an all-reduce over
+    ``data`` of the float32 params, both Adam moments (averaged) and the gradients (summed);
+    with H = 1 DDP's gradient all-reduce every step and no averaging."""
+    params = 4 * model.n_params()
+    if sync_every == 1:
+        return [{"kind": "all-reduce", "bytes": params, "when": "every step: the gradients (DDP)"}]
+    return [{"kind": "all-reduce", "bytes": 4 * params,
+             "when": f"synchronising steps (1 in {sync_every}): params, Adam's two moments, gradients"}]
+
+
+def saved_replicas(meta: dict[str, Any]) -> int | None:
+    """The replicas a checkpoint's params are stacked over (None: not a local-SGD run's), from
+    its record (``flags``: the run's flags, ``mesh``: its axis sizes)."""
+    if (meta.get("flags") or {}).get("sync_every") is None:
+        return None
+    return dict(meta.get("mesh") or {}).get(DATA, 1)
+
+
+def stacked_abstract(abstract: Any, replicas: int) -> Any:
+    """Model-shaped abstract params as a local-SGD checkpoint holds them: a leading dim of
+    ``replicas``, kept whole on each device (the other dims sharded as given)."""
+    def stack(x):
+        sharding = NamedSharding(x.sharding.mesh, P(None, *x.sharding.spec))
+        return jax.ShapeDtypeStruct((replicas, *x.shape), x.dtype, sharding=sharding)
+
+    return jax.tree.map(stack, abstract)
+
+
+def average(params: Any, shardings: Any) -> Any:
+    """Replica-stacked ``params`` averaged into model-shaped ones laid out as ``shardings``."""
+    return jax.jit(lambda p: jax.tree.map(_mean_replica, p), out_shardings=shardings)(params)
 
 
 def _replica_layout(one: TrainState, mesh: jax.sharding.Mesh, R: int) -> StateLayout:

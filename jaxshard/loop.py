@@ -449,14 +449,20 @@ def _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compil
         "skipped_steps": int(records[-1].get("skipped_steps", 0)),
         "per_device_bytes": held,
         "xla_memory": inspect.xla_memory(compiled),
-        "collectives": hlo.summary([c for c in found if not (schedule and c.conditional)]),
+        "collectives": hlo.summary([c for c in found if not ((schedule or cfg.sync_every) and c.conditional)]),
+        # Local SGD: what its synchronising steps run (a conditional's branch), per such step.
+        "collectives_when_synchronising": cfg.sync_every and hlo.summary([c for c in found if c.conditional]),
         # A pipeline's slots run these as often as the schedule gives a stage work; the counts
         # here are as if every tick ran them (XLA's loop does not record which ran).
         "collectives_in_slots": schedule and hlo.summary([c for c in found if c.conditional]),
         "predicted": {
             "argument_bytes": predicted_memory.argument, "activation_bytes": predicted_memory.activations,
             "collectives": [{"kind": k, "bytes": b} for k, b in sorted(comm.by_kind().items())],
-            "collectives_scope": "outside the pipeline's slots" if schedule else "the whole step"},
+            "collectives_scope": "outside the pipeline's slots" if schedule else "the whole step"}
+        if cfg.sync_every is None else {  # local SGD: its own program (jaxshard/local_sgd.py)
+            "argument_bytes": predicted_memory.argument,
+            "collectives": local_sgd.predicted_collectives(model, cfg.sync_every),
+            "collectives_scope": "beyond the loss's scalars"},
         "pipeline": schedule and {"schedule": schedule.kind, "stages": schedule.stages,
                                   "virtual_stages": schedule.virtual,
                                   "stage_layers": list(schedule.layout.layers),
@@ -466,6 +472,7 @@ def _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compil
                                   "bubble_theory": schedule.bubble(),
                                   # --measure-bubble: jaxshard.bubble's measurement
                                   "measured": measured and measured.as_dict()},
+        "program_fingerprint": hlo.fingerprint(compiled.as_text()),
         "compile_time_s": compile_s,
         "step_time_s_median": float(np.median(timed)),
         "tokens_per_s": median["tokens_per_s"],

@@ -106,6 +106,12 @@ class ShardingRules:
         sequence = self.active_axes((MeshAxis.SEQUENCE,))
         if strategy.sequence_parallel and not tensor:
             raise ConfigError("--sequence-parallel needs a tensor axis of size > 1 in --mesh")
+        if strategy.zero and self.sizes[MeshAxis.DATA] == 1:
+            raise ConfigError(f"--zero {strategy.zero} shards state over the data axis, which --mesh does "
+                              "not split (an fsdp axis shards params, grads and optimizer state already)")
+        if strategy.fsdp_min_size and not self.state_axes(StateKind.OPT_STATE):
+            raise ConfigError("--fsdp-min-size keeps small params out of ZeRO/FSDP sharding; this mesh "
+                              "and --zero shard no state (add an fsdp axis or --zero)")
         if not strategy.reshard_after_forward and not self.gathers_params:
             raise ConfigError("--reshard-after-forward false applies to ZeRO-3/FSDP only (an fsdp "
                               "axis of size > 1 or --zero 3); this strategy gathers no weights")

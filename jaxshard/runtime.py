@@ -24,11 +24,38 @@ class RuntimeConfig:
             raise ConfigError(f"--platform must be cpu, gpu or tpu, got {self.platform}")
 
 
+# The packages that bring each accelerator's backend (jax[cuda12], jax[tpu]).
+PLATFORM_PACKAGES = {"gpu": ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12"),
+                     "cuda": ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12"),
+                     "tpu": ("libtpu",)}
+
+
+def check_platform(platform: str) -> None:
+    """One line (not JAX's traceback at the first device query) when the installation has no
+    backend for ``platform``. Looks for the package only: starting a backend here would come
+    before ``jax.distributed.initialize``, which must be first."""
+    import importlib.util
+
+    wanted = PLATFORM_PACKAGES.get(platform, ())
+    if wanted and not any(_installed(name, importlib.util) for name in wanted):
+        extra = "jax[cuda12]" if platform in ("gpu", "cuda") else "jax[tpu]"
+        raise ConfigError(f"--platform {platform}: this installation has no {platform} backend "
+                          f"(install the {extra} extra on a machine with one)")
+
+
+def _installed(name: str, util) -> bool:
+    try:
+        return util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a missing parent package
+        return False
+
+
 def configure(cfg: RuntimeConfig) -> None:
     """Apply ``cfg``; call before any jax computation or device query."""
     import jax
 
     if cfg.platform is not None:
+        check_platform(cfg.platform)
         jax.config.update("jax_platforms", cfg.platform)
     if cfg.cpu_devices is not None:
         try:

@@ -34,6 +34,9 @@ def model_config(cfg: cli.TrainConfig, tokenizer_vocab: int | None = None):
     else:
         model_cfg = get_preset(cfg.model_name)
     shape = dict(cfg.shape)
+    if "rope_theta" in shape and model_cfg.positions.value != "rope":
+        raise ConfigError(f"--rope-theta sets the base of rotary embeddings; model {model_cfg.name} "
+                          f"has {model_cfg.positions.value} positions")
     if tokenizer_vocab is not None and not cfg.init_from:
         shape.setdefault("vocab_size", tokenizer_vocab)
     if shape:
@@ -70,9 +73,11 @@ def family():
 
 def restore_model(directory: str, rules, step: int | None = None):
     """(model, params, tokenizer or None, step) of a training checkpoint: the model its record
-    describes, only its params (no optimizer state) read in ``rules``' param shardings."""
+    describes, only its params (no optimizer state) read in ``rules``' param shardings (a
+    local-SGD run's: the replicas' average)."""
     import jax
 
+    from jaxshard import local_sgd
     from jaxshard import tokenizer as tok
     from jaxshard.checkpoint import CheckpointConfig, Checkpointer, param_shapes
     from jaxshard.rules import StateKind
@@ -88,7 +93,12 @@ def restore_model(directory: str, rules, step: int | None = None):
         shardings = rules.param_shardings(model.param_axes(), model.abstract_params(), StateKind.PARAMS)
         abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                 model.abstract_params(), shardings)
+        replicas = local_sgd.saved_replicas(meta)  # --sync-every: every replica's params, averaged
+        if replicas:
+            abstract = local_sgd.stacked_abstract(abstract, replicas)
         params, _ = ckpt.restore_params(abstract, param_shapes(model.abstract_params()), meta["step"])
+        if replicas:
+            params = local_sgd.average(params, shardings)
     finally:
         ckpt.close()
     saved = meta.get("tokenizer")

@@ -168,6 +168,8 @@ def _check(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_id, r
         raise ConfigError(f"top_k must be >= 1, got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ConfigError(f"top_p must be in (0, 1], got {top_p}")
+    if temperature == 0 and (top_k is not None or top_p is not None):
+        raise ConfigError("top_k and top_p choose among tokens to sample; temperature 0 decodes greedily")
     if not prompts:
         raise ConfigError("generation needs at least one prompt")
     lengths = [len(p) for p in prompts]

@@ -180,6 +180,8 @@ def test_bad_arguments_are_one_line_errors():
         (dict(top_k=0, temperature=1.0), "top_k must be >= 1"),
         (dict(top_p=0.0, temperature=1.0), r"top_p must be in \(0, 1\]"),
         (dict(top_p=1.5, temperature=1.0), r"top_p must be in \(0, 1\]"),
+        (dict(top_k=5), "top_k and top_p choose among tokens to sample; temperature 0 decodes greedily"),
+        (dict(top_p=0.9, temperature=0.0), "top_k and top_p choose among tokens to sample"),
         (dict(max_new_tokens=250), "exceeds model tiny's max_seq_len 256"),
         (dict(prompts=[[1, 2], []]), "prompt 1 is empty"),
         (dict(prompts=[[1, 256]]), "token id 256 is outside"),

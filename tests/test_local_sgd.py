@@ -4,6 +4,8 @@ replicas' average, and a checkpoint of diverged replicas resumes exactly."""
 
 import functools
 import math
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -353,7 +355,41 @@ def test_sync_every_through_the_command_line(tmp_path):
     four = cli_train(*common, "--sync-every", "4", "--checkpoint-dir", ck, "--report", str(tmp_path / "r.json"))
     assert four.returncode == 0, four.stderr
     assert "local SGD, averaged every 4 steps" in four.stdout
-    assert json.loads((tmp_path / "r.json").read_text())["sync_every"] == 4
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["sync_every"] == 4
+    # The prediction is local SGD's (not DDP's): 4 x params on synchronising steps, found in the
+    # compiled step's conditional; outside it only scalars.
+    [predicted] = report["predicted"]["collectives"]
+    [synced] = report["collectives_when_synchronising"]
+    assert predicted["kind"] == synced["kind"] == "all-reduce"
+    assert predicted["bytes"] == 4 * 4 * report["n_params"] and abs(synced["bytes"] - predicted["bytes"]) <= 64
+    assert sum(c["bytes"] for c in report["collectives"]) <= 64
     other = cli_train("--mesh", "data=2", "--cpu-devices", "2", "--batch-size", "8", "--seq-len", "32",
                       "--steps", "8", "--sync-every", "4", "--checkpoint-dir", ck, "--resume")
     assert_one_line_error(other, "the checkpoint holds 4 replicas (data=4) but this mesh has data=2")
+
+    # Generation and the converter read the replicas' average (step 6: two local steps after
+    # the last synchronisation, so the replicas differ).
+    from jaxshard.train import restore_model
+
+    one = rules("data=1", 1)
+    model, params, _, step = restore_model(ck, one)
+    assert step == 6
+    shapes = param_shapes(model.abstract_params())
+    stacked = jax.tree.map(lambda x: jax.ShapeDtypeStruct((4, *x.shape), x.dtype, sharding=one.replicated()),
+                           model.abstract_params())
+    reader = Checkpointer(CheckpointConfig(directory=ck))
+    raw, _ = reader.restore_params(stacked, shapes)
+    reader.close()
+    raw = host(raw)
+    assert not replicas_equal(raw)
+    for got, replicas in zip(jax.tree.leaves(host(params)), jax.tree.leaves(raw)):
+        np.testing.assert_allclose(got, replicas.mean(0), rtol=1e-6, atol=1e-7)
+    from test_cli import ROOT
+
+    for script, args in (("experiments/generate.py", ["--checkpoint", ck, "--max-new-tokens", "4"]),
+                         ("scripts/convert_checkpoint.py", [ck, str(tmp_path / "hf")])):
+        r = subprocess.run([sys.executable, str(ROOT / script), *args, "--cpu-devices", "1", "--platform", "cpu"],
+                           capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert r.returncode == 0, r.stderr
+    assert (tmp_path / "hf" / "config.json").is_file()

@@ -15,9 +15,9 @@ from models import TransformerLM, get_preset
 MIN_SIZE = 1024  # norm scales and biases (< 1024 elements) stay replicated
 
 
-def init_state(mesh, zero=0):
+def init_state(mesh, zero=0, min_size=MIN_SIZE):
     model = TransformerLM(get_preset("llama-tiny"))
-    rules = ShardingRules(build_mesh(mesh), Strategy(zero=zero, fsdp_min_size=MIN_SIZE))
+    rules = ShardingRules(build_mesh(mesh), Strategy(zero=zero, fsdp_min_size=min_size))
     program = build_program(model, rules, OptimConfig(), StepConfig())
     return model, rules, program.init(0)
 
@@ -55,7 +55,7 @@ def test_zero1_shards_optimizer_state_but_not_params():
 
 
 def test_ddp_replicates_everything():
-    _, _, state = init_state("data=8")
+    _, _, state = init_state("data=8", min_size=0)  # (nothing to keep whole: an error)
     total = nbytes(state.params) + nbytes(state.opt_state)
     assert set(bytes_per_device((state.params, state.opt_state)).values()) == {total}
 

@@ -189,6 +189,8 @@ def test_generate_from_a_checkpoint_and_from_an_hf_folder(tmp_path, gpt2_folder)
     assert hf.returncode == 0 and hf.stdout == again.stdout, hf.stderr
     one_line_error(run("experiments/generate.py", "--checkpoint", str(tmp_path / "none"), "--cpu-devices", "1"),
                    "no complete checkpoint")
+    one_line_error(run("experiments/generate.py", "--init-from", str(gpt2_folder), "--step", "1", "--cpu-devices", "1"),
+                   "--step picks a step of --checkpoint's")
     # The converter writes the checkpoint as a Hugging Face folder with jaxshard's logits.
     converted = run("scripts/convert_checkpoint.py", str(ck), str(tmp_path / "hf"), "--mesh", "tensor=2",
                     "--cpu-devices", "2", "--platform", "cpu")

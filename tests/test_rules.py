@@ -176,6 +176,11 @@ def test_bad_strategy_values():
         Strategy(zero=4)
     with pytest.raises(ConfigError, match="--fsdp-min-size"):
         Strategy(fsdp_min_size=-1)
+    with pytest.raises(ConfigError, match=r"--zero 1 shards state over the data axis, which --mesh does not split"):
+        ShardingRules(build_mesh("fsdp=8"), Strategy(zero=1))
+    with pytest.raises(ConfigError, match=r"--fsdp-min-size keeps small params out of ZeRO/FSDP sharding"):
+        ShardingRules(build_mesh("data=8"), Strategy(fsdp_min_size=1024))
+    ShardingRules(build_mesh("data=8"), Strategy(zero=1, fsdp_min_size=1024))  # ZeRO-1 shards the moments
     rules = rules_for("hsdp")
     with pytest.raises(ConfigError, match=r"--batch-size 12 is not divisible by the batch-sharding "
                                           r"axes \(data=2,fsdp=4: 8 shards\)"):
