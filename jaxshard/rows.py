@@ -5,11 +5,10 @@ Three things split a batch: gradient accumulation and pipelines cut it into ``M`
 (microbatch ``i`` is rows ``i, i + M, ...``, so each stays spread over the batch shards), and a
 region manual over batch axes (``--strategy explicit``, a pipeline's replicas) leaves each device
 its own contiguous block of a microbatch's rows. :func:`microbatch_rows` says which, around the
-code that runs on such a part; :func:`bernoulli` then draws the whole batch's mask -- with
-partitionable threefry each element's bits depend only on its flat index, so
-``[B / (M n), n, M, ...]`` laid out as ``[B, ...]`` is the mask the unsplit batch draws -- and
-keeps this part's rows. Outside any such context it is ``jax.random.bernoulli`` at the given
-shape, which the partitioner shards without changing a bit.
+code that runs on such a part; :func:`bernoulli` then draws each of the part's rows from the key
+folded with that row's index in the whole batch: the mask the unsplit batch draws, computed for
+these rows only. Outside any such context the rows are the batch's own, and the partitioner
+splits the draws with the rows (partitionable threefry: the same bits on any mesh).
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import contextvars
 from typing import Iterator, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 
 class Rows(NamedTuple):
@@ -49,13 +49,15 @@ def current() -> Rows | None:
 
 def bernoulli(key: jax.Array, p: float, shape: tuple[int, ...]) -> jax.Array:
     """A boolean mask of ``shape`` (rows first) that is true with probability ``p``: these
-    rows' part of the mask the whole batch draws from ``key``."""
+    rows' part of the mask the whole batch draws from ``key``. Each row is drawn from ``key``
+    folded with the row's index in the whole batch, so a part draws its own rows only (no
+    device or microbatch computes bits it then drops) and any split gives the same bits."""
     rows = _ROWS.get()
-    if rows is None or (rows.count == 1 and not rows.shards):
-        return jax.random.bernoulli(key, p, shape)
-    n, local = rows.n_shards, shape[0]
-    # The whole batch as [microbatch rows, microbatches, ...]: microbatch i is [:, i].
-    every = jax.random.bernoulli(key, p, (n * local, rows.count, *shape[1:]))
-    if rows.shards:  # this device's block of the microbatch's rows
-        every = jax.lax.dynamic_slice_in_dim(every, jax.lax.axis_index(rows.shards) * local, local)
-    return jax.lax.dynamic_index_in_dim(every, rows.index, axis=1, keepdims=False)
+    local = jnp.arange(shape[0])
+    if rows is None:
+        whole = local
+    else:  # row r of this part: row (block * n + r) of the microbatch, row m * count + index of the batch
+        block = jax.lax.axis_index(rows.shards) if rows.shards else 0
+        whole = (block * shape[0] + local) * rows.count + rows.index
+    keys = jax.vmap(lambda g: jax.random.fold_in(key, g))(whole)
+    return jax.vmap(lambda k: jax.random.bernoulli(k, p, shape[1:]))(keys)
