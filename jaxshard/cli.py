@@ -367,6 +367,9 @@ TRAINING_ONLY = ("data", "tokenizer", "val_fraction", "eval_every", "eval_batche
 def check_compile_only(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """One line for a training-only flag given to a command that compiles a step without
     running it (the defaults here are the config file's, if any)."""
+    if a.tokenizer not in (None, "bytes"):  # from a config file too: it would change the model
+        raise ConfigError(f"--tokenizer {a.tokenizer}: inspect.py compiles the step without reading data; "
+                          "give --vocab-size for the tokenizer's vocabulary")
     for dest in TRAINING_ONLY:
         if getattr(a, dest) != parser.get_default(dest):
             flag = "--" + dest.replace("_", "-")

@@ -282,10 +282,10 @@ def fingerprint(hlo_text: str) -> str:
     the same program exactly when their fingerprints agree (what a flag changed, at a glance)."""
     import hashlib
 
-    # The computations only: the source tables before them (file names, stack frames) and each
-    # instruction's metadata say where the code came from, and a program loaded from the
-    # compilation cache carries fewer of them than a fresh compile.
-    lines = [line for line in hlo_text.splitlines() if re.match(r"\s*(?:ROOT |ENTRY )?%", line)]
+    # The module's header (entry layout, aliasing, partitions) and its computations: the source
+    # tables between them (file names, stack frames) and each instruction's metadata say where
+    # the code came from, and a program loaded from the compilation cache carries fewer of them.
+    lines = [line for line in hlo_text.splitlines() if re.match(r"\s*(?:ROOT |ENTRY )?%|HloModule ", line)]
     text = re.sub(r",? metadata=\{[^{}]*\}", "", "\n".join(lines))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

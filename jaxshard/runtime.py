@@ -24,28 +24,29 @@ class RuntimeConfig:
             raise ConfigError(f"--platform must be cpu, gpu or tpu, got {self.platform}")
 
 
-# The packages that bring each accelerator's backend (jax[cuda12], jax[tpu]).
-PLATFORM_PACKAGES = {"gpu": ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12"),
-                     "cuda": ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12"),
-                     "tpu": ("libtpu",)}
+# The packages that bring each accelerator's backend (jax[cuda12], jax[cuda13], jax[rocm],
+# jax[tpu]); where none is installed the platform cannot start.
+_CUDA = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+_ROCM = ("jax_rocm60_plugin", "jax_rocm7_plugin", "jax_plugins.xla_rocm60", "jax_plugins.xla_rocm7")
+PLATFORM_PACKAGES = {"gpu": _CUDA + _ROCM, "cuda": _CUDA, "tpu": ("libtpu",)}
 
 
 def check_platform(platform: str) -> None:
     """One line (not JAX's traceback at the first device query) when the installation has no
     backend for ``platform``. Looks for the package only: starting a backend here would come
     before ``jax.distributed.initialize``, which must be first."""
-    import importlib.util
-
     wanted = PLATFORM_PACKAGES.get(platform, ())
-    if wanted and not any(_installed(name, importlib.util) for name in wanted):
+    if wanted and not any(_installed(name) for name in wanted):
         extra = "jax[cuda12]" if platform in ("gpu", "cuda") else "jax[tpu]"
         raise ConfigError(f"--platform {platform}: this installation has no {platform} backend "
                           f"(install the {extra} extra on a machine with one)")
 
 
-def _installed(name: str, util) -> bool:
+def _installed(name: str) -> bool:
+    import importlib.util
+
     try:
-        return util.find_spec(name) is not None
+        return importlib.util.find_spec(name) is not None
     except ModuleNotFoundError:  # a missing parent package
         return False
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxshard import cli
+from jaxshard import cli, runtime
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = str(ROOT / ".cache" / "xla-tests")  # conftest's: the runs here share the process's
@@ -118,6 +118,7 @@ INSPECT = {
     "--save-every": Case(("1",)),  # (--checkpoint-dir is refused first)
     "--keep": Case(("1",)),
     "--seed": Case(("1",), context=("--dropout", "0.1")),  # the seed draws dropout masks
+    "--no-unroll": Case(context=("--n-layers", "2")),  # (a scan of one layer is the same unrolled)
     # A step the verifier flags (unrolled, XLA keeps gathered expert weights the accounting
     # expects gathered again): --strict turns the flag into exit status 1.
     "--strict": Case((), context=("--model", "moe-tiny", "--mesh", "fsdp=4,expert=2", "--remat", "none"),
@@ -127,9 +128,10 @@ INSPECT = {
 COMMANDS = {
     "train": dict(main=lambda: importlib.import_module("jaxshard.train").main, parser=cli.train_parser,
                   base=TRAIN_BASE, cases=COMMON),
+    # The training run's step (the same program, so the compilation cache serves both walks).
     "inspect": dict(main=lambda: _experiment("inspect").main, parser=cli.inspect_parser,
-                    base=[*RUNTIME, "--mesh", "data=8", "--batch-size", "16", "--seq-len", "16",
-                          "--n-layers", "1", "--no-unroll"], cases=INSPECT),
+                    base=[*RUNTIME, "--mesh", "data=8", "--steps", "2", "--batch-size", "16", "--seq-len", "16",
+                          "--warmup-steps", "0", "--n-layers", "1", "--no-unroll"], cases=INSPECT),
     "plan": dict(main=lambda: _experiment("plan").main, parser=lambda: _experiment("plan").parser(),
                  base=["--model", "tiny", "--devices", "8", "--device", "h100", "--confirm-limit", "0"],
                  cases={"--model": Case(("tiny-llama",)), "--devices": Case(("4",)),
@@ -138,10 +140,10 @@ COMMANDS = {
                         "--compute-dtype": Case(("float32",)), "--top": Case(("1",)),
                         "--vocab-multiple": Case(("384",))}),
     "generate": dict(main=lambda: _experiment("generate").main, parser=lambda: _experiment("generate").parser(),
-                     base=[*RUNTIME, "--checkpoint", "{ck}", "--prompt", "ab", "--max-new-tokens", "8",
+                     base=[*RUNTIME, "--checkpoint", "{ck}", "--prompt", "alph", "--max-new-tokens", "8",
                            "--mesh", "data=-1"],
                      cases={"--checkpoint": Case(("{ck2}",)), "--init-from": Case(("{hf}",), drop=("--checkpoint",)),
-                            "--step": Case(("1",)), "--prompt": Case(("cd",)), "--tokenizer": Case(("bpe:300",)),
+                            "--step": Case(("50",)), "--prompt": Case(("alph",)), "--tokenizer": Case(("bpe:300",)),
                             "--mesh": Case(("data=-1,tensor=2",))}),
 }
 # Flags that act before JAX starts (or choose where it compiles to): a process of their own each.
@@ -185,6 +187,7 @@ class Outcome:
     stderr: str
     files: tuple[str, ...]
     cwd: Path
+    argv: tuple[str, ...] = ()
 
 
 def run_in_process(command: str, argv: list[str], cwd: Path) -> Outcome:
@@ -196,16 +199,18 @@ def run_in_process(command: str, argv: list[str], cwd: Path) -> Outcome:
         except SystemExit as e:
             rc = e.code
     files = tuple(sorted("/".join(p.relative_to(cwd).parts[:2]) for p in cwd.rglob("*")))
-    return Outcome(rc, out.getvalue(), err.getvalue(), files, cwd)
+    return Outcome(rc, out.getvalue(), err.getvalue(), files, cwd, tuple(argv))
 
 
 TIMING = {"step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "hfu", "compile_time_s",
           "step_time_s_median"}
-# The report's parts that a run measures or derives (not its echo of the flags).
+# The report's parts that a run measures (not its echo of the flags, nor what the accounting
+# predicts from them): the compiled program, what the live arrays and XLA hold, the losses.
 REPORT_EFFECTS = ("program_fingerprint", "per_device_bytes", "xla_memory", "collectives", "collectives_in_slots",
-                  "collectives_when_synchronising", "predicted", "buckets", "flops_per_step", "n_params",
-                  "n_devices", "n_processes", "skipped_steps", "first_loss", "final_loss", "final_val_loss",
-                  "peak_flops_source", "mfu", "tokenizer", "pipeline")
+                  "collectives_when_synchronising", "n_params", "n_devices", "n_processes", "skipped_steps",
+                  "first_loss", "final_loss", "final_val_loss", "mfu")
+# Metrics the step computes from the flags alone (the schedule's lr, the loss scale it starts from).
+ECHOED_METRICS = {"lr", "loss_scale"}
 
 
 def _timing(key, value):
@@ -215,16 +220,21 @@ def _timing(key, value):
 def effects(command: str, o: Outcome) -> dict:
     """What a successful run produced, for comparison (its echo of the flags left out)."""
     if command == "train":
-        metrics = [{k: _timing(k, v) for k, v in json.loads(line).items()}
+        metrics = [{k: _timing(k, v) for k, v in json.loads(line).items() if k not in ECHOED_METRICS}
                    for line in (o.cwd / "m.jsonl").read_text().splitlines()] if (o.cwd / "m.jsonl").exists() else None
         report = json.loads((o.cwd / "r.json").read_text()) if (o.cwd / "r.json").exists() else {}
-        kept = {k: _timing(k, report[k]) for k in REPORT_EFFECTS if k in report}
-        if kept.get("pipeline"):
-            kept["pipeline"] = {k: v for k, v in kept["pipeline"].items() if k != "measured"}
-        return {"metrics": metrics, "report": kept, "files": o.files}
-    if command in ("inspect", "plan"):  # without the header line, which restates the flags
-        return {"out": o.stdout.split("\n", 1)[-1], "files": o.files, "rc": o.rc}
-    return {"out": o.stdout, "err": o.stderr, "rc": o.rc}
+        return {"metrics": metrics, "report": {k: _timing(k, report[k]) for k in REPORT_EFFECTS if k in report},
+                "files": o.files}
+    if command == "inspect":  # the compiled step (its verification's predictions restate the flags)
+        return {"program": re.findall(r"^compiled step: fingerprint \w+", o.stdout, re.M), "rc": o.rc}
+    if command == "plan":  # the plans (its header restates the flags)
+        return {"out": o.stdout.split("\n", 1)[-1], "rc": o.rc}
+    # generate: the new text of each prompt (not the prompt it echoes) and the bytes per device
+    prompts = [o.argv[i + 1] for i, a in enumerate(o.argv) if a == "--prompt"] or ["\n"]
+    text = o.stdout
+    for prompt in prompts:
+        text = text.replace(prompt, "<prompt>", 1)
+    return {"out": text, "err": o.stderr, "rc": o.rc}
 
 
 def console(o: Outcome) -> str:
@@ -232,10 +242,9 @@ def console(o: Outcome) -> str:
 
 
 def one_line_error(o: Outcome, flag: str | None = None) -> bool:
-    """Exit status 2 and one line on stderr (naming ``flag``, as a flag or as the library's
-    argument, when given)."""
+    """Exit status 2 and one line on stderr (naming ``flag``, when given)."""
     lines = o.stderr.strip().splitlines()
-    named = flag is None or bool(lines) and (flag in lines[0] or flag[2:].replace("-", "_") in lines[0])
+    named = flag is None or bool(lines) and re.search(rf"{re.escape(flag)}(?![\w-])", lines[0]) is not None
     return o.rc == 2 and len(lines) == 1 and lines[0].startswith("error: ") and named
 
 
@@ -255,11 +264,11 @@ def space(tmp_path_factory):
              "ck": root / "ck", "ck2": root / "ck2", "hf": root / "hf"}
     names = {k: str(v) for k, v in names.items()}
     for ck, seed, extra in (("ck", "0", ["--export-hf", names["hf"]]), ("ck2", "1", [])):
-        # A large learning rate: the two steps' models (and their samples) differ, and are far
-        # from uniform (where temperature and top-k/top-p would change no draw).
-        o = run_in_process("train", fill(TRAIN_BASE, names) + ["--checkpoint-dir", names[ck], "--save-every", "1",
-                                                               "--seed", seed, "--lr", "0.05", *extra],
-                           root / f"make-{ck}")
+        # Trained enough that what it writes depends on the prompt, the step and the sampling
+        # (a near-uniform model draws the same tokens whatever the temperature or prompt).
+        o = run_in_process("train", fill(TRAIN_BASE, names) + ["--checkpoint-dir", names[ck], "--steps", "100",
+                                                               "--save-every", "50", "--seed", seed, "--lr", "0.02",
+                                                               *extra], root / f"make-{ck}")
         assert o.rc == 0, o.stderr
     return root, names
 
@@ -308,7 +317,11 @@ def check(command: str, flag: str, space) -> None:
     if one_line_error(with_, flag):
         return  # a flag it cannot use here is refused, in one line that names it
     if one_line_error(without) and with_.rc in (0, 1):
-        return  # its context needs it (--profile-dir without --profile-steps is an error)
+        # Its context needs it (--profile-dir without --profile-steps is an error): both
+        # against neither.
+        root, names = space
+        without = run_in_process(command, fill(COMMANDS[command]["base"], names),
+                                 root / command / flag.lstrip("-") / "neither")
     assert with_.rc in (0, 1) and without.rc in (0, 1), (with_.stderr[-2000:], without.stderr[-2000:])
     if case.console:
         assert console(with_) != console(without), f"{command} {flag}: nothing it prints changed"
@@ -350,13 +363,13 @@ def run_process(command: str, argv: list[str], cwd: Path) -> Outcome:
     r = subprocess.run([sys.executable, str(ROOT / SCRIPTS[command]), *argv], capture_output=True, text=True,
                        timeout=300, cwd=cwd)
     files = tuple(sorted("/".join(p.relative_to(cwd).parts[:2]) for p in cwd.rglob("*")))
-    return Outcome(r.returncode, r.stdout, r.stderr, files, cwd)
+    return Outcome(r.returncode, r.stdout, r.stderr, files, cwd, tuple(argv))
 
 
 @pytest.mark.parametrize("command", sorted(SCRIPTS))
 def test_process_flags_act_or_are_refused(command, space):
-    """--cpu-devices (4 devices, not 8, on --mesh data=-1), --platform (a backend this machine
-    lacks: one line) and --compile-cache (a folder the compiled programs land in)."""
+    """--cpu-devices (4 devices, not 8, on --mesh data=-1), --platform (a backend this
+    installation lacks: one line) and --compile-cache (a folder the compiled programs land in)."""
     root, names = space
     assert {flag_of(a) for a in options(COMMANDS[command]["parser"]())} >= set(PROCESS)
     base = remove(fill(COMMANDS[command]["base"], names), {"--mesh", "--cpu-devices", "--compile-cache"})
@@ -367,9 +380,10 @@ def test_process_flags_act_or_are_refused(command, space):
     four = run_process(command, base + ["--cpu-devices", "4"], where / "four")
     assert four.rc == 0, four.stderr
     assert effects(command, four) != effects(command, plain)
-    gpu = run_process(command, remove(base, {"--platform"}) + ["--cpu-devices", "8", "--platform", "gpu"],
-                      where / "gpu")
-    assert one_line_error(gpu), gpu.stderr
+    missing = next(p for p in ("tpu", "gpu") if not any(map(runtime._installed, runtime.PLATFORM_PACKAGES[p])))
+    absent = run_process(command, remove(base, {"--platform"}) + ["--cpu-devices", "8", "--platform", missing],
+                         where / "absent")
+    assert one_line_error(absent, "--platform"), absent.stderr
     cached = run_process(command, remove(base, {"--compile-cache"}) + ["--cpu-devices", "8", "--compile-cache",
                                                                           "xla"], where / "cached")
     assert cached.rc == 0, cached.stderr
@@ -383,7 +397,7 @@ def test_process_flags_act_or_are_refused(command, space):
     ("train", ["--rope-theta", "500000"], "--rope-theta sets the base of rotary embeddings; model tiny has learned positions"),
     ("train", ["--keep", "2"], "--save-every, --keep and --resume need --checkpoint-dir"),
     ("train", ["--init-timeout", "5"], "--init-timeout bounds the wait for the processes of a multi-process job"),
-    ("inspect", ["--tokenizer", "bpe:300"], "--tokenizer belongs to a training run: inspect.py compiles one step"),
+    ("inspect", ["--tokenizer", "bpe:300"], "--tokenizer bpe:300: inspect.py compiles the step without reading data"),
     ("inspect", ["--sync-every", "2"], "--sync-every: the verifier covers the DDP-family step, not local SGD's"),
     ("generate", ["--top-k", "5", "--temperature", "0"], "top_k and top_p choose among tokens to sample"),
     ("generate", ["--top-p", "0.9", "--temperature", "0"], "top_k and top_p choose among tokens to sample"),

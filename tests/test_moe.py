@@ -215,7 +215,7 @@ def test_auxiliary_losses_reach_the_router_gradient(preset, monkeypatch):
     real = moe.route
 
     def spy(logits, k, cap):
-        jax.debug.callback(lambda x: captured.append(np.asarray(x)), logits)
+        jax.debug.callback(lambda x: captured.append(np.asarray(x)), logits, ordered=True)  # in layer order
         return real(logits, k, cap)
 
     monkeypatch.setattr(moe, "route", spy)
