@@ -25,26 +25,20 @@ class Rows(NamedTuple):
     index: jax.Array | int  # the microbatch: rows index, index + count, ... of the batch
     count: int  # microbatches the batch is cut into
     shards: tuple[str, ...]  # manual batch axes: each device holds its block of the microbatch
-    n_shards: int  # devices along ``shards``
 
 
 _ROWS: contextvars.ContextVar[Rows | None] = contextvars.ContextVar("rows", default=None)
 
 
 @contextlib.contextmanager
-def microbatch_rows(index: jax.Array | int = 0, count: int = 1, shards: tuple[str, ...] = (),
-                    n_shards: int = 1) -> Iterator[None]:
+def microbatch_rows(index: jax.Array | int = 0, count: int = 1, shards: tuple[str, ...] = ()) -> Iterator[None]:
     """Code inside runs on microbatch ``index`` of ``count`` (inside a region manual over
-    ``shards``, of ``n_shards`` devices: this device's block of that microbatch's rows)."""
-    token = _ROWS.set(Rows(index, count, tuple(shards), n_shards))
+    ``shards``: this device's block of that microbatch's rows)."""
+    token = _ROWS.set(Rows(index, count, tuple(shards)))
     try:
         yield
     finally:
         _ROWS.reset(token)
-
-
-def current() -> Rows | None:
-    return _ROWS.get()
 
 
 def bernoulli(key: jax.Array, p: float, shape: tuple[int, ...]) -> jax.Array:

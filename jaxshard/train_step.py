@@ -257,7 +257,7 @@ def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig
             scale = () if factor is None else (factor,)  # float16's loss scale, when there is one
 
             def local(p, b, k, i, *f):
-                with microbatch_rows(i, count, (reducer_lib.DATA,), n_data):
+                with microbatch_rows(i, count, (reducer_lib.DATA,)):
                     return local_grads(p, b, k, *f or (None,))
 
             return jax.shard_map(local, mesh=rules.mesh, axis_names=frozenset({reducer_lib.DATA}),

@@ -338,7 +338,6 @@ class TransformerLM:
         B, L = inputs_BL.shape
         rules = active()
         replicas = pipeline.replica_axes(rules)  # the executor is manual over these too
-        part = dict(shards=replicas, n_shards=rules.size(replicas))
 
         def split(x_BL):
             return constrain(x_BL.reshape(B // M, M, L).swapaxes(0, 1), (None, Dim.BATCH, None))
@@ -350,7 +349,7 @@ class TransformerLM:
             return k_embed, jax.random.split(k_blocks, self.cfg.n_layers)
 
         def embed(outer, tokens_BL, i, key):
-            with microbatch_rows(i, M, **part):
+            with microbatch_rows(i, M, replicas):
                 return self.embed(cast(outer), tokens_BL, key=keys(key)[0])
 
         def body(chunk, x_BLD, i, layers, key):
@@ -358,7 +357,7 @@ class TransformerLM:
             if layer_keys is not None:
                 layer_keys = layer_keys[jnp.maximum(layers, 0)]
             present = layers >= 0 if layout.padded else None
-            with microbatch_rows(i, M, **part):
+            with microbatch_rows(i, M, replicas):
                 if not self.moe_layers:
                     return self.blocks({BLOCKS: cast(chunk)}, x_BLD, layer_keys=layer_keys, present=present)
                 return self._moe_chunk(cast(chunk), x_BLD, layer_keys, present)
