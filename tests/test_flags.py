@@ -289,8 +289,20 @@ def remove(argv: list[str], flags) -> list[str]:
     return out
 
 
-def runs(command: str, flag: str, space) -> tuple[Outcome, Outcome, Case]:
-    """(the run without ``flag``, the run with it, its case)."""
+_RUNS: dict[tuple[str, tuple[str, ...]], Outcome] = {}
+
+
+def run_once(command: str, argv: list[str], cwd: Path) -> Outcome:
+    """``run_in_process``, remembered: the walk's runs without a flag are mostly the same base
+    run (test_the_same_run_twice_produces_the_same shows a rerun produces the same)."""
+    key = (command, tuple(argv))
+    if key not in _RUNS:
+        _RUNS[key] = run_in_process(command, argv, cwd)
+    return _RUNS[key]
+
+
+def runs(command: str, flag: str, space) -> tuple[list[str], list[str], Case]:
+    """(the argv without ``flag``, the argv with it, its case)."""
     root, names = space
     spec = COMMANDS[command]
     action = next(a for a in options(spec["parser"]()) if flag_of(a) == flag)
@@ -307,21 +319,21 @@ def runs(command: str, flag: str, space) -> tuple[Outcome, Outcome, Case]:
         without = base
         with_ = base + [flag, *fill(list(value), names)]
     context = fill(list(case.context), names)
-    where = root / command / flag.lstrip("-")
-    return (run_in_process(command, without + context, where / "without"),
-            run_in_process(command, with_ + context, where / "with"), case)
+    return without + context, with_ + context, case
 
 
 def check(command: str, flag: str, space) -> None:
-    without, with_, case = runs(command, flag, space)
+    root, names = space
+    without_argv, with_argv, case = runs(command, flag, space)
+    where = root / command / flag.lstrip("-")
+    with_ = run_in_process(command, with_argv, where / "with")
     if one_line_error(with_, flag):
         return  # a flag it cannot use here is refused, in one line that names it
+    without = run_once(command, without_argv, where / "without")
     if one_line_error(without) and with_.rc in (0, 1):
         # Its context needs it (--profile-dir without --profile-steps is an error): both
         # against neither.
-        root, names = space
-        without = run_in_process(command, fill(COMMANDS[command]["base"], names),
-                                 root / command / flag.lstrip("-") / "neither")
+        without = run_once(command, fill(COMMANDS[command]["base"], names), root / command / "neither")
     assert with_.rc in (0, 1) and without.rc in (0, 1), (with_.stderr[-2000:], without.stderr[-2000:])
     if case.console:
         assert console(with_) != console(without), f"{command} {flag}: nothing it prints changed"
