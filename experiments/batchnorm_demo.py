@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         import numpy as np
         import optax
 
-        from jaxshard import batchnorm as bn
+        from jaxshard.mechanics import batchnorm as bn
         from jaxshard.mesh import build_mesh
         from models.cnn import CNN, CNNConfig, SyntheticImages
 

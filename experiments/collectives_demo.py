@@ -9,7 +9,7 @@ it sends under the ring model.
 Device d starts with x = 10*d + [0, 1, ..., m-1] (int32; 100*d from m = 11 on), m being the
 axis size, so that x splits into one element per member. Per device: "buffers", the bytes of
 the collective buffers it takes part in, read from the compiled program's HLO (measured); and
-"sends", those collectives' bytes under the ring model of jaxshard.hlo (modelled: the HLO says
+"sends", those collectives' bytes under the ring model of jaxshard.analysis.hlo (modelled: the HLO says
 what moves, not how the transport routes it), as ``--report``'s ``sent_bytes`` are.
 """
 
@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
 def show(mesh, axis, names, a) -> None:
     import numpy as np
 
-    from jaxshard import collectives, hlo
+    from jaxshard.analysis import hlo
+    from jaxshard.mechanics import collectives
 
     axes = (axis,) if isinstance(axis, str) else axis
     sizes = {str(k): int(v) for k, v in mesh.shape.items()}

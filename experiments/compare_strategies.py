@@ -56,12 +56,12 @@ def main(argv: list[str] | None = None) -> int:
         runtime.configure(runtime.RuntimeConfig(cpu_devices=a.cpu_devices))
         import jax
 
-        from jaxshard import accounting, inspect
+        from jaxshard.analysis import accounting, inspect
         from jaxshard.errors import ConfigError
         from jaxshard.mesh import build_mesh
-        from jaxshard.optim import OptimConfig
         from jaxshard.rules import ShardingRules, Strategy
-        from jaxshard.train_step import StepConfig, build_program
+        from jaxshard.training.optim import OptimConfig
+        from jaxshard.training.step import StepConfig, build_program
         from models import TransformerLM, get_preset
 
         if a.devices > jax.device_count():

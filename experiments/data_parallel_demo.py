@@ -3,7 +3,7 @@
     python experiments/data_parallel_demo.py --cpu-devices 8 --model tiny --steps 5
 
 Trains the same model on the same random batches three ways -- one device, DDP
-(``--mesh data=N``) and the DataParallel pattern of :mod:`jaxshard.data_parallel` (params and
+(``--mesh data=N``) and the DataParallel pattern of :mod:`jaxshard.mechanics.data_parallel` (params and
 optimizer state on device 0; each step a broadcast of the params, a scatter of the batch, a
 gather of the gradients and loss sums to device 0, the update there) -- and prints the losses
 side by side, each run's largest param difference from one device, the bytes each device
@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
                                                 compile_cache=a.compile_cache or None))
         import jax
 
-        from jaxshard import data_parallel
-        from jaxshard.optim import OptimConfig
+        from jaxshard.mechanics import data_parallel
+        from jaxshard.training.optim import OptimConfig
         from models import TransformerLM, get_preset
 
         n = a.devices or jax.device_count()

@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--step picks a step of --checkpoint's; --init-from has one set of weights")
         runtime.configure(runtime.RuntimeConfig(cpu_devices=a.cpu_devices, platform=a.platform,
                                                 compile_cache=a.compile_cache or None))
-        from jaxshard import tokenizer as tok
-        from jaxshard.inspect import max_bytes_per_device
+        from jaxshard.analysis.inspect import max_bytes_per_device
+        from jaxshard.data import tokenizer as tok
         from jaxshard.mesh import MeshSpec, axis_sizes, build_mesh
         from jaxshard.rules import ShardingRules, StateKind, Strategy
         from jaxshard.train import restore_model

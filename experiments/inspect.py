@@ -31,10 +31,10 @@ def main(argv: list[str] | None = None) -> int:
         runtime.configure(cfg.runtime)
 
         from experiments.common import build_model
-        from jaxshard import hlo, inspect
+        from jaxshard.analysis import hlo, inspect
         from jaxshard.mesh import axis_sizes, build_mesh
         from jaxshard.rules import ShardingRules
-        from jaxshard.train_step import balance_stages, build_program, check_batch
+        from jaxshard.training.step import balance_stages, build_program, check_batch
 
         model = build_model(cfg, unroll=not args.no_unroll)
         rules = ShardingRules(build_mesh(cfg.mesh, dcn=cfg.dcn_mesh), cfg.strategy)

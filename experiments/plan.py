@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
         runtime.configure(runtime.RuntimeConfig(cpu_devices=a.devices if confirm else None,
                                                 platform="cpu" if confirm else None))
-        from jaxshard import devices, planner
+        from jaxshard.analysis import devices, planner
         from models import TransformerLM, get_preset
 
         if not 0 < a.mfu <= 1:

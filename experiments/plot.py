@@ -19,7 +19,7 @@ if __name__ == "__main__":  # (imported, e.g. by the tests, it leaves sys.path a
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from jaxshard import cli  # noqa: E402
-from jaxshard.observe import read_curve  # noqa: E402
+from jaxshard.training.observe import read_curve  # noqa: E402
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -9,18 +9,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from jaxshard.checkpoint import CheckpointConfig
-from jaxshard.data import DataConfig
-from jaxshard.devices import KNOWN_DEVICES
+from jaxshard.analysis.devices import KNOWN_DEVICES
+from jaxshard.data.corpus import DataConfig
 from jaxshard.distributed import DistributedConfig
 from jaxshard.errors import ConfigError, JaxshardError
 from jaxshard.mesh import MeshSpec
-from jaxshard.optim import OptimConfig
 from jaxshard.parallel import pipeline
 from jaxshard.remat import NAMES, Remat
 from jaxshard.rules import Strategy
 from jaxshard.runtime import DEFAULT_CACHE, RuntimeConfig
-from jaxshard.train_step import DTYPES, StepConfig
+from jaxshard.training.checkpoint import CheckpointConfig
+from jaxshard.training.optim import OptimConfig
+from jaxshard.training.step import DTYPES, StepConfig
 
 
 SAMPLE_PROMPT = "\n"  # the final sample's default prompt

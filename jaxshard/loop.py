@@ -16,17 +16,18 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from jaxshard import accounting, bubble, devices, hlo, inspect, local_sgd
-from jaxshard import data as data_lib
-from jaxshard import tokenizer as tokenizer_lib
-from jaxshard.checkpoint import Checkpointer, check_export_path, export_params, param_shapes
+from jaxshard.analysis import accounting, bubble, devices, hlo, inspect
 from jaxshard.cli import TrainConfig
+from jaxshard.data import corpus as data_lib
+from jaxshard.data import tokenizer as tokenizer_lib
 from jaxshard.errors import ConfigError, DataError, TrainingError
 from jaxshard.mesh import axis_sizes, build_mesh
-from jaxshard.metrics import MetricsLog, progress, write_json_atomic
-from jaxshard.observe import ProfileWindow, TensorBoardLog
 from jaxshard.rules import ShardingRules
-from jaxshard.train_step import Program, balance_stages, build_program, check_batch
+from jaxshard.training import local_sgd
+from jaxshard.training.checkpoint import Checkpointer, check_export_path, export_params, param_shapes
+from jaxshard.training.metrics import MetricsLog, progress, write_json_atomic
+from jaxshard.training.observe import ProfileWindow, TensorBoardLog
+from jaxshard.training.step import Program, balance_stages, build_program, check_batch
 
 
 def _log(msg: str) -> None:
@@ -459,7 +460,7 @@ def _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compil
             "argument_bytes": predicted_memory.argument, "activation_bytes": predicted_memory.activations,
             "collectives": [{"kind": k, "bytes": b} for k, b in sorted(comm.by_kind().items())],
             "collectives_scope": "outside the pipeline's slots" if schedule else "the whole step"}
-        if cfg.sync_every is None else {  # local SGD: its own program (jaxshard/local_sgd.py)
+        if cfg.sync_every is None else {  # local SGD: its own program (jaxshard/training/local_sgd.py)
             "argument_bytes": predicted_memory.argument,
             "collectives": local_sgd.predicted_collectives(model, cfg.sync_every),
             "collectives_scope": "beyond the loss's scalars"},
@@ -470,7 +471,7 @@ def _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compil
                                   "microbatches": schedule.microbatches, "ticks": schedule.ticks,
                                   "microbatches_kept_per_stage": schedule.slots,
                                   "bubble_theory": schedule.bubble(),
-                                  # --measure-bubble: jaxshard.bubble's measurement
+                                  # --measure-bubble: jaxshard.analysis.bubble's measurement
                                   "measured": measured and measured.as_dict()},
         "program_fingerprint": hlo.fingerprint(compiled.as_text()),
         "compile_time_s": compile_s,

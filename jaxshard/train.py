@@ -77,10 +77,10 @@ def restore_model(directory: str, rules, step: int | None = None):
     local-SGD run's: the replicas' average)."""
     import jax
 
-    from jaxshard import local_sgd
-    from jaxshard import tokenizer as tok
-    from jaxshard.checkpoint import CheckpointConfig, Checkpointer, param_shapes
+    from jaxshard.data import tokenizer as tok
     from jaxshard.rules import StateKind
+    from jaxshard.training import local_sgd
+    from jaxshard.training.checkpoint import CheckpointConfig, Checkpointer, param_shapes
     from models import ModelConfig, TransformerLM
 
     ckpt = Checkpointer(CheckpointConfig(directory=directory))

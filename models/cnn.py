@@ -2,7 +2,7 @@
 
 ``conv 3x3 -> BatchNorm -> ReLU`` per layer, global average pool, a linear classifier. Params
 and running statistics are plain nested dicts of arrays (params to the optimizer, statistics to
-the train state beside them); the BatchNorm's ``sync`` (``jaxshard.batchnorm.Sync``) says whose
+the train state beside them); the BatchNorm's ``sync`` (``jaxshard.mechanics.batchnorm.Sync``) says whose
 rows it normalises with when the batch is split over devices. Data-parallel runs keep the
 params replicated. Shape letters: B batch, H height, W width, C channels, K classes.
 """
@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxshard.batchnorm import BatchNormConfig, Running, batch_norm
 from jaxshard.errors import ConfigError
+from jaxshard.mechanics.batchnorm import BatchNormConfig, Running, batch_norm
 
 Params = dict[str, Any]
 # float32 contractions at full precision: GPUs would otherwise take TF32 and move the runs apart.

@@ -16,11 +16,11 @@ from flax import nnx
 
 from jaxshard import rows
 from jaxshard.axes import RESIDUAL_BLD, Dim
-from jaxshard.remat import attention_core, tag
 from jaxshard.parallel.attention import causal_attention
-from jaxshard.parallel.vectors import scale, shift
 from jaxshard.parallel.tensor import column_parallel
+from jaxshard.parallel.vectors import scale, shift
 from jaxshard.parallel.vocab import embed_lookup, project
+from jaxshard.remat import attention_core, tag
 from jaxshard.rules import active, constrain
 from models.config import ModelConfig, Mlp, Norm, Positions, RopeScaling
 

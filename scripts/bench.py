@@ -61,7 +61,7 @@ def rules_for(model, mesh_spec: str, zero: int, sp: bool, batch: int, seq: int):
     from jaxshard.errors import ConfigError
     from jaxshard.mesh import MeshSpec, build_mesh
     from jaxshard.rules import ShardingRules, Strategy
-    from jaxshard.train_step import check_batch
+    from jaxshard.training.step import check_batch
 
     n = math.prod(s for _, s in MeshSpec.parse(mesh_spec).axes)
     rules = ShardingRules(build_mesh(mesh_spec, jax.devices()[:n]), Strategy(zero=zero, sequence_parallel=sp))
@@ -78,10 +78,10 @@ def bench_one(model, mesh_spec: str, zero: int, sp: bool, batch: int, seq: int, 
     import jax
     import numpy as np
 
-    from jaxshard import accounting, hlo, inspect
+    from jaxshard.analysis import accounting, hlo, inspect
     from jaxshard.mesh import axis_sizes
-    from jaxshard.optim import OptimConfig
-    from jaxshard.train_step import StepConfig, build_program
+    from jaxshard.training.optim import OptimConfig
+    from jaxshard.training.step import StepConfig, build_program
 
     rules = rules_for(model, mesh_spec, zero, sp, batch, seq)
     n = rules.mesh.devices.size

@@ -49,7 +49,7 @@ def parser() -> argparse.ArgumentParser:
 def collective_bytes(program, batch: int, seq: int, mesh) -> dict[str, int]:
     """Collective buffer bytes per device of a compiled step: every step's, and those that
     only a synchronising step runs (the branch of the step's conditional)."""
-    from jaxshard.inspect import compiled_collectives
+    from jaxshard.analysis.inspect import compiled_collectives
 
     found = compiled_collectives(program.lower_step(batch, seq).compile(), mesh)
     local = sum(c.bytes * c.executions for c in found if not c.conditional)
@@ -60,9 +60,9 @@ def train(model, rules, optim_cfg, sync_every: int, corpus, a) -> dict:
     import jax
     import numpy as np
 
-    from jaxshard import data as data_lib
-    from jaxshard.local_sgd import build_local_sgd_program
-    from jaxshard.train_step import StepConfig
+    from jaxshard.data import corpus as data_lib
+    from jaxshard.training.local_sgd import build_local_sgd_program
+    from jaxshard.training.step import StepConfig
 
     B, L = a.batch_size, a.seq_len
     program = build_local_sgd_program(model, rules, optim_cfg, StepConfig(seed=a.seed), sync_every)
@@ -187,12 +187,12 @@ def main(argv: list[str] | None = None) -> int:
         runtime.configure(runtime.RuntimeConfig(cpu_devices=a.cpu_devices))
         import jax
 
-        from jaxshard import data as data_lib
-        from jaxshard.local_sgd import check
+        from jaxshard.data import corpus as data_lib
         from jaxshard.mesh import build_mesh
-        from jaxshard.optim import OptimConfig
         from jaxshard.rules import ShardingRules
-        from jaxshard.train_step import StepConfig, build_program, check_batch
+        from jaxshard.training.local_sgd import check
+        from jaxshard.training.optim import OptimConfig
+        from jaxshard.training.step import StepConfig, build_program, check_batch
         from models import TransformerLM, get_preset
 
         model = TransformerLM(get_preset(a.model))

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from bench import bench_one, rules_for, write_markdown
 
-        from jaxshard import accounting
+        from jaxshard.analysis import accounting
 
         runs = configurations(a.model, a.capacity)
         for _, model, mesh in runs:  # every configuration can run, before any does

@@ -61,9 +61,9 @@ def program_for(model, mesh: str, cfg, schedule=None):
     import jax
 
     from jaxshard.mesh import MeshSpec, build_mesh
-    from jaxshard.optim import OptimConfig
     from jaxshard.rules import ShardingRules, Strategy
-    from jaxshard.train_step import build_program
+    from jaxshard.training.optim import OptimConfig
+    from jaxshard.training.step import build_program
 
     n = 1
     for _, s in MeshSpec.parse(mesh).axes:
@@ -73,8 +73,8 @@ def program_for(model, mesh: str, cfg, schedule=None):
 
 
 def stage_bubble(model, mesh: str, cfg, batch: int, a):
-    """The schedule ``cfg`` asks for on ``mesh``, and its bubble measured (jaxshard.bubble)."""
-    from jaxshard import bubble
+    """The schedule ``cfg`` asks for on ``mesh``, and its bubble measured (jaxshard.analysis.bubble)."""
+    from jaxshard.analysis import bubble
 
     schedule = program_for(model, mesh, cfg)[0].schedule
     return schedule, bubble.measure(lambda table: program_for(model, mesh, cfg, table)[0], schedule, batch,
@@ -82,7 +82,7 @@ def stage_bubble(model, mesh: str, cfg, batch: int, a):
 
 
 def part_bubble(a) -> list[dict]:
-    from jaxshard.train_step import StepConfig
+    from jaxshard.training.step import StepConfig
     from models import TransformerLM, get_preset
 
     model = TransformerLM(get_preset("llama-tiny"), remat=a.remat)  # 4 layers: 2 per stage, or 1 per chunk
@@ -97,8 +97,8 @@ def part_bubble(a) -> list[dict]:
 
 
 def part_steps(a) -> list[dict]:
-    from jaxshard.bubble import step_seconds
-    from jaxshard.train_step import StepConfig
+    from jaxshard.analysis.bubble import step_seconds
+    from jaxshard.training.step import StepConfig
     from models import TransformerLM, get_preset
 
     model = TransformerLM(get_preset("llama-tiny").replace(n_layers=8), remat=a.remat)
@@ -116,7 +116,7 @@ def part_steps(a) -> list[dict]:
 
 
 def part_balance(a) -> dict:
-    from jaxshard.train_step import StepConfig, balance_stages
+    from jaxshard.training.step import StepConfig, balance_stages
     from models import TransformerLM, get_preset
 
     model = TransformerLM(get_preset("llama-tiny").replace(n_layers=8, vocab_size=16384, name="llama-8L-16k"),

@@ -1,4 +1,4 @@
-"""Every collective of jaxshard.collectives against its numpy definition, in one process or as one
+"""Every collective of jaxshard.mechanics.collectives against its numpy definition, in one process or as one
 process of a multi-process job; exits 0 when all agree, 1 (naming those that do not) otherwise.
 
     python tests/collectives_worker.py --cpu-devices 8
@@ -111,7 +111,7 @@ def check(mesh, axis, seed: int = 0, corrupt: str | None = None) -> tuple[int, l
     the check fail."""
     import jax
 
-    from jaxshard import collectives
+    from jaxshard.mechanics import collectives
 
     axes = (axis,) if isinstance(axis, str) else tuple(axis)
     shape = {str(a): int(s) for a, s in mesh.shape.items()}

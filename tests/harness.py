@@ -8,11 +8,11 @@ import math
 import jax
 import numpy as np
 
-from jaxshard import data_parallel
+from jaxshard.data import synthetic
 from jaxshard.mesh import MeshSpec, build_mesh
-from jaxshard.optim import OptimConfig
 from jaxshard.rules import ShardingRules, Strategy
-from jaxshard.train_step import StepConfig, build_program
+from jaxshard.training.optim import OptimConfig
+from jaxshard.training.step import StepConfig, build_program
 from models import TransformerLM, get_preset
 
 RTOL = 1e-5
@@ -22,7 +22,7 @@ OPTIM = OptimConfig(lr=1e-2, warmup_steps=2, total_steps=10)
 
 def random_batches(vocab: int, seed: int = 0):
     """STEPS random batches; each target is a fixed function of its input (something to learn)."""
-    return data_parallel.random_batches(vocab, STEPS, BATCH, SEQ, seed)
+    return synthetic.random_batches(vocab, STEPS, BATCH, SEQ, seed)
 
 
 def make_program(model, mesh_spec: str, *, zero=0, sequence_parallel=False, accum=1,

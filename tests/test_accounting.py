@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from harness import BATCH, SEQ, make_program
-from jaxshard import accounting, inspect
+from jaxshard.analysis import accounting, inspect
 from jaxshard.axes import Dim
 from jaxshard.mesh import build_mesh
 from jaxshard.remat import SIMPLE, Remat
@@ -127,8 +127,8 @@ class WrongRules(ShardingRules):
 
 
 def test_verifier_flags_a_planted_wrong_sharding():
-    from jaxshard.optim import OptimConfig
-    from jaxshard.train_step import StepConfig, build_program
+    from jaxshard.training.optim import OptimConfig
+    from jaxshard.training.step import StepConfig, build_program
 
     model = TransformerLM(get_preset("tiny"))
     mesh = build_mesh("data=8")

@@ -14,10 +14,10 @@ import optax
 import pytest
 
 from conftest import ROOT
-from jaxshard import batchnorm as bn
-from jaxshard.checkpoint import CheckpointConfig, Checkpointer, param_shapes
 from jaxshard.errors import ConfigError
+from jaxshard.mechanics import batchnorm as bn
 from jaxshard.mesh import build_mesh
+from jaxshard.training.checkpoint import CheckpointConfig, Checkpointer, param_shapes
 from models.cnn import CNN, CNNConfig, SyntheticImages
 
 RTOL = 1e-5

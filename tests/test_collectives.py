@@ -1,4 +1,4 @@
-"""jaxshard.collectives: each collective against its numpy definition (on 8 devices, and across
+"""jaxshard.mechanics.collectives: each collective against its numpy definition (on 8 devices, and across
 2 real processes), what it compiles to and the bytes each device sends, its argument checks,
 and the demo script."""
 
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import collectives_worker as worker
-from jaxshard import collectives as C
 from jaxshard.errors import ConfigError
+from jaxshard.mechanics import collectives as C
 from jaxshard.mesh import build_mesh
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxshard import data
+from jaxshard.data import corpus as data
 from jaxshard.errors import DataError
 from jaxshard.mesh import build_mesh
 from jaxshard.rules import ShardingRules

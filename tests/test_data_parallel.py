@@ -13,9 +13,9 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from harness import OPTIM, RTOL, assert_params_close, make_program
-from jaxshard import data_parallel as dp
+from jaxshard.analysis.inspect import compiled_collectives
 from jaxshard.errors import ConfigError
-from jaxshard.inspect import compiled_collectives
+from jaxshard.mechanics import data_parallel as dp
 from models import TransformerLM, get_preset
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,7 +20,7 @@ from flax import nnx
 
 from harness import (BATCH, RTOL, SEQ, assert_live_shardings, assert_params_close, make_program,
                      random_batches, train)
-from jaxshard import accounting, inspect
+from jaxshard.analysis import accounting, inspect
 from models import TransformerLM, get_preset
 from models.config import Positions
 from models.layers import Block, rope_tables

@@ -1,6 +1,6 @@
 """The HLO reader on hand-written text in each format jax 0.10-0.12 prints."""
 
-from jaxshard import hlo
+from jaxshard.analysis import hlo
 
 MODULE = """HloModule jit_step, entry_computation_layout={()->f32[]}, num_partitions=8
 

@@ -12,14 +12,15 @@ import numpy as np
 import pytest
 
 from harness import BATCH, OPTIM, SEQ, assert_params_close, make_program, reference
-from jaxshard import inspect, local_sgd
-from jaxshard.checkpoint import CheckpointConfig, CheckpointError, Checkpointer, param_shapes
+from jaxshard.analysis import inspect
+from jaxshard.analysis.inspect import compiled_collectives
 from jaxshard.errors import ConfigError
-from jaxshard.inspect import compiled_collectives
 from jaxshard.mesh import build_mesh
 from jaxshard.rules import ShardingRules, Strategy
-from jaxshard.train_state import TrainState
-from jaxshard.train_step import StepConfig
+from jaxshard.training import local_sgd
+from jaxshard.training.checkpoint import CheckpointConfig, CheckpointError, Checkpointer, param_shapes
+from jaxshard.training.state import TrainState
+from jaxshard.training.step import StepConfig
 from models import TransformerLM, get_preset
 
 MODEL = TransformerLM(get_preset("tiny"))

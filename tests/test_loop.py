@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from jaxshard.data import Prefetch
+from jaxshard.data.corpus import Prefetch
 from jaxshard.errors import DataError
 from jaxshard.loop import run_pipelined
 

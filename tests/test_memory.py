@@ -5,11 +5,11 @@ import math
 import jax
 import pytest
 
-from jaxshard.inspect import bytes_per_device, max_bytes_per_device
+from jaxshard.analysis.inspect import bytes_per_device, max_bytes_per_device
 from jaxshard.mesh import build_mesh
-from jaxshard.optim import OptimConfig
 from jaxshard.rules import ShardingRules, StateKind, Strategy
-from jaxshard.train_step import StepConfig, build_program
+from jaxshard.training.optim import OptimConfig
+from jaxshard.training.step import StepConfig, build_program
 from models import TransformerLM, get_preset
 
 MIN_SIZE = 1024  # norm scales and biases (< 1024 elements) stay replicated

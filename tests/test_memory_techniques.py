@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from harness import assert_matches_reference, make_program
-from jaxshard import hlo, inspect
+from jaxshard.analysis import hlo, inspect
 from jaxshard.remat import Remat
 from models import TransformerLM, get_preset
 

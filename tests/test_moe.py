@@ -168,8 +168,8 @@ def test_weight_decay_reaches_matrices_only(preset):
     experts', the router, projections, embeddings) shrinks by lr x decay, every bias and norm
     scale -- the experts' biases and the query/value biases included -- is left as it was.
     Which is which is read from the params' names here, not from their logical dims."""
-    from jaxshard import optim
     from jaxshard.pytree import named_leaves
+    from jaxshard.training import optim
     from models import TransformerLM
 
     model = TransformerLM(get_preset(preset))

@@ -12,7 +12,7 @@ import pytest
 
 from experiments import plot
 from jaxshard.errors import ConfigError, DataError
-from jaxshard.observe import ProfileWindow, TensorBoardLog, read_curve, read_scalars
+from jaxshard.training.observe import ProfileWindow, TensorBoardLog, read_curve, read_scalars
 
 ROOT = Path(__file__).resolve().parents[1]
 

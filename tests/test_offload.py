@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from harness import RTOL, assert_params_close, make_program, reference, train
-from jaxshard import accounting, hlo, inspect
+from jaxshard.analysis import accounting, hlo, inspect
 from jaxshard.errors import ConfigError
 from jaxshard.mesh import build_mesh
 from jaxshard.rules import HOST_MEMORY, ShardingRules, Strategy, check_host_memory

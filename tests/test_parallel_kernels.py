@@ -135,8 +135,8 @@ def test_global_norm_of_sharded_leaves_is_one_scalar_reduction():
     once, equal to the norm of the whole arrays, and the compiled step reduces one scalar."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jaxshard import hlo
-    from jaxshard.optim import global_norm
+    from jaxshard.analysis import hlo
+    from jaxshard.training.optim import global_norm
 
     mesh = build_mesh("data=2,fsdp=4")
     specs = {"a": P("fsdp", None), "b": P(None, ("fsdp", "data")), "c": P(), "d": P("data")}

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from harness import RTOL, assert_live_shardings, assert_params_close, make_program, random_batches, train
-from jaxshard import accounting, inspect
+from jaxshard.analysis import accounting, inspect
+from jaxshard.analysis.bubble import packed
 from jaxshard.errors import ConfigError
-from jaxshard.balance import Costs, assign
-from jaxshard.bubble import packed
+from jaxshard.parallel.balance import Costs, assign
 from jaxshard.parallel.pipeline import StageLayout, make_schedule
-from jaxshard.train_step import StepConfig, balance_stages
+from jaxshard.training.step import StepConfig, balance_stages
 from models import TransformerLM, get_preset
 
 

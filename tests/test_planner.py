@@ -3,7 +3,7 @@
 import jax
 import pytest
 
-from jaxshard import devices, planner
+from jaxshard.analysis import devices, planner
 from jaxshard.errors import ConfigError
 from models import TransformerLM, get_preset
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from harness import make_program
-from jaxshard import inspect
-from jaxshard.checkpoint import CheckpointConfig, Checkpointer
+from jaxshard.analysis import inspect
+from jaxshard.training.checkpoint import CheckpointConfig, Checkpointer
 from models import TransformerLM, get_preset
 
 STEPS = 20

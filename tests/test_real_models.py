@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from jaxshard.observe import read_scalars
+from jaxshard.training.observe import read_scalars
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = os.environ.get("JAXSHARD_TEST_CACHE", str(ROOT / ".cache" / "xla-tests"))
@@ -65,7 +65,7 @@ def test_fine_tune_an_hf_checkpoint_with_fsdp_and_generate_from_the_export(tmp_p
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["model_config"]["n_layers"] == 2 and report["strategy"] == "fsdp"
     # The first step's loss is the imported model's: transformers' on the same batch.
-    from jaxshard import data
+    from jaxshard.data import corpus as data
 
     first = data.Batches(data.load_corpus(data.DataConfig()).train, 32, 8, seed=0).batch_at(0)
     ref = transformers.AutoModelForCausalLM.from_pretrained(gpt2_folder).eval()
@@ -132,10 +132,10 @@ def test_bpe_tokenizer_travels_with_checkpoint_resume_and_export(tmp_path):
     second = train(*common, "--steps", "5", "--resume", "--export-hf", str(tmp_path / "hf"), env=env)
     assert second.returncode == 0, second.stderr
     assert "tokenizer: the checkpoint's (bpe:300" in second.stdout
-    from jaxshard.tokenizer import load_tokenizer
+    from jaxshard.data.tokenizer import load_tokenizer
 
     exported = load_tokenizer(tmp_path / "hf")
-    from jaxshard.checkpoint import CheckpointConfig, Checkpointer
+    from jaxshard.training.checkpoint import CheckpointConfig, Checkpointer
 
     saved = Checkpointer(CheckpointConfig(directory=str(ck)))
     meta = saved.meta(3)

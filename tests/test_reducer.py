@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from harness import assert_params_close, make_program, reference, train
+from jaxshard.analysis.inspect import bucket_check, compiled_collectives
 from jaxshard.errors import ConfigError
-from jaxshard.inspect import bucket_check, compiled_collectives
 from jaxshard.pytree import named_leaves
 from models import TransformerLM, get_preset
 

@@ -7,9 +7,9 @@ from jax.sharding import PartitionSpec as P
 from jaxshard.axes import Dim
 from jaxshard.errors import ConfigError
 from jaxshard.mesh import build_mesh
-from jaxshard.optim import OptimConfig, make
 from jaxshard.rules import ShardingRules, StateKind, Strategy
-from jaxshard.train_state import state_layout
+from jaxshard.training.optim import OptimConfig, make
+from jaxshard.training.state import state_layout
 from models import ModelConfig, TransformerLM, get_preset
 
 # The dim that ZeRO/FSDP shards in each param: the first that divides (never `layers` or

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from harness import BATCH, SEQ, assert_matches_reference, make_program
-from jaxshard import inspect
+from jaxshard.analysis import inspect
 from jaxshard.errors import ConfigError
 from jaxshard.mesh import build_mesh
 from jaxshard.rules import ShardingRules, Strategy

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import tokenizers as hf
 
-from jaxshard import data
+from jaxshard.data import corpus as data
+from jaxshard.data.token_file import TokenWriter, read_tokens
+from jaxshard.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer, parse_spec, train_bpe
 from jaxshard.errors import ConfigError, DataError
-from jaxshard.token_file import TokenWriter, read_tokens
-from jaxshard.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer, parse_spec, train_bpe
 
 EOT = "<|endoftext|>"
 UNICODE = "naïve café — 日本語のテキスト, Ελληνικά, emoji 🎉🧪, combining e\u0301, zero\u200bwidth\n"

@@ -28,8 +28,8 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxshard.axes import Dim
-from jaxshard.parallel.vectors import two_stage
 from jaxshard.parallel.tensor import gather_sequence
+from jaxshard.parallel.vectors import two_stage
 from jaxshard.rules import StateKind, active, spec_axes
 
 _NEG = float(jnp.finfo(jnp.float32).min)  # logit of a padding column: exp() of it is 0

@@ -4,7 +4,7 @@ For every way to split the devices into ``stage`` x ``data`` x ``fsdp`` x ``tens
 within a host; a pipeline's stages outermost, so they are what crosses hosts first), ZeRO
 stage, sequence parallelism, remat policy and gradient accumulation (the other way to keep
 fewer activations than recomputing them), the planner predicts per-device
-memory (:func:`jaxshard.accounting.memory`) and step time = compute time + communication time
+memory (:func:`jaxshard.analysis.accounting.memory`) and step time = compute time + communication time
 (no overlap assumed: a conservative bound), each collective priced at the bandwidth of the
 link it crosses -- within a host, or across hosts for an axis whose groups span hosts (mesh
 axes nest outermost first, so the outermost axes cross hosts). Plans that do not fit are
@@ -29,8 +29,8 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, AxisType
 
-from jaxshard import accounting
-from jaxshard.devices import GB, Device
+from jaxshard.analysis import accounting
+from jaxshard.analysis.devices import GB, Device
 from jaxshard.axes import MESH_AXES
 from jaxshard.errors import ConfigError
 from jaxshard.parallel.pipeline import make_schedule
@@ -301,10 +301,10 @@ def confirm(model: Any, p: Plan, batch_size: int, seq_len: int) -> str:
     In float32: XLA:CPU computes bfloat16 all-reduces in float32, so a bf16 step compiled on
     CPU would move twice the bytes a GPU would; float32 compares like with like."""
     compute_dtype = "float32"
-    from jaxshard import inspect
+    from jaxshard.analysis import inspect
     from jaxshard.mesh import MeshSpec, build_mesh
-    from jaxshard.optim import OptimConfig
-    from jaxshard.train_step import StepConfig, build_program
+    from jaxshard.training.optim import OptimConfig
+    from jaxshard.training.step import StepConfig, build_program
 
     spec = MeshSpec(tuple(p.mesh.items()))
     rules = ShardingRules(build_mesh(spec), p.strategy)
@@ -330,7 +330,7 @@ def _confirm_pipeline(model: Any, p: Plan, program: Any, compiled: Any, batch_si
     """What the accounting predicts of a pipelined step, against the compiled one: the state
     each device holds and the stages' sends (the rest of a pipelined step is not predicted
     collective by collective yet)."""
-    from jaxshard import inspect
+    from jaxshard.analysis import inspect
 
     rules = program.rules
     predicted = accounting.memory(model.staged(program.schedule.layout), rules, batch_size, seq_len,

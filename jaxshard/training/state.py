@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxshard import loss_scale, optim
+from jaxshard.pytree import cast_floats
 from jaxshard.rules import ShardingRules, StateKind, on_host
+from jaxshard.training import loss_scale, optim
 
 
 class TrainState(NamedTuple):
@@ -24,15 +25,6 @@ class TrainState(NamedTuple):
     params: Any
     opt_state: Any
     loss_scale: loss_scale.LossScale | None = None  # float16 training only
-
-
-def cast_floats(tree: Any, dtype: Any) -> Any:
-    """Floating-point leaves (arrays or ShapeDtypeStructs) in ``dtype``; the rest unchanged."""
-    def cast(x):
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            return x
-        return jax.ShapeDtypeStruct(x.shape, dtype) if isinstance(x, jax.ShapeDtypeStruct) else x.astype(dtype)
-    return jax.tree.map(cast, tree)
 
 
 @dataclass(frozen=True)

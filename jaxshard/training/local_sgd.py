@@ -42,19 +42,21 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxshard import optim, runtime
+from jaxshard import runtime
 from jaxshard.axes import MeshAxis
 from jaxshard.errors import ConfigError
+from jaxshard.pytree import cast_floats
 from jaxshard.rules import ShardingRules, use_rules
-from jaxshard.train_state import StateLayout, TrainState, cast_floats, fresh_state, state_layout
-from jaxshard.train_step import Program, StepConfig
+from jaxshard.training import optim
+from jaxshard.training.state import StateLayout, TrainState, fresh_state, state_layout
+from jaxshard.training.step import Program, StepConfig
 
 DATA = str(MeshAxis.DATA)
 
 
 @dataclass(frozen=True)
 class LocalSGDProgram(Program):
-    """A :class:`~jaxshard.train_step.Program` whose params and optimizer state hold one replica
+    """A :class:`~jaxshard.training.step.Program` whose params and optimizer state hold one replica
     per device of ``data`` (leading dim ``replicas``)."""
 
     sync_every: int = 1

@@ -21,18 +21,19 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jaxshard import balance as balance_lib
-from jaxshard import loss_scale as scaling
-from jaxshard import optim, runtime
-from jaxshard import reducer as reducer_lib
+from jaxshard import runtime
 from jaxshard.axes import Dim, MeshAxis
 from jaxshard.errors import ConfigError
+from jaxshard.parallel import balance as balance_lib
 from jaxshard.parallel import pipeline
+from jaxshard.pytree import cast_floats
 from jaxshard.remat import Kind, Remat
 from jaxshard.rows import microbatch_rows
 from jaxshard.rules import ShardingRules, check_host_memory, constrain, use_rules
-from jaxshard.train_state import (StateLayout, TrainState, build_init, cast_floats, fresh_state, move,
-                                   state_layout)
+from jaxshard.training import loss_scale as scaling
+from jaxshard.training import optim
+from jaxshard.training import reducer as reducer_lib
+from jaxshard.training.state import StateLayout, TrainState, build_init, fresh_state, move, state_layout
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -55,7 +56,7 @@ class StepConfig:
     stage_layers: tuple[int, ...] | None = None
     balance: str | None = None  # choose stage_layers: see balance_stages()
     # Who reduces the gradients (--strategy): the partitioner ('gspmd'), or the step itself in
-    # buckets of bucket_mb MB ('explicit': DDP's Reducer by hand, see jaxshard/reducer.py).
+    # buckets of bucket_mb MB ('explicit': DDP's Reducer by hand, see jaxshard/training/reducer.py).
     reducer: str = "gspmd"
     bucket_mb: float = 25.0
 
@@ -102,7 +103,7 @@ class Program:
     saved_abstract: TrainState | None = None
     # A fresh state (step 0) around given params in model order, e.g. imported weights.
     from_params: Callable | None = None
-    buckets: list | None = None  # --strategy explicit: the gradient buckets (jaxshard.reducer.plan)
+    buckets: list | None = None  # --strategy explicit: the gradient buckets (jaxshard.training.reducer.plan)
 
     def abstract_batch(self, batch_size: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
         x = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=self.batch_sharding)

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
-from jaxshard import hlo
+from jaxshard.analysis import hlo
 from jaxshard.axes import Dim, MeshAxis
 from jaxshard.parallel.vectors import two_stage
 from jaxshard.parallel.vocab import reduces_tied_once
@@ -438,7 +438,7 @@ def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: in
                   compute_dtype: str = "float32", remat: Remat = Remat.NONE,
                   grad_accum: int = 1, param_dtype: str = "float32", reducer: str = "gspmd") -> Communication:
     """The collectives one step needs, per device, with the textbook reason for each.
-    ``reducer`` 'explicit' (jaxshard.reducer) reduces every gradient whole, as DDP does: a learned
+    ``reducer`` 'explicit' (jaxshard.training.reducer) reduces every gradient whole, as DDP does: a learned
     position table's too, where GSPMD reduces only the rows the step used."""
     cfg, sizes = model.cfg, rules.sizes
     c = dtype_bytes(compute_dtype)

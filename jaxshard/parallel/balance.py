@@ -91,7 +91,7 @@ def profile_costs(model: Any, rows: int, seq_len: int, compute_dtype: str, repea
     ``jax.vjp`` (a forward and a backward slot), per layer; the embedding's and the head +
     loss's forward + backward. The median of ``repeats`` runs each, after a compile run."""
     from jaxshard.parallel.vocab import cross_entropy
-    from jaxshard.train_state import cast_floats
+    from jaxshard.pytree import cast_floats
 
     device = jax.local_devices()[0]
     dtype = jnp.dtype(compute_dtype)

@@ -7,7 +7,7 @@ of the axis must make the same call (SPMD), and each device only ever holds its 
 
 What each one compiles to on XLA:CPU, per device, for an ``n``-byte ``x`` on an axis of 8. The
 collectives and their buffers are read from the compiled HLO (:func:`buffer_bytes`); the bytes
-*sent* are the ring model's (:func:`jaxshard.hlo.ring_sent_bytes`) applied to them by
+*sent* are the ring model's (:func:`jaxshard.analysis.hlo.ring_sent_bytes`) applied to them by
 :func:`bytes_sent` -- modelled, since the HLO says what a collective moves, not how NCCL or gloo
 route it -- and pinned by the tests:
 
@@ -26,7 +26,7 @@ barrier            all-reduce (4 bytes)                    7
 send_recv_ring     collective-permute (n)                  n
 =================  ======================================  =========================================
 
-reduce_scatter with max or min is an all-reduce and a slice (read by jaxshard.hlo as a
+reduce_scatter with max or min is an all-reduce and a slice (read by jaxshard.analysis.hlo as a
 reduce-scatter, so counted at 7/8 n, though the all-reduce moves 2*7/8 n).
 """
 
@@ -42,7 +42,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxshard import hlo
+from jaxshard.analysis import hlo
 from jaxshard.errors import ConfigError
 
 Axis = str | tuple[str, ...]
@@ -202,7 +202,7 @@ def reduce_scatter(x: jax.Array, axis: Axis, op: str = "sum") -> jax.Array:
     """``op`` over every member's ``x``, then member i keeps chunk i of dim 0.
 
     sum and mean: one reduce-scatter, (m-1)/m of ``x`` sent per device. max and min (which XLA's
-    reduce-scatter does not take from jax): an all-reduce and a slice, which jaxshard.hlo reads as
+    reduce-scatter does not take from jax): an all-reduce and a slice, which jaxshard.analysis.hlo reads as
     a reduce-scatter; the all-reduce itself moves 2(m-1)/m of ``x``."""
     axes = _axes(axis)
     n = _size(axes)

@@ -11,11 +11,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxshard import accounting, hlo
+from jaxshard.analysis import accounting, hlo
 from jaxshard.mesh import build_mesh
-from jaxshard.optim import OptimConfig
 from jaxshard.rules import HOST_MEMORY, ShardingRules, Strategy
-from jaxshard.train_step import StepConfig, build_program
+from jaxshard.training.optim import OptimConfig
+from jaxshard.training.step import StepConfig, build_program
 
 
 def bytes_per_device(tree: Any, where: str | None = None) -> dict[int, int]:

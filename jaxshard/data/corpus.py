@@ -3,7 +3,7 @@
 The default corpus needs no download: the Python standard library's source files, which every
 machine with Python has. ``--data PATH`` takes a text file (one document), a folder (its ``*.txt``,
 ``*.md`` and ``*.py`` files, recursively and sorted, are the documents), a token file (``.tokens``,
-see ``jaxshard.token_file``) or a ``.bin`` of little-endian uint16 ids (nanoGPT's format).
+see ``jaxshard.data.token_file``) or a ``.bin`` of little-endian uint16 ids (nanoGPT's format).
 Documents are joined with the tokenizer's end-of-text id between them; the validation split is the
 corpus's tail.
 
@@ -37,9 +37,9 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from jaxshard.data.token_file import DEFAULT_TOKEN_CACHE, TOKEN_VERSION, TokenWriter, read_tokens
 from jaxshard.errors import ConfigError, DataError
-from jaxshard.token_file import DEFAULT_TOKEN_CACHE, TOKEN_VERSION, TokenWriter, read_tokens
-from jaxshard.tokenizer import (ByteTokenizer, Tokenizer, load_tokenizer, parse_spec, tokenizer_from_spec,
+from jaxshard.data.tokenizer import (ByteTokenizer, Tokenizer, load_tokenizer, parse_spec, tokenizer_from_spec,
                                 train_bpe)
 
 STDLIB = "stdlib"  # name of the default corpus

@@ -9,8 +9,8 @@ The params and the AdamW state live on device 0 only (a ``SingleDeviceSharding``
    ``jax.shard_map`` program, the params entering replicated and made device-varying before
    the gradient, so nothing reduces them -- the program has no collectives;
 4. gather: every device's loss sums and gradients go to device 0 (``jax.device_put``);
-5. device 0 sums them, divides by the tokens, clips and applies AdamW (:mod:`jaxshard.optim`,
-   the arithmetic of :func:`jaxshard.train_step.build_program`), in a program of its own.
+5. device 0 sums them, divides by the tokens, clips and applies AdamW (:mod:`jaxshard.training.optim`,
+   the arithmetic of :func:`jaxshard.training.step.build_program`), in a program of its own.
 
 The transfers are driven from the host, outside any compiled program, as PyTorch's are. Each
 step counts them from the shardings of the arrays it moves (:func:`transfer`: the bytes that
@@ -50,11 +50,13 @@ import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxshard import hlo, optim
+from jaxshard.analysis import hlo
 from jaxshard.axes import MeshAxis
+from jaxshard.data.synthetic import random_batches
 from jaxshard.errors import ConfigError
 from jaxshard.mesh import build_mesh
-from jaxshard.train_state import TrainState, fresh_state
+from jaxshard.training import optim
+from jaxshard.training.state import TrainState, fresh_state
 
 AXIS = str(MeshAxis.DATA)
 LOSS_VALUES = 3  # a dense model's Loss: total, tokens, nll (float32 scalars)
@@ -300,16 +302,6 @@ def held_on(tree: Any) -> set[int]:
     return {d.id for x in jax.tree.leaves(tree) for d in x.sharding.device_set}
 
 
-def random_batches(vocab: int, steps: int, batch_size: int, seq_len: int, seed: int = 0) -> list[dict]:
-    """Random tokens whose targets are a fixed function of the inputs (something to learn)."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(steps):
-        inputs = rng.integers(0, vocab, (batch_size, seq_len), dtype=np.int32)
-        out.append({"inputs": inputs, "targets": (inputs * 7 + 3) % vocab})
-    return out
-
-
 # ---- the comparison: one device, DDP and DataParallel ----------------------------------------
 
 @dataclass
@@ -367,9 +359,9 @@ def compare(model: Any, devices: Sequence[jax.Device], optim_cfg: optim.OptimCon
             batch_size: int, seq_len: int, seed: int = 0) -> Comparison:
     """Train ``model`` ``steps`` steps on the same random batches three ways: one device,
     GSPMD DDP (``data=N``) and DataParallel over ``devices``."""
-    from jaxshard.inspect import compiled_collectives
+    from jaxshard.analysis.inspect import compiled_collectives
     from jaxshard.rules import ShardingRules, Strategy
-    from jaxshard.train_step import StepConfig, build_program
+    from jaxshard.training.step import StepConfig, build_program
 
     devices = list(devices)
     data_parallel = build(model, devices, optim_cfg, seed)

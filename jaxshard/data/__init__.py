@@ -1,0 +1,1 @@
+"""Corpora and their formats, tokenizers, token files, per-process batches."""
