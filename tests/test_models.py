@@ -119,6 +119,7 @@ def test_layer_by_layer_pieces_equal_the_scan(name):
     np.testing.assert_allclose(loss_sum, nll, rtol=1e-5)
 
 
+@pytest.mark.default_emitters  # two programs fused differently round alike only with these
 @pytest.mark.parametrize("remat", [Remat.FULL, Remat.DOTS, Remat.DOTS_NO_BATCH, Remat.SELECTIVE,
                                    "names:qkv,attn_proj", "offload:attn_out,mlp_hidden"])
 def test_remat_policies_change_memory_not_math(remat):
