@@ -22,6 +22,7 @@ from jaxshard.data import corpus as data_lib
 from jaxshard.data import tokenizer as tokenizer_lib
 from jaxshard.errors import ConfigError, DataError, TrainingError
 from jaxshard.mesh import axis_sizes, build_mesh
+from jaxshard.model import LanguageModel, Stageable
 from jaxshard.rules import ShardingRules
 from jaxshard.training import local_sgd
 from jaxshard.training.checkpoint import Checkpointer, check_export_path, export_params, param_shapes
@@ -35,7 +36,7 @@ def _log(msg: str) -> None:
         print(msg, flush=True)
 
 
-def _check_model_fits_data(model: Any, corpus: data_lib.Corpus, seq_len: int) -> None:
+def _check_model_fits_data(model: LanguageModel, corpus: data_lib.Corpus, seq_len: int) -> None:
     if corpus.vocab_size > model.cfg.vocab_size:
         raise DataError(f"data {corpus.name} has token ids up to {corpus.vocab_size - 1} but model "
                         f"{model.cfg.name} has a vocabulary of {model.cfg.vocab_size}")
@@ -58,7 +59,7 @@ def _fault(kind: str, step: int) -> None:
         os._exit(17)
 
 
-def _start(cfg: TrainConfig, program: Program, model: Any, ckpt: Checkpointer | None, family: Family):
+def _start(cfg: TrainConfig, program: Program, model: LanguageModel, ckpt: Checkpointer | None, family: Family):
     """The initial state, its step and global sample offset: fresh (or --init-from's weights),
     or the latest checkpoint."""
     if ckpt is not None and cfg.checkpoint.resume and ckpt.latest_step() is not None:
@@ -160,7 +161,7 @@ def train(cfg: TrainConfig, family: Family) -> dict[str, Any]:
             ckpt.close()  # waits for the last save to be complete
 
 
-def _train(cfg: TrainConfig, model: Any, rules: ShardingRules, corpus: data_lib.Corpus,
+def _train(cfg: TrainConfig, model: LanguageModel, rules: ShardingRules, corpus: data_lib.Corpus,
            program: Program, ckpt: Checkpointer | None, window: ProfileWindow | None,
            family: Family) -> dict[str, Any]:
     B, L = cfg.batch_size, cfg.seq_len
@@ -398,7 +399,7 @@ def _preempted(step: int, samples: int, ckpt: Checkpointer | None, save: Callabl
     raise Preempted(f"SIGTERM: saved step {step} in {ckpt.directory}; continue with --resume", 0)
 
 
-def _sample(cfg: TrainConfig, model: Any, rules: ShardingRules, params: Any, tokenizer: Any,
+def _sample(cfg: TrainConfig, model: LanguageModel, rules: ShardingRules, params: Any, tokenizer: Any,
             generate: Callable[..., list[list[int]]]) -> None:
     """Print ``--sample-tokens`` tokens generated from ``--sample-prompt`` (temperature 0.8,
     top-p 0.95, --seed): what the model learned, at a glance."""
@@ -413,7 +414,7 @@ def _sample(cfg: TrainConfig, model: Any, rules: ShardingRules, params: Any, tok
     _log(f"sample ({len(new)} tokens after {cfg.sample_prompt!r}):\n{cfg.sample_prompt}{text}")
 
 
-def _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compile_s, throughput,
+def _report(cfg, model: Stageable, rules, compiled, held, records, val_loss, corpus, compile_s, throughput,
             flops, peak_source, schedule, measured=None, program_buckets=None) -> dict[str, Any]:
     B, L = cfg.batch_size, cfg.seq_len
     timed = [r["step_time_s"] for r in records[1:]] or [records[0]["step_time_s"]]

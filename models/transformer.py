@@ -6,15 +6,15 @@ layer's :class:`~models.layers.Block` params stacked on a leading ``layers`` dim
 keeps its MoE layers' params apart, stacked in ``moe_blocks`` (``blocks`` then holds the dense
 ones, if any). The layers run in a ``lax.scan`` so compile time does not grow with depth; with
 MoE layers every ``moe_every``-th, the scan steps over groups of ``moe_every`` layers. The pieces a pipeline needs --
-:meth:`embed`, :meth:`block` (one layer's params) and :meth:`head` / :meth:`loss` -- are
-public, and the remat policy is a parameter of the scan.
+:meth:`embed`, :meth:`blocks` / :meth:`moe_block` and :meth:`head` -- are public
+(:class:`jaxshard.model.LanguageModel`); :mod:`jaxshard.parallel.staged` builds the stages from
+them. The remat policy is a parameter of the scan.
 """
 
 from __future__ import annotations
 
-import copy
 import math
-from typing import Any, Callable, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,33 +23,16 @@ from flax import nnx
 from jaxshard import remat as remat_lib
 from jaxshard.axes import Dim
 from jaxshard.errors import ConfigError
-from jaxshard.parallel import pipeline
+from jaxshard.model import MOE_METRICS, Loss, Params
 from jaxshard.parallel.vocab import cross_entropy, table_copies
-from jaxshard.rows import microbatch_rows
-from jaxshard.rules import active, constrain, for_compute
+from jaxshard.rules import constrain, for_compute
 from models.config import ModelConfig, Positions
 from models.layers import CACHE_BTKH, Block, Embedder, KVCache, dropout, rope_tables
 from models.moe import MoEFeedForward
 
-Params = dict[str, Any]
 BLOCKS = "blocks"
 MOE_BLOCKS = "moe_blocks"
 STACKS = (BLOCKS, MOE_BLOCKS)
-
-
-class Loss(NamedTuple):
-    """A batch's loss as sums over its tokens: callers divide each by ``tokens`` once globally,
-    so microbatches and shards add up to the full-batch means exactly."""
-
-    total: jax.Array  # what is differentiated: nll + tokens x the weighted auxiliary losses
-    tokens: jax.Array
-    nll: jax.Array  # the token cross-entropies' sum
-    # MoE models: tokens x each routing statistic, averaged over the MoE layers (Routing's
-    # load balance, z-loss and dropped fraction); empty for a dense model.
-    moe: dict[str, jax.Array]
-
-
-MOE_METRICS = ("moe_load_balance", "moe_z_loss", "moe_dropped")
 
 
 def _logical_axes(state: nnx.State) -> dict:
@@ -58,6 +41,11 @@ def _logical_axes(state: nnx.State) -> dict:
 
 
 class TransformerLM:
+    """A :class:`jaxshard.model.LanguageModel`: GPT-2 and Llama families, dense or MoE."""
+
+    stacks = STACKS
+    stage_layout = None  # stored in model order (jaxshard.parallel.staged stores it by stages)
+
     def __init__(self, cfg: ModelConfig, remat: remat_lib.Remat | str = remat_lib.Remat.NONE,
                  unroll: bool = False):
         """``unroll``: unroll the layer scan (slower to compile; XLA's cost analysis then
@@ -66,7 +54,6 @@ class TransformerLM:
         self.remat = remat_lib.Remat.parse(remat)
         self.unroll = unroll
         self._abstract = None
-        self.stage_layout: pipeline.StageLayout | None = None  # set by staged()
         self._embedder_def, emb = nnx.split(nnx.eval_shape(lambda: Embedder(cfg, nnx.Rngs(0))), nnx.Param)
         self._block_def, blk = nnx.split(nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0))), nnx.Param)
         self.embedder_axes = _logical_axes(emb)
@@ -78,45 +65,15 @@ class TransformerLM:
                 nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0), MoEFeedForward)), nnx.Param)
             self.moe_block_axes = _logical_axes(moe)
 
-    def staged(self, layout: pipeline.StageLayout) -> "TransformerLM":
-        """This model with its layer stack stored as ``layout`` says (a pipeline's chunks):
-        :meth:`init` and :meth:`abstract_params` give the stored stack, :meth:`loss` takes it
-        and :meth:`model_order` turns it back into the model's layer order."""
-        if layout.n_layers != self.cfg.n_layers:
-            raise ConfigError(f"a stage layout of {layout.n_layers} layers for model {self.cfg.name} "
-                              f"with {self.cfg.n_layers}")
-        staged = copy.copy(self)
-        staged.stage_layout, staged._abstract = layout, None
-        return staged
-
     @property
     def stack(self) -> str:
         """The layer stack a pipeline splits: the one stack of a model whose layers are all of
         one kind (dense, or all MoE)."""
         return MOE_BLOCKS if self.moe_layers else BLOCKS
 
-    def _stored(self) -> bool:
-        return self.stage_layout is not None and not self.stage_layout.trivial
-
-    def model_order(self, params: Params) -> Params:
-        """Params with the layer stack in model order (as an unstaged model stores it)."""
-        if not self._stored():
-            return params
-        return {**params, self.stack: jax.tree.map(self.stage_layout.to_model, params[self.stack])}
-
-    def stored_order(self, params: Params) -> Params:
-        """The inverse of :meth:`model_order`."""
-        if not self._stored():
-            return params
-        return {**params, self.stack: jax.tree.map(self.stage_layout.to_stored, params[self.stack])}
-
     # ---- parameters -----------------------------------------------------------------------
     def init(self, key: jax.Array) -> Params:
-        """Fresh params (the same on any layout). Jit it with ``out_shardings`` to create them
-        already sharded."""
-        return self.stored_order(self._init(key))
-
-    def _init(self, key: jax.Array) -> Params:
+        """Fresh params. Jit it with ``out_shardings`` to create them already sharded."""
         k_emb, k_blocks = jax.random.split(key)
 
         def block_params(ffn):
@@ -148,10 +105,8 @@ class TransformerLM:
         return self._abstract
 
     def n_params(self) -> int:
-        """Counted from shapes alone (the model's, without a layout's empty slots): works for
-        models far larger than memory."""
-        shapes = jax.eval_shape(self._init, jax.random.key(0)) if self._stored() else self.abstract_params()
-        return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+        """Counted from shapes alone: works for models far larger than memory."""
+        return sum(math.prod(x.shape) for x in jax.tree.leaves(self.abstract_params()))
 
     def n_active_params(self) -> int:
         """Params one token passes through: all but the experts its router does not pick (k of
@@ -272,8 +227,7 @@ class TransformerLM:
         """The batch's :class:`Loss`. An MoE model's total adds, per token, ``moe_aux_coef``
         times the load-balancing loss and ``moe_z_coef`` times the router z-loss, each the mean
         over its MoE layers."""
-        self._check_seq_len(inputs_BL)
-        params = self.model_order(params)
+        self.check_seq_len(inputs_BL)
         k_embed, k_blocks = jax.random.split(key) if key is not None else (None, None)
         # One embedder for both ends (not embed() then head()): a tied table is gathered once
         # and its two gradients are summed before they are reduced.
@@ -290,125 +244,14 @@ class TransformerLM:
         nll_BL = cross_entropy(logits_BLV, targets_BL, self.cfg.vocab_size)
         nll, tokens = nll_BL.sum(), jnp.asarray(nll_BL.size, jnp.float32)
         moe = {name: tokens * jnp.mean(s) for name, s in zip(MOE_METRICS, stats)}
-        total = nll + self._aux_loss(moe["moe_load_balance"], moe["moe_z_loss"]) if moe else nll
+        total = nll + self.aux_loss(moe["moe_load_balance"], moe["moe_z_loss"]) if moe else nll
         return Loss(total, tokens, nll, moe)
 
-    def _aux_loss(self, load_balance: jax.Array, z_loss: jax.Array) -> jax.Array:
+    def aux_loss(self, load_balance: jax.Array, z_loss: jax.Array) -> jax.Array:
         """The auxiliary losses' part of the differentiated loss (of token-weighted sums)."""
         return self.cfg.moe_aux_coef * load_balance + self.cfg.moe_z_coef * z_loss
 
-    def pipeline_grads(self, params: Params, inputs_BL: jax.Array, targets_BL: jax.Array,
-                       schedule: pipeline.Schedule, *, key: jax.Array | None = None,
-                       seed: jax.Array | float = 1.0,
-                       cast: Callable[[Any], Any] = lambda p: p) -> tuple[Loss, Params]:
-        """(the :class:`Loss`, gradients of ``seed`` x its total) with the layer stack split
-        into pipeline stages over ``stage`` as the model's :meth:`staged` layout says (the
-        schedule's) and run by ``schedule``. Microbatch ``i`` is rows
-        ``i, i + M, ...`` of the batch, so each stays spread over the batch shards; dropout
-        (``key``) drops what :meth:`loss` would. ``cast``: applied to the params where they are
-        used (the compute dtype)."""
-        loss, d_stack, d_outer = self._pipeline(params, inputs_BL, targets_BL, schedule, key, cast,
-                                                seed=seed, train=True)
-        tokens = jnp.asarray(inputs_BL.size, jnp.float32)
-        if self.moe_layers:  # (nll, the auxiliary losses, the routing statistics): token-weighted sums
-            nll, extra, stats = loss
-            sums = Loss(nll + extra, tokens, nll, dict(zip(MOE_METRICS, stats)))
-        else:
-            sums = self._dense_loss(loss, inputs_BL)
-        return sums, {**d_outer, self.stack: d_stack}
-
-    def pipeline_loss(self, params: Params, inputs_BL: jax.Array, targets_BL: jax.Array,
-                      schedule: pipeline.Schedule, *,
-                      cast: Callable[[Any], Any] = lambda p: p) -> Loss:
-        """The :class:`Loss` as :meth:`loss` gives it, each stage running its own layers in
-        the pipeline's forward slots (no stage gathers another's layers)."""
-        return self._dense_loss(self._pipeline(params, inputs_BL, targets_BL, schedule, None, cast,
-                                               train=False), inputs_BL)
-
-    @staticmethod
-    def _dense_loss(nll: jax.Array, inputs_BL: jax.Array) -> Loss:
-        return Loss(nll, jnp.asarray(inputs_BL.size, jnp.float32), nll, {})
-
-    def _pipeline(self, params, inputs_BL, targets_BL, schedule, key, cast, **run):
-        self._check_seq_len(inputs_BL)
-        layout = schedule.layout
-        if layout != self.stage_layout and not (layout.trivial and self.stage_layout is None):
-            raise ConfigError("the params are not stored in the pipeline schedule's stage layout")
-        M = schedule.microbatches
-        B, L = inputs_BL.shape
-        rules = active()
-        replicas = pipeline.replica_axes(rules)  # the executor is manual over these too
-
-        def split(x_BL):
-            return constrain(x_BL.reshape(B // M, M, L).swapaxes(0, 1), (None, Dim.BATCH, None))
-
-        def keys(key):  # as loss() splits them: the embedding's, then one per layer
-            if key is None:
-                return None, None
-            k_embed, k_blocks = jax.random.split(key)
-            return k_embed, jax.random.split(k_blocks, self.cfg.n_layers)
-
-        def embed(outer, tokens_BL, i, key):
-            with microbatch_rows(i, M, replicas):
-                return self.embed(cast(outer), tokens_BL, key=keys(key)[0])
-
-        def body(chunk, x_BLD, i, layers, key):
-            layer_keys = keys(key)[1]
-            if layer_keys is not None:
-                layer_keys = layer_keys[jnp.maximum(layers, 0)]
-            present = layers >= 0 if layout.padded else None
-            with microbatch_rows(i, M, replicas):
-                if not self.moe_layers:
-                    return self.blocks({BLOCKS: cast(chunk)}, x_BLD, layer_keys=layer_keys, present=present)
-                return self._moe_chunk(cast(chunk), x_BLD, layer_keys, present)
-
-        def last(chunk, outer, x_BLD, targets_BL, i, layers, key):
-            y = body(chunk, x_BLD, i, layers, key)
-            y_BLD, side = y if self.moe_layers else (y, None)
-            nll = cross_entropy(self.head(cast(outer), y_BLD), targets_BL, self.cfg.vocab_size).sum()
-            return nll if side is None else (nll, side)
-
-        # A learned position table enters as its first L rows, the only ones with a gradient:
-        # the executor accumulates and reduces those, not the whole table.
-        outer = {k: v for k, v in params.items() if k not in STACKS}
-        table = outer.get("positions")
-        if table is not None:  # (in the table's own layout: a slice needs no communication)
-            spec = rules.param_spec(self.embedder_axes["positions"], table.shape)
-            outer["positions"] = jax.lax.with_sharding_constraint(table[:L], rules.named(spec))
-        side = jnp.zeros(len(MOE_METRICS), jnp.float32) if self.moe_layers else None
-        out = pipeline.run(
-            schedule, rules.context_mesh, embed=embed, body=body, last=last, blocks=params[self.stack],
-            outer=outer, inputs_MBL=split(inputs_BL), targets_MBL=split(targets_BL), aux=key,
-            replicas=replicas, side=side, **run)
-        if table is None or not run.get("train"):
-            return out
-        loss, d_stack, d_outer = out
-        d_outer["positions"] = jnp.pad(d_outer["positions"], ((0, table.shape[0] - L), (0, 0)))
-        return loss, d_stack, d_outer
-
-    def _moe_chunk(self, chunk: Params, x_BLD: jax.Array, layer_keys, present):
-        """A pipeline chunk of MoE layers (every layer one): (output, (its auxiliary losses,
-        its routing statistics)), both token-weighted sums as :meth:`loss` makes them, the
-        chunk's share of the mean over the model's MoE layers."""
-
-        def layer(x, xs):
-            layer_params, layer_key, here = xs
-
-            def run():
-                y, r = self.moe_block(layer_params, x, key=layer_key)
-                return y, r.stats
-
-            if here is None:
-                return run()
-            return jax.lax.cond(here, run, lambda: (x, (jnp.zeros((), jnp.float32),) * 3))  # an empty slot
-
-        x_BLD, stats = jax.lax.scan(remat_lib.apply(layer, self.remat), x_BLD, (chunk, layer_keys, present),
-                                    unroll=self.unroll)
-        per_token = x_BLD.shape[0] * x_BLD.shape[1] / self.cfg.n_moe_layers
-        lb, z, dropped = (per_token * jnp.sum(s) for s in stats)
-        return x_BLD, (self._aux_loss(lb, z), jax.lax.stop_gradient(jnp.stack([lb, z, dropped])))
-
-    def _check_seq_len(self, inputs_BL: jax.Array) -> None:
+    def check_seq_len(self, inputs_BL: jax.Array) -> None:
         if inputs_BL.shape[1] > self.cfg.max_seq_len:
             raise ConfigError(f"--seq-len {inputs_BL.shape[1]} exceeds model {self.cfg.name}'s "
                               f"max_seq_len {self.cfg.max_seq_len}")

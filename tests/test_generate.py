@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 from jaxshard.errors import ConfigError
 from jaxshard.mesh import build_mesh
 from jaxshard.parallel.pipeline import StageLayout
+from jaxshard.parallel.staged import staged
 from jaxshard.rules import ShardingRules, Strategy, use_rules
 from models import TransformerLM, get_preset
 from models import generate as generation
@@ -202,7 +203,7 @@ def test_moe_and_pipelines_are_not_supported_yet():
         generate(moe, {}, PROMPTS, NEW)
     model, params = make_model("tiny")
     with pytest.raises(ConfigError, match="does not support pipeline-staged models yet"):
-        generate(model.staged(StageLayout.make(2, 2)), params, PROMPTS, NEW)
+        generate(staged(model, StageLayout.make(2, 2)), params, PROMPTS, NEW)
     rules, _ = on_mesh(model, None, "stage=2")
     with pytest.raises(ConfigError, match="does not support pipeline-staged models yet"):
         generate(model, params, PROMPTS, NEW, rules=rules)

@@ -26,6 +26,8 @@ from jax.sharding import PartitionSpec
 
 from jaxshard.analysis import hlo
 from jaxshard.axes import Dim, MeshAxis
+from jaxshard.model import LanguageModel, Stageable
+from jaxshard.parallel.staged import staged
 from jaxshard.parallel.vectors import two_stage
 from jaxshard.parallel.vocab import reduces_tied_once
 from jaxshard.pytree import named_leaves
@@ -70,7 +72,7 @@ class ParamInfo:
         return bool(self.axes) and self.axes[0] == Dim.LAYERS
 
 
-def param_infos(model: Any, rules: ShardingRules) -> list[ParamInfo]:
+def param_infos(model: LanguageModel, rules: ShardingRules) -> list[ParamInfo]:
     named_axes = named_leaves(model.param_axes(), is_leaf=lambda x: isinstance(x, tuple))
     shapes = jax.tree.leaves(model.abstract_params())
     out = []
@@ -122,7 +124,7 @@ OPT_COUNTERS = 8  # Adam's and the schedule's int32 step counts
 LOSS_SCALE_BYTES = 12  # float16: the scale, its good-step and skipped-step counters
 
 
-def memory(model: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
+def memory(model: LanguageModel, rules: ShardingRules, batch_size: int, seq_len: int, *,
            compute_dtype: str = "float32", remat: Remat = Remat.NONE, grad_accum: int = 1,
            param_dtype: str = "float32") -> Memory:
     """2-byte ``param_dtype``: params and gradients in 2 bytes, a float32 master copy in the
@@ -320,7 +322,7 @@ class Communication:
         return out
 
 
-def pipeline_transfers(model: Any, rules: ShardingRules, schedule: Any, batch_size: int, seq_len: int,
+def pipeline_transfers(model: Stageable, rules: ShardingRules, schedule: Any, batch_size: int, seq_len: int,
                        compute_dtype: str = "float32") -> list[Transfer]:
     """What a pipeline's stages send each other per step, per device: every tick one stage
     input (a microbatch's residual stream, in its layout: SP splits its length) to the next
@@ -335,7 +337,7 @@ def pipeline_transfers(model: Any, rules: ShardingRules, schedule: Any, batch_si
             Transfer("collective-permute", stage, one, schedule.ticks, "their gradients to the previous stage", 2)]
 
 
-def pipeline_memory(model: Any, rules: ShardingRules, schedule: Any, batch_size: int, seq_len: int,
+def pipeline_memory(model: Stageable, rules: ShardingRules, schedule: Any, batch_size: int, seq_len: int,
                     **kwargs: Any) -> Memory:
     """:func:`memory` of a pipelined step: the stored stack's state (a layout with chunks or
     empty slots stores more slots than layers), and as activations what a stage keeps for each
@@ -343,7 +345,7 @@ def pipeline_memory(model: Any, rules: ShardingRules, schedule: Any, batch_size:
     layers of one microbatch and the chunk's input -- plus one microbatch's logits and
     per-token statistics, which the last stage holds in its backward slot."""
     layout = schedule.layout
-    mem = memory(model.staged(layout), rules, batch_size, seq_len, **kwargs)
+    mem = memory(staged(model, layout), rules, batch_size, seq_len, **kwargs)
     micro = batch_size // schedule.microbatches
     c = dtype_bytes(kwargs.get("compute_dtype", "float32"))
 
@@ -358,7 +360,7 @@ def pipeline_memory(model: Any, rules: ShardingRules, schedule: Any, batch_size:
                    + saved(1) - per_layer)
 
 
-def pipeline_communication(model: Any, rules: ShardingRules, schedule: Any, batch_size: int,
+def pipeline_communication(model: Stageable, rules: ShardingRules, schedule: Any, batch_size: int,
                            seq_len: int, *, compute_dtype: str = "float32",
                            param_dtype: str = "float32") -> Communication:
     """The collectives of a pipelined step outside the schedule's slots, per device: the stage
@@ -371,11 +373,11 @@ def pipeline_communication(model: Any, rules: ShardingRules, schedule: Any, batc
     step's loop does not record; it is not predicted here."""
     from jaxshard.parallel.pipeline import replica_axes
 
-    staged = model.staged(schedule.layout)
+    stored = staged(model, schedule.layout)
     pb, sizes = dtype_bytes(param_dtype), rules.sizes
     replicas = replica_axes(rules)
     stage = rules.active_axes((MeshAxis.STAGE,))
-    infos = param_infos(staged, rules)
+    infos = param_infos(stored, rules)
     layers = sum(pb * shard_elems(p.shape, p.params, sizes) for p in infos if p.in_layers)
     outer = sum(pb * shard_elems(p.shape, p.params, sizes) for p in infos
                 if not p.in_layers and p.axes[:1] != (Dim.POSITION,))
@@ -407,7 +409,7 @@ def pipeline_communication(model: Any, rules: ShardingRules, schedule: Any, batc
     return Communication(out)
 
 
-def predict(model: Any, rules: ShardingRules, batch_size: int, seq_len: int, schedule: Any = None,
+def predict(model: Stageable, rules: ShardingRules, batch_size: int, seq_len: int, schedule: Any = None,
             **kwargs: Any) -> tuple[Memory, Communication]:
     """:func:`memory` and :func:`communication` of a step, or, under a pipeline ``schedule``,
     :func:`pipeline_memory` and :func:`pipeline_communication` (the collectives outside the
@@ -434,7 +436,7 @@ def moe_buffer(cfg: Any, rules: ShardingRules, rows: int, seq_len: int, c: int) 
     return rows * cfg.moe_experts * run_capacity(cfg, rules, seq_len) * cfg.d_model * c
 
 
-def communication(model: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
+def communication(model: LanguageModel, rules: ShardingRules, batch_size: int, seq_len: int, *,
                   compute_dtype: str = "float32", remat: Remat = Remat.NONE,
                   grad_accum: int = 1, param_dtype: str = "float32", reducer: str = "gspmd") -> Communication:
     """The collectives one step needs, per device, with the textbook reason for each.
@@ -648,7 +650,7 @@ ADAMW_FLOPS = 20  # per parameter element per step: clip, moments, bias correcti
 
 
 def flops(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
-          remat: Remat = Remat.NONE, model: Any = None) -> Flops:
+          remat: Remat = Remat.NONE, model: LanguageModel | None = None) -> Flops:
     """FLOPs of one step. With ``model``, the optimizer's elementwise work is added too."""
     D, N, K, H, F, L = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_mlp, seq_len
     mlp_mats = 3 if getattr(cfg.mlp, "value", cfg.mlp) == "swiglu" else 2

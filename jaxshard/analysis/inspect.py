@@ -13,6 +13,8 @@ import numpy as np
 
 from jaxshard.analysis import accounting, hlo
 from jaxshard.mesh import build_mesh
+from jaxshard.model import Stageable
+from jaxshard.parallel.staged import staged
 from jaxshard.rules import HOST_MEMORY, ShardingRules, Strategy
 from jaxshard.training.optim import OptimConfig
 from jaxshard.training.step import StepConfig, build_program
@@ -73,7 +75,7 @@ class BytesPerParam:
     host: float
 
 
-def bytes_per_param(model: Any, strategy: str, n: int, param_dtype: str = "float32",
+def bytes_per_param(model: Stageable, strategy: str, n: int, param_dtype: str = "float32",
                     batch_size: int = 8, seq_len: int = 32) -> list[BytesPerParam]:
     """``strategy`` (a :data:`CLASSIC_STRATEGIES` name) on the first ``n`` devices, without and
     with each offload it supports, measured with :func:`stored_bytes`."""
@@ -129,7 +131,7 @@ def compiled_collectives(compiled: jax.stages.Compiled, mesh: jax.sharding.Mesh)
 _HLO_DTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
-def gathered_weights_kept(compiled: jax.stages.Compiled, model: Any, rules: Any,
+def gathered_weights_kept(compiled: jax.stages.Compiled, model: Stageable, rules: Any,
                           compute_dtype: str = "float32") -> int:
     """Bytes per device of ZeRO-3/FSDP-gathered layer weights that the compiled step keeps
     for the backward pass, read from the compiled (scanned) step's loop states.
@@ -175,7 +177,7 @@ class Verification:
     buckets: tuple[list[int], list[int]] | None = None  # --strategy explicit: (planned, compiled) bytes
 
 
-def verify(model: Any, program: Any, compiled: jax.stages.Compiled, batch_size: int, seq_len: int,
+def verify(model: Stageable, program: Any, compiled: jax.stages.Compiled, batch_size: int, seq_len: int,
            *, compute_dtype: str = "float32", grad_accum: int = 1, expected: Any = None,
            param_dtype: str = "float32") -> Verification:
     """Compare the accounting of ``expected`` rules (default: the program's) with ``compiled``.
@@ -247,9 +249,9 @@ def verify(model: Any, program: Any, compiled: jax.stages.Compiled, batch_size: 
         collectives=[(k, a, predicted.get((k, a), 0), measured.get((k, a), 0))
                      for k, a in sorted(set(predicted) | set(measured))],
         by_kind=by_kind, flops=(fl.per_device, cost.get("flops") if cost else None),
-        params=accounting.param_infos(model if schedule is None else model.staged(schedule.layout), rules),
+        params=accounting.param_infos(model if schedule is None else staged(model, schedule.layout), rules),
         sizes=rules.sizes,
-        allowances=comm.allowances, flags=flags, unrolled=getattr(model, "unroll", False),
+        allowances=comm.allowances, flags=flags, unrolled=model.unroll,
         pipelined=schedule is not None, in_slots=[(k, a, b) for (k, a), b in sorted(in_slots.items())],
         buckets=buckets)
 

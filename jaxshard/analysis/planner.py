@@ -33,7 +33,9 @@ from jaxshard.analysis import accounting
 from jaxshard.analysis.devices import GB, Device
 from jaxshard.axes import MESH_AXES
 from jaxshard.errors import ConfigError
+from jaxshard.model import Stageable
 from jaxshard.parallel.pipeline import make_schedule
+from jaxshard.parallel.staged import staged
 from jaxshard.remat import Remat
 from jaxshard.rules import ShardingRules, Strategy
 
@@ -111,7 +113,7 @@ def pipeline_microbatches(stages: int, batch_size: int, shards: int) -> int | No
                  if batch_size % m == 0 and (batch_size // m) % shards == 0), None)
 
 
-def candidates(model: Any, devices: int, per_host: int,
+def candidates(model: Stageable, devices: int, per_host: int,
                batch_size: int) -> list[tuple[dict, Strategy, Remat, int | None, int]]:
     """(mesh, strategy, remat, microbatches, grad_accum) of every plan to weigh: without stages
     (with gradient accumulation over 2, 4 or 8 microbatches where the batch splits, instead of
@@ -123,7 +125,7 @@ def candidates(model: Any, devices: int, per_host: int,
             if batch_size % accum == 0 and (batch_size // accum) % shards == 0:
                 out.append((mesh, strategy, remat, None, accum))
     for stages in _divisors(devices):
-        if stages == 1 or model.cfg.n_layers % stages or getattr(model, "moe_layers", ()):
+        if stages == 1 or model.cfg.n_layers % stages or model.moe_layers:
             continue  # (MoE pipelines: the pipeline cost model does not count the all-to-alls yet)
         for mesh, strategy, remat in _splits(model, devices // stages, per_host, batch_size):
             if strategy.zero > 1 or remat != Remat.NONE:
@@ -135,11 +137,11 @@ def candidates(model: Any, devices: int, per_host: int,
     return out
 
 
-def _splits(model: Any, devices: int, per_host: int, batch_size: int) -> list[tuple[dict, Strategy, Remat]]:
+def _splits(model: Stageable, devices: int, per_host: int, batch_size: int) -> list[tuple[dict, Strategy, Remat]]:
     """Meshes over data, fsdp, expert (an MoE model's; it splits the batch too) and tensor."""
     out = []
     cfg = model.cfg
-    moe = bool(getattr(model, "moe_layers", ()))
+    moe = bool(model.moe_layers)
     for tensor in _divisors(min(devices, per_host)):
         if cfg.n_heads % tensor or cfg.d_mlp % tensor or cfg.padded_vocab % tensor:
             continue
@@ -166,7 +168,7 @@ def _splits(model: Any, devices: int, per_host: int, batch_size: int) -> list[tu
     return out
 
 
-def evaluate(model: Any, mesh: dict[str, int], strategy: Strategy, remat: Remat, device: Device,
+def evaluate(model: Stageable, mesh: dict[str, int], strategy: Strategy, remat: Remat, device: Device,
              batch_size: int, seq_len: int, compute_dtype: str = "bfloat16",
              mfu: float = 0.5, usable: float = 0.9, microbatches: int | None = None,
              grad_accum: int = 1) -> Plan:
@@ -204,7 +206,7 @@ def evaluate(model: Any, mesh: dict[str, int], strategy: Strategy, remat: Remat,
                 inter_host_bytes=inter, host_axes=spanning, microbatches=microbatches, grad_accum=grad_accum)
 
 
-def _with_remat(model: Any, remat: Remat) -> Any:
+def _with_remat(model: Stageable, remat: Remat) -> Any:
     if model.remat == remat:
         return model
     other = type(model)(model.cfg, remat=remat)
@@ -212,7 +214,7 @@ def _with_remat(model: Any, remat: Remat) -> Any:
     return other
 
 
-def plan(model: Any, devices: int, device: Device, batch_size: int, seq_len: int, *,
+def plan(model: Stageable, devices: int, device: Device, batch_size: int, seq_len: int, *,
          hosts: int = 1, compute_dtype: str = "bfloat16", mfu: float = 0.5) -> list[Plan]:
     """Every candidate, fitting ones first, fastest first (within 5%: simplest first)."""
     if devices < 1 or hosts < 1 or devices % hosts:
@@ -241,7 +243,7 @@ def plan(model: Any, devices: int, device: Device, batch_size: int, seq_len: int
     return sorted(found, key=key)
 
 
-def explain(model: Any, plans: list[Plan], device: Device, hosts: int, compute_dtype: str) -> list[str]:
+def explain(model: Stageable, plans: list[Plan], device: Device, hosts: int, compute_dtype: str) -> list[str]:
     """The classic guidance, checked against the numbers of this model and cluster."""
     n = model.n_params()
     state = 16 * n  # float32 params, gradients and two Adam moments per parameter
@@ -295,7 +297,7 @@ def format_plans(plans: list[Plan], device: Device) -> str:
     return "\n".join(lines)
 
 
-def confirm(model: Any, p: Plan, batch_size: int, seq_len: int) -> str:
+def confirm(model: Stageable, p: Plan, batch_size: int, seq_len: int) -> str:
     """Compile ``p``'s training step for ``model`` on as many (fake CPU) devices and compare.
 
     In float32: XLA:CPU computes bfloat16 all-reduces in float32, so a bf16 step compiled on
@@ -325,7 +327,7 @@ def confirm(model: Any, p: Plan, batch_size: int, seq_len: int) -> str:
     return "\n".join([head, *rows, *verdict])
 
 
-def _confirm_pipeline(model: Any, p: Plan, program: Any, compiled: Any, batch_size: int, seq_len: int,
+def _confirm_pipeline(model: Stageable, p: Plan, program: Any, compiled: Any, batch_size: int, seq_len: int,
                       compute_dtype: str) -> str:
     """What the accounting predicts of a pipelined step, against the compiled one: the state
     each device holds and the stages' sends (the rest of a pipelined step is not predicted
@@ -333,7 +335,7 @@ def _confirm_pipeline(model: Any, p: Plan, program: Any, compiled: Any, batch_si
     from jaxshard.analysis import inspect
 
     rules = program.rules
-    predicted = accounting.memory(model.staged(program.schedule.layout), rules, batch_size, seq_len,
+    predicted = accounting.memory(staged(model, program.schedule.layout), rules, batch_size, seq_len,
                                   compute_dtype=compute_dtype, remat=p.remat)
     xla = inspect.xla_memory(compiled)
     sends = sum(c.bytes * c.executions for c in inspect.compiled_collectives(compiled, rules.mesh)

@@ -55,6 +55,7 @@ from jaxshard.axes import MeshAxis
 from jaxshard.data.synthetic import random_batches
 from jaxshard.errors import ConfigError
 from jaxshard.mesh import build_mesh
+from jaxshard.model import LanguageModel
 from jaxshard.training import optim
 from jaxshard.training.state import TrainState, fresh_state
 
@@ -244,7 +245,7 @@ def _wait(tree: Any, start: float) -> float:
     return time.perf_counter() - start
 
 
-def build(model: Any, devices: Sequence[jax.Device], optim_cfg: optim.OptimConfig,
+def build(model: LanguageModel, devices: Sequence[jax.Device], optim_cfg: optim.OptimConfig,
           seed: int = 0) -> DataParallel:
     """DataParallel over ``devices`` (device 0 first) for ``model``: anything with
     ``init(key)``, ``loss(params, inputs, targets, key=)`` returning sums, ``param_axes()``
@@ -355,7 +356,7 @@ def _timed(fn: Callable, *args: Any) -> tuple[Any, float]:
     return out, time.perf_counter() - start
 
 
-def compare(model: Any, devices: Sequence[jax.Device], optim_cfg: optim.OptimConfig, steps: int,
+def compare(model: LanguageModel, devices: Sequence[jax.Device], optim_cfg: optim.OptimConfig, steps: int,
             batch_size: int, seq_len: int, seed: int = 0) -> Comparison:
     """Train ``model`` ``steps`` steps on the same random batches three ways: one device,
     GSPMD DDP (``data=N``) and DataParallel over ``devices``."""

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxshard.errors import ConfigError
+from jaxshard.model import Stageable
 
 HOW = ("flops", "profile")
 
@@ -84,7 +85,7 @@ def flop_costs(cfg: Any, rows: int, seq_len: int) -> Costs:
     return Costs(layer=3 * forward, embed=0.0, head=3 * head, unit="FLOP")
 
 
-def profile_costs(model: Any, rows: int, seq_len: int, compute_dtype: str, repeats: int = 5,
+def profile_costs(model: Stageable, rows: int, seq_len: int, compute_dtype: str, repeats: int = 5,
                   depth: int = 2) -> Costs:
     """Timed on one device at the microbatch's shape (``rows`` per device), as the pipeline runs
     them: ``depth`` layers' scan (the model's remat policy included) forward and backward under

@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 from jaxshard import runtime
 from jaxshard.axes import MeshAxis
 from jaxshard.errors import ConfigError
+from jaxshard.model import LanguageModel
 from jaxshard.pytree import cast_floats
 from jaxshard.rules import ShardingRules, use_rules
 from jaxshard.training import optim
@@ -66,7 +67,7 @@ class LocalSGDProgram(Program):
     model_shardings: Any = None
 
 
-def check(model: Any, rules: ShardingRules, cfg: StepConfig, sync_every: int) -> None:
+def check(model: LanguageModel, rules: ShardingRules, cfg: StepConfig, sync_every: int) -> None:
     """One-line errors for what ``--sync-every`` does not cover."""
     if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
         raise ConfigError(f"--sync-every must be an integer >= 1, got {sync_every!r}")
@@ -82,7 +83,7 @@ def check(model: Any, rules: ShardingRules, cfg: StepConfig, sync_every: int) ->
     if any(x is not None for x in pipeline):
         raise ConfigError("--sync-every has no pipeline: not with --pipeline-schedule, --microbatches, "
                           "--virtual-stages, --stage-layers or --balance")
-    if getattr(model, "moe_layers", ()):
+    if model.moe_layers:
         raise ConfigError("--sync-every covers dense models (this one has MoE layers)")
     if cfg.param_dtype != "float32" or cfg.scaled:
         raise ConfigError("--sync-every needs float32 params and no loss scaling "
@@ -91,7 +92,7 @@ def check(model: Any, rules: ShardingRules, cfg: StepConfig, sync_every: int) ->
         raise ConfigError("--sync-every reduces the gradients itself: not with --strategy explicit")
 
 
-def build_local_sgd_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig,
+def build_local_sgd_program(model: LanguageModel, rules: ShardingRules, optim_cfg: optim.OptimConfig,
                             step_cfg: StepConfig, sync_every: int, *,
                             measure_spread: bool = True) -> LocalSGDProgram:
     """The program of local SGD averaging every ``sync_every`` steps (1: DDP)."""
@@ -230,7 +231,7 @@ def check_restore(meta: dict[str, Any], replicas: int) -> None:
                           f"mesh has data={replicas}; resume on data={saved}")
 
 
-def predicted_collectives(model: Any, sync_every: int) -> list[dict[str, Any]]:
+def predicted_collectives(model: LanguageModel, sync_every: int) -> list[dict[str, Any]]:
     """What a step sends per device beyond the loss's scalars, as the report lists it: on a
     synchronising step (``sync_every`` > 1: one in H, inside a conditional) an all-reduce over
     ``data`` of the float32 params, both Adam moments (averaged) and the gradients (summed);

@@ -34,6 +34,7 @@ import numpy as np
 
 from jaxshard.axes import Dim, MeshAxis
 from jaxshard.errors import ConfigError
+from jaxshard.model import LanguageModel
 from jaxshard.pytree import named_leaves
 
 DATA = str(MeshAxis.DATA)
@@ -68,7 +69,7 @@ class Bucket:
         return sum(p.size for p in self.pieces) * self.itemsize
 
 
-def check(rules: Any, model: Any, grad_accum: int, schedule: Any) -> None:
+def check(rules: Any, model: LanguageModel, grad_accum: int, schedule: Any) -> None:
     """One-line errors for what ``--strategy explicit`` does not cover."""
     others = {a: n for a, n in rules.mesh.shape.items() if a != DATA and n > 1}
     if others:
@@ -78,7 +79,7 @@ def check(rules: Any, model: Any, grad_accum: int, schedule: Any) -> None:
         raise ConfigError("--strategy explicit covers DDP and ZeRO-1/2 (--zero 0, 1, 2) without --offload")
     if grad_accum > 1 or schedule is not None:
         raise ConfigError("--strategy explicit reduces once per step: not with --grad-accum > 1 or a pipeline")
-    if getattr(model, "moe_layers", ()):
+    if model.moe_layers:
         raise ConfigError("--strategy explicit covers dense models (MoE layers: use --strategy gspmd)")
 
 

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxshard.model import LanguageModel
 from jaxshard.pytree import cast_floats
 from jaxshard.rules import ShardingRules, StateKind, on_host
 from jaxshard.training import loss_scale, optim
@@ -38,7 +39,7 @@ class StateLayout:
     abstract: TrainState  # of ShapeDtypeStruct
 
 
-def state_layout(model: Any, tx: optax.GradientTransformation, rules: ShardingRules,
+def state_layout(model: LanguageModel, tx: optax.GradientTransformation, rules: ShardingRules,
                  param_dtype: str = "float32", initial_scale: float | None = None) -> StateLayout:
     """``initial_scale``: keep a dynamic loss scale (float16) starting there."""
     axes = model.param_axes()
@@ -83,7 +84,7 @@ def fresh_state(tx: optax.GradientTransformation, params: Any, param_dtype: Any,
     return TrainState(jnp.zeros((), jnp.int32), params, opt_state, scale)
 
 
-def build_init(model: Any, tx: optax.GradientTransformation, layout: StateLayout,
+def build_init(model: LanguageModel, tx: optax.GradientTransformation, layout: StateLayout,
                initial_scale: float | None = None):
     """``init(seed) -> TrainState``, jitted so every array is created in its own sharding."""
     param_dtype = jax.tree.leaves(layout.abstract.params)[0].dtype

@@ -24,8 +24,10 @@ from jax.sharding import PartitionSpec as P
 from jaxshard import runtime
 from jaxshard.axes import Dim, MeshAxis
 from jaxshard.errors import ConfigError
+from jaxshard.model import LanguageModel, Stageable
 from jaxshard.parallel import balance as balance_lib
 from jaxshard.parallel import pipeline
+from jaxshard.parallel.staged import staged
 from jaxshard.pytree import cast_floats
 from jaxshard.remat import Kind, Remat
 from jaxshard.rows import microbatch_rows
@@ -128,7 +130,7 @@ def check_batch(rules: ShardingRules, batch_size: int, seq_len: int, grad_accum:
                           f"(--batch-size {batch_size} / {flag} {n})")
 
 
-def pipeline_schedule(rules: ShardingRules, model: Any, cfg: StepConfig) -> pipeline.Schedule | None:
+def pipeline_schedule(rules: ShardingRules, model: Stageable, cfg: StepConfig) -> pipeline.Schedule | None:
     """The pipeline schedule a stage axis asks for (None without one); one-line errors for
     what cannot run."""
     plan = _pipeline_plan(rules, model, cfg)
@@ -141,7 +143,7 @@ def pipeline_schedule(rules: ShardingRules, model: Any, cfg: StepConfig) -> pipe
     return pipeline.make_schedule(kind, stages, microbatches, virtual, layout)
 
 
-def balance_stages(model: Any, rules: ShardingRules, cfg: StepConfig, batch_size: int,
+def balance_stages(model: Stageable, rules: ShardingRules, cfg: StepConfig, batch_size: int,
                    seq_len: int) -> tuple[StepConfig, str]:
     """``cfg`` with ``--balance`` resolved into ``stage_layers``, and a line saying what was
     chosen and each stage's predicted time per microbatch."""
@@ -149,7 +151,7 @@ def balance_stages(model: Any, rules: ShardingRules, cfg: StepConfig, batch_size
     if plan is None:
         raise ConfigError("--balance needs a stage axis of size > 1 in --mesh")
     kind, stages, virtual, microbatches = plan
-    if getattr(model, "moe_layers", ()):
+    if model.moe_layers:
         raise ConfigError("--balance does not model MoE layers yet; give --stage-layers")
     check_batch(rules, batch_size, seq_len, cfg.grad_accum, microbatches)  # before any timing
     rows = batch_size // microbatches // rules.size(rules.batch_axes)
@@ -168,7 +170,7 @@ def balance_stages(model: Any, rules: ShardingRules, cfg: StepConfig, batch_size
     return dataclasses.replace(cfg, stage_layers=layers, balance=None), line + ")"
 
 
-def _pipeline_plan(rules: ShardingRules, model: Any, cfg: StepConfig) -> tuple[str, int, int, int] | None:
+def _pipeline_plan(rules: ShardingRules, model: Stageable, cfg: StepConfig) -> tuple[str, int, int, int] | None:
     """(schedule, stages, chunks per stage, microbatches) of a stage axis, None without one."""
     stages = rules.size(rules.active_axes((MeshAxis.STAGE,)))
     if stages == 1:
@@ -189,28 +191,28 @@ def _pipeline_plan(rules: ShardingRules, model: Any, cfg: StepConfig) -> tuple[s
         raise ConfigError("a stage axis with context parallelism (sequence > 1) is not implemented yet")
     if rules.strategy.offload:
         raise ConfigError("--offload with a stage axis is not implemented yet")
-    if getattr(model, "moe_layers", ()) and len(model.moe_layers) != model.cfg.n_layers:
+    if model.moe_layers and len(model.moe_layers) != model.cfg.n_layers:
         raise ConfigError("a stage axis needs every layer of an MoE model to be an MoE layer "
                           "(--moe-every 1, no first dense layers)")
-    if Remat.parse(getattr(model, "remat", Remat.NONE)).kind is Kind.OFFLOAD:
+    if Remat.parse(model.remat).kind is Kind.OFFLOAD:
         raise ConfigError("--remat offload with a stage axis is not implemented yet")
     default = 1 if kind == "naive" else stages
     return kind, stages, virtual, default if cfg.microbatches is None else cfg.microbatches
 
 
-def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig,
+def build_program(model: Stageable, rules: ShardingRules, optim_cfg: optim.OptimConfig,
                   cfg: StepConfig, schedule: pipeline.Schedule | None = None) -> Program:
     """``schedule``: a pipeline schedule of one's own tables, for a stage axis (default: the
     one ``cfg`` asks for)."""
     if schedule is None:
         schedule = pipeline_schedule(rules, model, cfg)  # its errors name the flags
     if schedule is not None:
-        model = model.staged(schedule.layout)
+        model = staged(model, schedule.layout)
     rules.check_model(model.param_axes(), model.abstract_params())
-    if getattr(model, "moe_layers", ()) and (rules.activation_mesh_axes(Dim.LENGTH) or rules.strategy.sequence_parallel):
+    if model.moe_layers and (rules.activation_mesh_axes(Dim.LENGTH) or rules.strategy.sequence_parallel):
         raise ConfigError("MoE layers with sequence or context parallelism are not implemented yet "
                           "(capacity groups are whole sequences)")
-    if Remat.parse(getattr(model, "remat", Remat.NONE)).kind is Kind.OFFLOAD:
+    if Remat.parse(model.remat).kind is Kind.OFFLOAD:
         check_host_memory(rules.mesh, "--remat offload")
     tx = optim.make(optim_cfg, model.param_axes())
     if cfg.param_dtype != "float32":
@@ -354,7 +356,7 @@ def build_program(model: Any, rules: ShardingRules, optim_cfg: optim.OptimConfig
                      out_shardings=replicated, compiler_options=runtime.xla_options()))
 
 
-def _saved_forms(model: Any, tx: optax.GradientTransformation, layout: StateLayout) -> dict[str, Any]:
+def _saved_forms(model: LanguageModel, tx: optax.GradientTransformation, layout: StateLayout) -> dict[str, Any]:
     """The state with its layer stack in model order (checkpoints, exports) and back, for a
     model whose stage layout stores the stack otherwise. In model order the stack is not split
     over ``stage`` (its layer count need not divide it), so a save holds the whole stack's share

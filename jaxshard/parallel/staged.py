@@ -1,0 +1,222 @@
+"""A model's layer stack split into pipeline stages, built from the model's pieces.
+
+:class:`StagedModel` stores the stack as a :class:`~jaxshard.parallel.pipeline.StageLayout`
+says (stage s holding its chunks, empty slots where stages are uneven) and runs a schedule's
+tables through the executor (:func:`jaxshard.parallel.pipeline.run`) with the model's
+:meth:`embed`, layers and :meth:`head` as the stage work. The model itself knows no stage: it
+provides the pieces (:class:`jaxshard.model.Stageable`), as torchtitan's models leave
+``parallelize`` to the trainer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxshard import remat as remat_lib
+from jaxshard.axes import Dim
+from jaxshard.errors import ConfigError
+from jaxshard.model import MOE_METRICS, Loss, Params, Stageable
+from jaxshard.parallel import pipeline
+from jaxshard.parallel.vocab import cross_entropy
+from jaxshard.rows import microbatch_rows
+from jaxshard.rules import active, constrain
+
+
+class StagedModel:
+    """``model`` with its layer stack stored as ``layout`` says: :meth:`init` and
+    :meth:`abstract_params` give the stored stack, :meth:`loss` takes it, and
+    :meth:`model_order` turns it back into the model's layer order."""
+
+    def __init__(self, model: Stageable, layout: pipeline.StageLayout):
+        if layout.n_layers != model.cfg.n_layers:
+            raise ConfigError(f"a stage layout of {layout.n_layers} layers for model {model.cfg.name} "
+                              f"with {model.cfg.n_layers}")
+        self.model = model
+        self.stage_layout = layout
+        self._abstract: Params | None = None
+
+    # ---- the model's description, unchanged by the layout -------------------------------------
+    @property
+    def cfg(self) -> Any:
+        return self.model.cfg
+
+    @property
+    def remat(self) -> Any:
+        return self.model.remat
+
+    @property
+    def unroll(self) -> bool:
+        return self.model.unroll
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return self.model.moe_layers
+
+    @property
+    def stacks(self) -> tuple[str, ...]:
+        return self.model.stacks
+
+    @property
+    def stack(self) -> str:
+        return self.model.stack
+
+    def param_axes(self) -> dict:
+        return self.model.param_axes()
+
+    def n_params(self) -> int:
+        """The model's (without the layout's empty slots)."""
+        return self.model.n_params()
+
+    def n_active_params(self) -> int:
+        return self.model.n_active_params()
+
+    # ---- the stored stack -------------------------------------------------------------------
+    def _stored(self) -> bool:
+        return not self.stage_layout.trivial
+
+    def model_order(self, params: Params) -> Params:
+        """Params with the layer stack in model order (as an unstaged model stores it)."""
+        if not self._stored():
+            return params
+        return {**params, self.stack: jax.tree.map(self.stage_layout.to_model, params[self.stack])}
+
+    def stored_order(self, params: Params) -> Params:
+        """The inverse of :meth:`model_order`."""
+        if not self._stored():
+            return params
+        return {**params, self.stack: jax.tree.map(self.stage_layout.to_stored, params[self.stack])}
+
+    def init(self, key: jax.Array) -> Params:
+        """Fresh params (the model's, whatever the layout), in stored order."""
+        return self.stored_order(self.model.init(key))
+
+    def abstract_params(self) -> Params:
+        if self._abstract is None:
+            self._abstract = jax.eval_shape(self.init, jax.random.key(0))
+        return self._abstract
+
+    def loss(self, params: Params, inputs_BL: jax.Array, targets_BL: jax.Array, *,
+             key: jax.Array | None = None) -> Loss:
+        """The model's loss on stored params (every layer on every stage: no schedule)."""
+        return self.model.loss(self.model_order(params), inputs_BL, targets_BL, key=key)
+
+    # ---- through a schedule -----------------------------------------------------------------
+    def pipeline_grads(self, params: Params, inputs_BL: jax.Array, targets_BL: jax.Array,
+                       schedule: pipeline.Schedule, *, key: jax.Array | None = None,
+                       seed: jax.Array | float = 1.0,
+                       cast: Callable[[Any], Any] = lambda p: p) -> tuple[Loss, Params]:
+        """(the :class:`Loss`, gradients of ``seed`` x its total) with the layer stack run by
+        ``schedule`` (whose layout must be this one). Microbatch ``i`` is rows ``i, i + M, ...``
+        of the batch, so each stays spread over the batch shards; dropout (``key``) drops what
+        :meth:`loss` would. ``cast``: applied to the params where they are used (the compute
+        dtype)."""
+        loss, d_stack, d_outer = self._run(params, inputs_BL, targets_BL, schedule, key, cast,
+                                           seed=seed, train=True)
+        tokens = jnp.asarray(inputs_BL.size, jnp.float32)
+        if self.moe_layers:  # (nll, the auxiliary losses, the routing statistics): token-weighted sums
+            nll, extra, stats = loss
+            sums = Loss(nll + extra, tokens, nll, dict(zip(MOE_METRICS, stats)))
+        else:
+            sums = _dense_loss(loss, inputs_BL)
+        return sums, {**d_outer, self.stack: d_stack}
+
+    def pipeline_loss(self, params: Params, inputs_BL: jax.Array, targets_BL: jax.Array,
+                      schedule: pipeline.Schedule, *,
+                      cast: Callable[[Any], Any] = lambda p: p) -> Loss:
+        """The :class:`Loss` as :meth:`loss` gives it, each stage running its own layers in
+        the pipeline's forward slots (no stage gathers another's layers)."""
+        return _dense_loss(self._run(params, inputs_BL, targets_BL, schedule, None, cast, train=False),
+                           inputs_BL)
+
+    def _run(self, params, inputs_BL, targets_BL, schedule, key, cast, **run):
+        model = self.model
+        model.check_seq_len(inputs_BL)
+        layout = schedule.layout
+        if layout != self.stage_layout:
+            raise ConfigError("the params are not stored in the pipeline schedule's stage layout")
+        M = schedule.microbatches
+        B, L = inputs_BL.shape
+        rules = active()
+        replicas = pipeline.replica_axes(rules)  # the executor is manual over these too
+
+        def split(x_BL):
+            return constrain(x_BL.reshape(B // M, M, L).swapaxes(0, 1), (None, Dim.BATCH, None))
+
+        def keys(key):  # as the model's loss splits them: the embedding's, then one per layer
+            if key is None:
+                return None, None
+            k_embed, k_blocks = jax.random.split(key)
+            return k_embed, jax.random.split(k_blocks, model.cfg.n_layers)
+
+        def embed(outer, tokens_BL, i, key):
+            with microbatch_rows(i, M, replicas):
+                return model.embed(cast(outer), tokens_BL, key=keys(key)[0])
+
+        def body(chunk, x_BLD, i, layers, key):
+            layer_keys = keys(key)[1]
+            if layer_keys is not None:
+                layer_keys = layer_keys[jnp.maximum(layers, 0)]
+            present = layers >= 0 if layout.padded else None
+            with microbatch_rows(i, M, replicas):
+                if not self.moe_layers:
+                    return model.blocks({model.stack: cast(chunk)}, x_BLD, layer_keys=layer_keys, present=present)
+                return self._moe_chunk(cast(chunk), x_BLD, layer_keys, present)
+
+        def last(chunk, outer, x_BLD, targets_BL, i, layers, key):
+            y = body(chunk, x_BLD, i, layers, key)
+            y_BLD, side = y if self.moe_layers else (y, None)
+            nll = cross_entropy(model.head(cast(outer), y_BLD), targets_BL, model.cfg.vocab_size).sum()
+            return nll if side is None else (nll, side)
+
+        # A learned position table enters as its first L rows, the only ones with a gradient:
+        # the executor accumulates and reduces those, not the whole table.
+        outer = {k: v for k, v in params.items() if k not in self.stacks}
+        table = outer.get("positions")
+        if table is not None:  # (in the table's own layout: a slice needs no communication)
+            spec = rules.param_spec(self.param_axes()["positions"], table.shape)
+            outer["positions"] = jax.lax.with_sharding_constraint(table[:L], rules.named(spec))
+        side = jnp.zeros(len(MOE_METRICS), jnp.float32) if self.moe_layers else None
+        out = pipeline.run(
+            schedule, rules.context_mesh, embed=embed, body=body, last=last, blocks=params[self.stack],
+            outer=outer, inputs_MBL=split(inputs_BL), targets_MBL=split(targets_BL), aux=key,
+            replicas=replicas, side=side, **run)
+        if table is None or not run.get("train"):
+            return out
+        loss, d_stack, d_outer = out
+        d_outer["positions"] = jnp.pad(d_outer["positions"], ((0, table.shape[0] - L), (0, 0)))
+        return loss, d_stack, d_outer
+
+    def _moe_chunk(self, chunk: Params, x_BLD: jax.Array, layer_keys, present):
+        """A pipeline chunk of MoE layers (every layer one): (output, (its auxiliary losses,
+        its routing statistics)), both token-weighted sums as the model's loss makes them, the
+        chunk's share of the mean over the model's MoE layers."""
+        model = self.model
+
+        def layer(x, xs):
+            layer_params, layer_key, here = xs
+
+            def run():
+                y, r = model.moe_block(layer_params, x, key=layer_key)
+                return y, r.stats
+
+            if here is None:
+                return run()
+            return jax.lax.cond(here, run, lambda: (x, (jnp.zeros((), jnp.float32),) * 3))  # an empty slot
+
+        x_BLD, stats = jax.lax.scan(remat_lib.apply(layer, model.remat), x_BLD, (chunk, layer_keys, present),
+                                    unroll=model.unroll)
+        per_token = x_BLD.shape[0] * x_BLD.shape[1] / model.cfg.n_moe_layers
+        lb, z, dropped = (per_token * jnp.sum(s) for s in stats)
+        return x_BLD, (model.aux_loss(lb, z), jax.lax.stop_gradient(jnp.stack([lb, z, dropped])))
+
+
+def staged(model: Stageable | StagedModel, layout: pipeline.StageLayout) -> StagedModel:
+    """``model`` stored as ``layout`` says (a staged model's own layout replaced)."""
+    return StagedModel(model.model if isinstance(model, StagedModel) else model, layout)
+
+
+def _dense_loss(nll: jax.Array, inputs_BL: jax.Array) -> Loss:
+    return Loss(nll, jnp.asarray(inputs_BL.size, jnp.float32), nll, {})
