@@ -67,14 +67,20 @@ def test_no_import_runs_up_a_layer(path):
     assert not upward, f"{path.relative_to(ROOT)} ({LAYERS[RANK[own]][0]}) imports from above: {upward}"
 
 
+def outside_imports(path: Path) -> list[int]:
+    """Lines of ``path`` that import from models/ or experiments/."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = ([node.module or ""] if isinstance(node, ast.ImportFrom) else
+                 [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+        lines += [node.lineno for name in names if name.split(".")[0] in ("models", "experiments")]
+    return lines
+
+
 def test_the_library_imports_no_model_or_experiment_outside_the_commands():
     for path in library_modules():
         own = path.relative_to(ROOT / "jaxshard").parts[0].removesuffix(".py")
-        tree = ast.parse(path.read_text())
-        outside = [n.lineno for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
-                   for name in ([n.module] if isinstance(n, ast.ImportFrom) and n.module else
-                                [a.name for a in getattr(n, "names", [])] if isinstance(n, ast.Import) else [])
-                   if name.split(".")[0] in ("models", "experiments")]
+        outside = outside_imports(path)
         assert not outside or LAYERS[RANK[own]][0] == "commands", (path, outside)
 
 
