@@ -1,4 +1,4 @@
-"""What the experiment scripts share: the model a TrainConfig names (see jaxshard.train)."""
+"""What the experiment scripts share: the model a RunConfig names (see jaxshard.train)."""
 
 from jaxshard.train import build_model, model_config, with_moe
 

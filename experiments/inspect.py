@@ -21,10 +21,7 @@ from jaxshard.errors import ConfigError  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     with cli.one_line_errors():
-        parser = cli.inspect_parser()
-        args = cli.parse_with_config(parser, argv)
-        cli.check_compile_only(parser, args)
-        cfg = cli.train_config(args)
+        cfg, args = cli.parse_run(cli.inspect_parser(), argv, compile_only=True)
         if cfg.sync_every is not None:
             raise ConfigError("--sync-every: the verifier covers the DDP-family step, not local SGD's "
                               "(its compiled collectives are in the training report)")

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 from jaxshard.errors import JaxshardError
+from jaxshard.options import option
 
 _HELLO = "jaxshard-rendezvous"
 
@@ -25,15 +26,21 @@ class DistributedError(JaxshardError):
     """A multi-process job that cannot start."""
 
 
+TIMEOUT_S = 120.0  # how long a multi-process start waits for every process without --init-timeout
+
+
 @dataclass(frozen=True, slots=True)
 class DistributedConfig:
-    coordinator: str | None = None  # HOST:PORT of process 0
-    num_processes: int | None = None
-    process_id: int | None = None
-    timeout_s: float = 120.0
+    coordinator: str | None = option(None, "HOST:PORT of process 0", run_only=True)
+    num_processes: int | None = option(None, "processes in the job", run_only=True)
+    process_id: int | None = option(None, "this process's index, from 0", run_only=True)
+    timeout_s: float | None = option(None, "seconds to wait for every process to join",
+                                     flag="--init-timeout", default_text=f"{TIMEOUT_S:g}", run_only=True)
     timeout_given: bool = False  # --init-timeout was given (it bounds a multi-process start)
 
     def __post_init__(self) -> None:
+        if self.timeout_s is None:
+            object.__setattr__(self, "timeout_s", TIMEOUT_S)
         given = [v is not None for v in (self.coordinator, self.num_processes, self.process_id)]
         if any(given) and not all(given):
             raise DistributedError("--coordinator, --num-processes and --process-id go together "
@@ -54,15 +61,16 @@ class DistributedConfig:
 
     @classmethod
     def from_env(cls, coordinator=None, num_processes=None, process_id=None, timeout_s=None):
-        """Flags win; else the JAXSHARD_* environment variables. ``timeout_s`` None: 120 s."""
+        """Flags win; else the JAXSHARD_* environment variables. ``timeout_s`` None: TIMEOUT_S."""
         env = os.environ
         coordinator = coordinator or env.get("JAXSHARD_COORDINATOR")
         if num_processes is None and "JAXSHARD_NUM_PROCESSES" in env:
             num_processes = _int(env["JAXSHARD_NUM_PROCESSES"], "JAXSHARD_NUM_PROCESSES")
         if process_id is None and "JAXSHARD_PROCESS_ID" in env:
             process_id = _int(env["JAXSHARD_PROCESS_ID"], "JAXSHARD_PROCESS_ID")
-        return cls(coordinator, num_processes, process_id, 120.0 if timeout_s is None else timeout_s,
-                   timeout_s is not None)
+        return cls(coordinator, num_processes, process_id, timeout_s, timeout_s is not None)
+
+    from_flags = from_env  # what the flags leave unset, the environment gives
 
 
 def _int(text: str, name: str) -> int:

@@ -17,13 +17,13 @@ import jax
 import numpy as np
 
 from jaxshard.analysis import accounting, bubble, devices, hlo, inspect
-from jaxshard.cli import TrainConfig
 from jaxshard.data import corpus as data_lib
 from jaxshard.data import tokenizer as tokenizer_lib
 from jaxshard.errors import ConfigError, DataError, TrainingError
 from jaxshard.mesh import axis_sizes, build_mesh
 from jaxshard.model import LanguageModel, Stageable
 from jaxshard.rules import ShardingRules
+from jaxshard.run import RunConfig
 from jaxshard.training import local_sgd
 from jaxshard.training.checkpoint import Checkpointer, check_export_path, export_params, param_shapes
 from jaxshard.training.metrics import MetricsLog, progress, write_json_atomic
@@ -59,7 +59,7 @@ def _fault(kind: str, step: int) -> None:
         os._exit(17)
 
 
-def _start(cfg: TrainConfig, program: Program, model: LanguageModel, ckpt: Checkpointer | None, family: Family):
+def _start(cfg: RunConfig, program: Program, model: LanguageModel, ckpt: Checkpointer | None, family: Family):
     """The initial state, its step and global sample offset: fresh (or --init-from's weights),
     or the latest checkpoint."""
     if ckpt is not None and cfg.checkpoint.resume and ckpt.latest_step() is not None:
@@ -78,11 +78,11 @@ def _start(cfg: TrainConfig, program: Program, model: LanguageModel, ckpt: Check
                           "pass --resume to continue it, or use an empty folder")
     if cfg.checkpoint.resume:
         _log(f"no complete checkpoint in {cfg.checkpoint.directory}: starting from step 0")
-    if cfg.init_from:
+    if cfg.model.init_from:
         shardings = getattr(program, "model_shardings", None) or \
             jax.tree.map(lambda x: x.sharding, program.saved_abstract.params)
-        state = program.from_params(family.load_weights(cfg.init_from, model, shardings))
-        _log(f"initialised from {cfg.init_from}")
+        state = program.from_params(family.load_weights(cfg.model.init_from, model, shardings))
+        _log(f"initialised from {cfg.model.init_from}")
         return state, 0, 0
     return program.init(cfg.step.seed), 0, 0
 
@@ -118,18 +118,18 @@ class Family:
     generate: Callable[..., list[list[int]]]  # (model, params, prompts, n, **sampling, rules=...)
 
 
-def train(cfg: TrainConfig, family: Family) -> dict[str, Any]:
+def train(cfg: RunConfig, family: Family) -> dict[str, Any]:
     """Train the model ``cfg`` names; returns (and writes, with ``--report``) the report.
     Raises :class:`Preempted` when SIGTERM ends the run early (after saving, with a checkpoint
     folder)."""
     B, L = cfg.batch_size, cfg.seq_len
     mesh = build_mesh(cfg.mesh, dcn=cfg.dcn_mesh)
     rules = ShardingRules(mesh, cfg.strategy)
-    window = ProfileWindow.parse(cfg.profile_steps, cfg.profile_dir)
+    window = ProfileWindow.parse(cfg.outputs.profile_steps, cfg.outputs.profile_dir)
     if window is not None:
         window.check(cfg.steps)
-    if cfg.export:
-        check_export_path(cfg.export)
+    if cfg.checkpoint.export:
+        check_export_path(cfg.checkpoint.export)
     ckpt = Checkpointer(cfg.checkpoint) if cfg.checkpoint.directory else None
     try:
         tokenizer = None
@@ -140,8 +140,8 @@ def train(cfg: TrainConfig, family: Family) -> dict[str, Any]:
         corpus = data_lib.load_corpus(cfg.data, tokenizer)
         text = corpus.tokenizer is not None and corpus.tokenizer.to_json() is not None
         model = family.build(cfg, tokenizer_vocab=corpus.tokenizer.vocab_size if text else None)
-        if cfg.export_hf:
-            family.check_export(model.cfg, cfg.export_hf)
+        if cfg.checkpoint.export_hf:
+            family.check_export(model.cfg, cfg.checkpoint.export_hf)
         if cfg.step.balance:
             step, line = balance_stages(model, rules, cfg.step, B, L)
             _log(line)
@@ -161,7 +161,7 @@ def train(cfg: TrainConfig, family: Family) -> dict[str, Any]:
             ckpt.close()  # waits for the last save to be complete
 
 
-def _train(cfg: TrainConfig, model: LanguageModel, rules: ShardingRules, corpus: data_lib.Corpus,
+def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: data_lib.Corpus,
            program: Program, ckpt: Checkpointer | None, window: ProfileWindow | None,
            family: Family) -> dict[str, Any]:
     B, L = cfg.batch_size, cfg.seq_len
@@ -191,7 +191,7 @@ def _train(cfg: TrainConfig, model: LanguageModel, rules: ShardingRules, corpus:
          + (f" ({held['host']:,} B of them in host memory)" if held["host"] else ""))
 
     flops = accounting.flops(model.cfg, rules, B, L, remat=model.remat)
-    peak, peak_source = devices.peak_flops(cfg.device, cfg.peak_tflops, cfg.step.compute_dtype,
+    peak, peak_source = devices.peak_flops(cfg.peak.device, cfg.peak.peak_tflops, cfg.step.compute_dtype,
                                            jax.devices()[0])
     n_dev = jax.device_count()
     _log(f"model FLOPs per step {flops.model:.3e} ({flops.formula}); MFU peak: {peak_source}")
@@ -230,15 +230,15 @@ def _train(cfg: TrainConfig, model: LanguageModel, rules: ShardingRules, corpus:
         return ckpt is not None and (step == cfg.steps or bool(
             cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0))
 
-    _keep_metrics_until(cfg.metrics, start)
+    _keep_metrics_until(cfg.outputs.metrics, start)
     records: list[dict[str, Any]] = []
     val_loss = None
     last_done = 0.0  # when the previous step's metrics arrived
-    writer = MetricsLog(cfg.metrics if jax.process_index() == 0 else None, append=start > 0)
-    board = TensorBoardLog(cfg.tensorboard, start_step=start)
-    bar = progress(cfg.steps, cfg.progress and jax.process_index() == 0)
+    writer = MetricsLog(cfg.outputs.metrics if jax.process_index() == 0 else None, append=start > 0)
+    board = TensorBoardLog(cfg.outputs.tensorboard, start_step=start)
+    bar = progress(cfg.steps, not cfg.outputs.no_progress and jax.process_index() == 0)
     bar.update(start)
-    log_every = cfg.log_every or max(1, cfg.steps // 10)
+    log_every = cfg.outputs.log_every or max(1, cfg.steps // 10)
 
     def complete(i: int, metrics: dict, started: float) -> None:
         """Read step ``i``'s metrics (waiting for it to finish), log them, and at the steps
@@ -308,10 +308,10 @@ def _train(cfg: TrainConfig, model: LanguageModel, rules: ShardingRules, corpus:
     saved = program.saved(state)
     if isinstance(program, local_sgd.LocalSGDProgram):  # the replicas' average is the model
         saved = saved._replace(params=local_sgd.consensus(saved.params))
-    if cfg.export:
-        _log(f"exported params to {export_params(saved.params, cfg.export)}")
-    if cfg.export_hf:
-        path = family.export(saved.params, model.cfg, cfg.export_hf, tokenizer and tokenizer.to_json(),
+    if cfg.checkpoint.export:
+        _log(f"exported params to {export_params(saved.params, cfg.checkpoint.export)}")
+    if cfg.checkpoint.export_hf:
+        path = family.export(saved.params, model.cfg, cfg.checkpoint.export_hf, tokenizer and tokenizer.to_json(),
                          tokenizer and tokenizer.eot_id)
         _log(f"exported a Hugging Face model to {path}")
     if cfg.sample_tokens and tokenizer is None:
@@ -328,8 +328,8 @@ def _train(cfg: TrainConfig, model: LanguageModel, rules: ShardingRules, corpus:
         _log(measured.line())
     report = _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compile_s,
                      throughput, flops, peak_source, schedule, measured, program.buckets)
-    if cfg.report and jax.process_index() == 0:
-        write_json_atomic(cfg.report, report)
+    if cfg.outputs.report and jax.process_index() == 0:
+        write_json_atomic(cfg.outputs.report, report)
     return report
 
 
@@ -399,7 +399,7 @@ def _preempted(step: int, samples: int, ckpt: Checkpointer | None, save: Callabl
     raise Preempted(f"SIGTERM: saved step {step} in {ckpt.directory}; continue with --resume", 0)
 
 
-def _sample(cfg: TrainConfig, model: LanguageModel, rules: ShardingRules, params: Any, tokenizer: Any,
+def _sample(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, params: Any, tokenizer: Any,
             generate: Callable[..., list[list[int]]]) -> None:
     """Print ``--sample-tokens`` tokens generated from ``--sample-prompt`` (temperature 0.8,
     top-p 0.95, --seed): what the model learned, at a glance."""

@@ -9,9 +9,14 @@ these pieces, so a model knows no schedule.
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
+
+from jaxshard.errors import ConfigError
+from jaxshard.options import flag, option, section
 
 Params = dict[str, Any]
 
@@ -71,3 +76,93 @@ class Stageable(LanguageModel, Protocol):
     def head(self, params: Params, x_BLD: jax.Array) -> jax.Array: ...
     def aux_loss(self, load_balance: jax.Array, z_loss: jax.Array) -> jax.Array: ...
     def check_seq_len(self, inputs_BL: jax.Array) -> None: ...
+
+
+# ---- which model a run trains --------------------------------------------------------------
+
+PRESET = "tiny"  # the preset a run trains without --model or --init-from
+_PRESETS = "the preset's"
+
+
+class _Overrides:
+    """Fields of the model family's config that a run sets (None: the preset's)."""
+
+    def given(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) is not None}
+
+    def flags(self) -> str:
+        return ", ".join(flag(type(self), name) for name in self.given())
+
+
+@dataclass(frozen=True, slots=True)
+class Shape(_Overrides):
+    """The shape fields of the model's config that the flags override."""
+
+    n_layers: int | None = option(None, "layers", default_text=_PRESETS)
+    d_model: int | None = option(None, "width of the residual stream", default_text=_PRESETS)
+    n_heads: int | None = option(None, "attention heads", default_text=_PRESETS)
+    n_kv_heads: int | None = option(None, "key/value heads (fewer than --n-heads: grouped-query attention)",
+                                    default_text=_PRESETS)
+    d_head: int | None = option(None, "width of a head", default_text="d_model / n_heads")
+    d_mlp: int | None = option(None, "hidden width of the MLP", default_text=_PRESETS)
+    vocab_size: int | None = option(None, "vocabulary", default_text="the preset's, or a trained tokenizer's")
+    max_seq_len: int | None = option(None, "longest sequence (GPT-2: rows of the position table)",
+                                     default_text=_PRESETS)
+    rope_theta: float | None = option(None, "rotary embedding base (Llama family)", default_text=_PRESETS)
+
+
+@dataclass(frozen=True, slots=True)
+class Moe(_Overrides):
+    """The mixture-of-experts fields of the model's config that the flags override."""
+
+    moe_experts: int | None = option(None, "experts per MoE layer (0: a dense model); the expert axis "
+                                           "splits them", default_text=_PRESETS)
+    moe_top_k: int | None = option(None, "experts per token: 1 is the hard (Switch) gate, >= 2 the "
+                                         "sparse gate", default_text=_PRESETS)
+    moe_every: int | None = option(None, "every n-th layer is an MoE layer (the scan steps over groups "
+                                         "of n)", default_text=_PRESETS)
+    moe_capacity_factor: float | None = option(
+        None, "each expert takes at most ceil(c k S / E) of a sequence's S tokens' k choices, the rest "
+              "dropped (their residual passes through); 0: dropless", default_text=_PRESETS)
+    moe_d_mlp: int | None = option(None, "an expert's hidden size (smaller than d_mlp: fine-grained)",
+                                   default_text="the model's d_mlp")
+    moe_shared_experts: int | None = option(None, "experts every token passes through besides its "
+                                                  "routed ones", default_text=_PRESETS)
+    moe_aux_coef: float | None = option(None, "weight of the load-balancing loss E sum_e f_e P_e "
+                                              "(logged as moe_load_balance)", default_text=_PRESETS)
+    moe_z_coef: float | None = option(None, "weight of the router z-loss mean logsumexp^2 (logged as "
+                                            "moe_z_loss)", default_text=_PRESETS)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelChoice:
+    """The model a run trains: a preset or a Hugging Face folder, and the fields it overrides.
+    The command that knows the model families (``jaxshard.train``) turns it into a model."""
+
+    preset: str | None = option(None, "preset name (see models/presets.py)", flag="--model",
+                                default_text=f"{PRESET}, or --init-from's")
+    init_from: str | None = option(
+        None, "start from a local Hugging Face GPT-2 or Llama folder (config.json + *.safetensors): "
+              "its shape, its weights read straight into their shardings", metavar="HF_DIR")
+    dropout: float | None = option(None, "override the preset's dropout", default_text=_PRESETS)
+    vocab_multiple: int | None = option(
+        None, "pad the vocab to a multiple of N (e.g. so tensor divides it); padding logits are "
+              "masked out of the loss", default_text=_PRESETS)
+    shape: Shape = section(Shape, "model shape (override the preset's fields)")
+    moe: Moe = section(Moe, "mixture of experts (override the preset's; see models/moe.py)")
+
+    def __post_init__(self) -> None:
+        if self.init_from and self.preset:
+            raise ConfigError(f"{flag(ModelChoice, 'preset')} and {flag(ModelChoice, 'init_from')} both "
+                              "name the model: give one")
+        if self.init_from and self.shape.given():
+            raise ConfigError(f"{self.shape.flags()}: the shape of an {flag(ModelChoice, 'init_from')} "
+                              "model is its checkpoint's")
+        if self.init_from and self.moe.given():
+            raise ConfigError("--moe-* flags: Hugging Face import covers dense GPT-2 and Llama models")
+
+    @property
+    def name(self) -> str:
+        return self.preset or PRESET
+

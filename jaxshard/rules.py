@@ -37,6 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxshard.axes import BATCH_AXES, Dim, LogicalAxes, MeshAxis
 from jaxshard.errors import ConfigError
+from jaxshard.options import flag, option, parse_bool
 
 # The name (jax.ad_checkpoint.checkpoint_name) of a ZeRO-3/FSDP weight all-gathered for compute:
 # the remat policies keep it for the backward pass or not (``jaxshard.remat``).
@@ -61,33 +62,53 @@ class StateKind(Enum):
     PARAMS = 3
 
 
+def parse_offload(text: str) -> tuple[str, ...]:
+    """``--offload``'s text: none, or a comma-separated subset of :data:`OFFLOAD`."""
+    return () if text.strip().lower() == "none" else tuple(o.strip() for o in text.split(","))
+
+
+def show_offload(offload: tuple[str, ...]) -> str:
+    return ",".join(offload) or "none"
+
+
 @dataclass(frozen=True, slots=True)
 class Strategy:
-    """What a mesh does beyond its axes: the ZeRO stage over ``data`` and FSDP's wrap size.
+    """What a mesh does beyond its axes: the ZeRO stage over ``data``, FSDP's wrap size, the
+    sequence split of tensor parallelism and where ZeRO-3 keeps its gathered weights and its
+    state.
 
     ``fsdp_min_size``: params with fewer elements stay replicated (FSDP's min-params wrap
     policy), so tiny norm scales and biases cost no collective.
     """
 
-    zero: int = 0
-    fsdp_min_size: int = 0
-    sequence_parallel: bool = False  # split the residual stream's sequence over `tensor`
+    zero: int = option(0, "ZeRO stage over the data axis: 1 shards optimizer state, 2 also grads, "
+                          "3 also params (the fsdp axis always shards all three)", choices=(0, 1, 2, 3))
+    fsdp_min_size: int = option(0, "params with fewer elements stay replicated under ZeRO/FSDP")
+    sequence_parallel: bool = option(
+        False, "with tensor > 1: split the residual stream's sequence over tensor (the block "
+               "all-reduces become reduce-scatter + all-gather)")
     # ZeRO-3/FSDP: drop a layer's gathered weights after its forward and gather them again for
     # its backward (PyTorch FSDP's default); False keeps them (one gather fewer, more memory).
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool = option(
+        True, "ZeRO-3/FSDP: gather each layer's weights again for its backward pass instead of "
+              "keeping all gathered layers from the forward pass", parse=parse_bool, metavar="true|false",
+        group="memory")
     # State kept in host memory between uses (ZeRO-Offload): "optimizer" (Adam's moments and the
     # float32 master copy), "params" (ZeRO-3/FSDP's sharded params).
-    offload: tuple[str, ...] = ()
+    offload: tuple[str, ...] = option(
+        (), "ZeRO-Offload: keep state in host memory between uses: optimizer (Adam's moments and "
+            "the float32 master copy), params (ZeRO-3/FSDP's shards), optimizer,params, or none",
+        parse=parse_offload, show=show_offload, group="memory")
 
     def __post_init__(self) -> None:
         unknown = [o for o in self.offload if o not in OFFLOAD]
         if unknown or len(set(self.offload)) != len(self.offload):
-            raise ConfigError(f"--offload takes none or a comma-separated subset of "
+            raise ConfigError(f"{flag(Strategy, 'offload')} takes none or a comma-separated subset of "
                               f"{', '.join(OFFLOAD)}, got {','.join(self.offload)}")
         if self.zero not in (0, 1, 2, 3):
-            raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {self.zero}")
+            raise ConfigError(f"{flag(Strategy, 'zero')} must be 0, 1, 2 or 3, got {self.zero}")
         if self.fsdp_min_size < 0:
-            raise ConfigError(f"--fsdp-min-size must be >= 0, got {self.fsdp_min_size}")
+            raise ConfigError(f"{flag(Strategy, 'fsdp_min_size')} must be >= 0, got {self.fsdp_min_size}")
 
 
 def _spec(entries: list[tuple[str, ...]]) -> PartitionSpec:

@@ -7,21 +7,29 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jaxshard.errors import ConfigError
+from jaxshard.options import flag, option
 
 DEFAULT_CACHE = Path(os.environ.get("JAXSHARD_CACHE", Path.home() / ".cache" / "jaxshard")) / "xla"
 
 
+def _cache(text: str) -> str | None:
+    return text or None
+
+
 @dataclass(frozen=True, slots=True)
 class RuntimeConfig:
-    cpu_devices: int | None = None  # force N host devices when running on CPU
-    platform: str | None = None  # 'cpu', 'gpu', 'tpu' or None for JAX's default
-    compile_cache: str | None = str(DEFAULT_CACHE)  # persistent compilation cache; None: off
+    cpu_devices: int | None = option(None, "force N host devices when running on CPU (acts before "
+                                           "JAX starts)")
+    platform: str | None = option(None, "cpu, gpu or tpu", default_text="JAX's choice")
+    compile_cache: str | None = option(
+        str(DEFAULT_CACHE), "persistent XLA compilation cache directory; '' disables", parse=_cache,
+        show=lambda path: path or "", default_text="~/.cache/jaxshard/xla ($JAXSHARD_CACHE/xla if set)")
 
     def __post_init__(self) -> None:
         if self.cpu_devices is not None and self.cpu_devices < 1:
-            raise ConfigError(f"--cpu-devices must be >= 1, got {self.cpu_devices}")
+            raise ConfigError(f"{flag(RuntimeConfig, 'cpu_devices')} must be >= 1, got {self.cpu_devices}")
         if self.platform not in (None, "cpu", "gpu", "cuda", "tpu"):
-            raise ConfigError(f"--platform must be cpu, gpu or tpu, got {self.platform}")
+            raise ConfigError(f"{flag(RuntimeConfig, 'platform')} must be cpu, gpu or tpu, got {self.platform}")
 
 
 # The packages that bring each accelerator's backend (jax[cuda12], jax[cuda13], jax[rocm],

@@ -10,6 +10,7 @@ import sys
 
 from jaxshard import cli, distributed, runtime
 from jaxshard.errors import ConfigError
+from jaxshard.run import RunConfig
 
 
 def with_moe(model_cfg, moe: dict[str, object]):
@@ -21,23 +22,24 @@ def with_moe(model_cfg, moe: dict[str, object]):
     return model_cfg.replace(**moe) if moe else model_cfg
 
 
-def model_config(cfg: cli.TrainConfig, tokenizer_vocab: int | None = None):
-    """The ModelConfig a TrainConfig names: a preset or an --init-from folder's, with the flags'
+def model_config(cfg: RunConfig, tokenizer_vocab: int | None = None):
+    """The ModelConfig a RunConfig names: a preset or an --init-from folder's, with the flags'
     overrides. ``tokenizer_vocab``: a text tokenizer's vocabulary, which a preset's model takes
     unless --vocab-size says otherwise (an imported model keeps its own)."""
     from models import get_preset
 
-    if cfg.init_from:
+    choice = cfg.model
+    if choice.init_from:
         from models import hf
 
-        model_cfg = hf.read_config(cfg.init_from)
+        model_cfg = hf.read_config(choice.init_from)
     else:
-        model_cfg = get_preset(cfg.model_name)
-    shape = dict(cfg.shape)
+        model_cfg = get_preset(choice.name)
+    shape = choice.shape.given()
     if "rope_theta" in shape and model_cfg.positions.value != "rope":
         raise ConfigError(f"--rope-theta sets the base of rotary embeddings; model {model_cfg.name} "
                           f"has {model_cfg.positions.value} positions")
-    if tokenizer_vocab is not None and not cfg.init_from:
+    if tokenizer_vocab is not None and not choice.init_from:
         shape.setdefault("vocab_size", tokenizer_vocab)
     if shape:
         if "d_model" in shape or "n_heads" in shape:  # d_head follows them unless given
@@ -45,14 +47,14 @@ def model_config(cfg: cli.TrainConfig, tokenizer_vocab: int | None = None):
         if "n_heads" in shape and model_cfg.n_kv_heads == model_cfg.n_heads:
             shape.setdefault("n_kv_heads", None)  # multi-head attention stays so
         model_cfg = model_cfg.replace(**shape)
-    if cfg.dropout is not None:
-        model_cfg = model_cfg.replace(dropout=cfg.dropout)
-    if cfg.vocab_multiple is not None:
-        model_cfg = model_cfg.replace(vocab_multiple=cfg.vocab_multiple)
-    return with_moe(model_cfg, dict(cfg.moe))
+    if choice.dropout is not None:
+        model_cfg = model_cfg.replace(dropout=choice.dropout)
+    if choice.vocab_multiple is not None:
+        model_cfg = model_cfg.replace(vocab_multiple=choice.vocab_multiple)
+    return with_moe(model_cfg, choice.moe.given())
 
 
-def build_model(cfg: cli.TrainConfig, unroll: bool = False, tokenizer_vocab: int | None = None):
+def build_model(cfg: RunConfig, unroll: bool = False, tokenizer_vocab: int | None = None):
     import jax
 
     from jaxshard.remat import default_for

@@ -15,13 +15,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Bottom first. A module's layer is named by its first component under jaxshard/.
 LAYERS = (
-    ("vocabulary", {"errors", "axes", "pytree", "mesh", "rules", "rows", "runtime", "distributed", "model"}),
+    ("vocabulary", {"errors", "options", "axes", "pytree", "mesh", "rules", "rows", "runtime", "distributed",
+                    "model"}),
     ("kernels", {"parallel", "remat"}),  # what model code calls; choose by the active rules
     ("data", {"data"}),
     ("training", {"training"}),
     ("analysis", {"analysis"}),  # compiles and reads what training runs
     ("mechanics", {"mechanics"}),  # the classic mechanics, beside the core path
-    ("commands", {"loop", "cli", "train"}),  # the composition root
+    ("commands", {"run", "loop", "cli", "train"}),  # the composition root
 )
 RANK = {part: rank for rank, (_, parts) in enumerate(LAYERS) for part in parts}
 
@@ -82,6 +83,14 @@ def test_the_library_imports_no_model_or_experiment_outside_the_commands():
         own = path.relative_to(ROOT / "jaxshard").parts[0].removesuffix(".py")
         outside = outside_imports(path)
         assert not outside or LAYERS[RANK[own]][0] == "commands", (path, outside)
+
+
+def test_only_the_commands_import_the_cli():
+    """The flags are the commands' business: the library (the training loop included) takes the
+    run's config tree (jaxshard.run), never the parser. Only the training command reads flags."""
+    importers = sorted(str(path.relative_to(ROOT)) for path in library_modules()
+                       if any(module == "jaxshard.cli" for module, _ in imports(path)))
+    assert importers == ["jaxshard/train.py"], importers
 
 
 # Kernels that are strategies of their own, applied to a model from outside: no model imports them.

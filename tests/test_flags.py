@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from jaxshard import cli, runtime
+from jaxshard.options import parse_bool
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = str(ROOT / ".cache" / "xla-tests")  # conftest's: the runs here share the process's
@@ -165,7 +166,7 @@ def parser_value(action: argparse.Action) -> tuple[str, ...] | None:
     if action.choices:
         other = [c for c in action.choices if c != action.default]
         return (str(other[0]),) if other else None
-    if action.type is cli._bool:
+    if action.type is parse_bool:
         return (str(not action.default).lower(),)
     if action.type is int:
         return (str(2 if action.default is None else action.default + 1),)

@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 
 from jaxshard.errors import ConfigError
+from jaxshard.options import flag, option
 
 GB = 1e9
 
@@ -34,6 +35,23 @@ KNOWN_DEVICES = {
     "a100-40gb": Device("a100-40gb", 40 * GB, 312, 156, 300, 25, 8),
     "v100": Device("v100", 32 * GB, 125, 15.7, 150, 12.5, 8),
 }
+
+
+@dataclass(frozen=True, slots=True)
+class PeakConfig:
+    """The dense peak a run's MFU divides by: a known device's, or a number."""
+
+    device: str | None = option(None, "accelerator for MFU: " + ", ".join(KNOWN_DEVICES),
+                                default_text="detected on GPUs; none on CPU", run_only=True)
+    peak_tflops: float | None = option(None, "dense peak TFLOP/s per device for MFU (overrides --device)",
+                                       run_only=True)
+
+    def __post_init__(self) -> None:
+        if self.device is not None and self.device.lower() not in KNOWN_DEVICES:
+            raise ConfigError(f"unknown {flag(PeakConfig, 'device')} '{self.device}'; known: "
+                              f"{', '.join(KNOWN_DEVICES)} (or give {flag(PeakConfig, 'peak_tflops')})")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ConfigError(f"{flag(PeakConfig, 'peak_tflops')} must be > 0, got {self.peak_tflops}")
 
 
 def device_spec(name: str | None, *, memory: float | None = None, peak_tflops: float | None = None,

@@ -39,6 +39,7 @@ import numpy as np
 
 from jaxshard.data.token_file import DEFAULT_TOKEN_CACHE, TOKEN_VERSION, TokenWriter, read_tokens
 from jaxshard.errors import ConfigError, DataError
+from jaxshard.options import flag, option
 from jaxshard.data.tokenizer import (ByteTokenizer, Tokenizer, load_tokenizer, parse_spec, tokenizer_from_spec,
                                 train_bpe)
 
@@ -50,16 +51,30 @@ _BATCH = 4 << 20  # bytes of text per parallel encode_batch call
 
 @dataclass(frozen=True, slots=True)
 class DataConfig:
-    path: str | None = None  # None: the Python standard library's source
-    val_fraction: float = 0.05
+    path: str | None = option(
+        None, "a text file, a folder of .txt/.md/.py files (one document each), a .tokens file or "
+              "a uint16 .bin", flag="--data", default_text="the Python standard library's source",
+        run_only=True)
+    val_fraction: float = option(0.05, "the share of the data held out for validation", run_only=True)
     max_bytes: int = 16 << 20  # cap on the default corpus (the stdlib holds ~30-60 MB)
-    tokenizer: str = "bytes"  # 'bytes', 'bpe:N' or a tokenizer.json (or a folder holding one)
+    # 'bytes', 'bpe:N' or a tokenizer.json (or a folder holding one); None: bytes (a run
+    # starting from a Hugging Face folder takes the folder's tokenizer.json instead).
+    tokenizer: str | None = option(
+        None, "bytes (ids are UTF-8 bytes), bpe:N (a byte-level BPE of N tokens trained on the "
+              "training split), or a tokenizer.json (or a folder holding one)",
+        metavar="bytes|bpe:N|PATH", run_only=True,
+        default_text="the --init-from folder's tokenizer.json if it has one, else bytes")
     cache_dir: str | None = None  # token files of text tokenizers; None: DEFAULT_TOKEN_CACHE
 
     def __post_init__(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:
-            raise DataError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
-        parse_spec(self.tokenizer)
+            raise DataError(f"{flag(DataConfig, 'val_fraction')} must be in (0, 1), got {self.val_fraction}")
+        parse_spec(self.spec)
+
+    @property
+    def spec(self) -> str:
+        """The tokenizer's spec (``bytes`` when none is given)."""
+        return self.tokenizer or "bytes"
 
 
 @dataclass(frozen=True)
@@ -77,7 +92,7 @@ def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> Corpus:
     if cfg.path is not None and Path(cfg.path).suffix in (".bin", ".tokens"):
         return _pretokenized(Path(cfg.path), cfg, tokenizer)
     source = _source(cfg)
-    spec = parse_spec(cfg.tokenizer)
+    spec = parse_spec(cfg.spec)
     if tokenizer is None and spec.kind != "bpe":
         tokenizer = tokenizer_from_spec(spec)
     if isinstance(tokenizer, ByteTokenizer):
@@ -180,14 +195,14 @@ def _text_corpus(source: _Source, cfg: DataConfig, tokenizer: Tokenizer | None) 
     split = repr(cfg.val_fraction)
     docs = None  # (train, val) byte ranges of the documents: read only on a cache miss
     if tokenizer is None:  # bpe:N, trained on the training split once and cached
-        bpe_file = cache / f"bpe-{_digest(source.identity, cfg.tokenizer, split).hex()[:24]}.json"
+        bpe_file = cache / f"bpe-{_digest(source.identity, cfg.spec, split).hex()[:24]}.json"
         if bpe_file.is_file():
             tokenizer = load_tokenizer(bpe_file)
-            tokenizer.spec = cfg.tokenizer
+            tokenizer.spec = cfg.spec
         else:
             docs = _split_documents(source, cfg.val_fraction)
             texts = (t for r in docs[0] for t in _pieces(*r))
-            tokenizer = train_bpe(texts, parse_spec(cfg.tokenizer).vocab_size)
+            tokenizer = train_bpe(texts, parse_spec(cfg.spec).vocab_size)
             _write_atomic(bpe_file, tokenizer.to_json().encode("utf-8"))
     digest = _digest(source.identity, _tokenizer_id(tokenizer), split)
     parts = []
@@ -353,9 +368,9 @@ def _pretokenized(path: Path, cfg: DataConfig, tokenizer: Tokenizer | None) -> C
         tokens = np.memmap(path, dtype="<u2", mode="r") if path.stat().st_size else np.zeros(0, "<u2")
         vocab = int(tokens.max()) + 1 if len(tokens) else 0
     if tokenizer is None:
-        spec = parse_spec(cfg.tokenizer)
+        spec = parse_spec(cfg.spec)
         if spec.kind == "bpe":
-            raise ConfigError(f"--tokenizer {cfg.tokenizer} trains on text, but {path} is already tokenized")
+            raise ConfigError(f"--tokenizer {cfg.spec} trains on text, but {path} is already tokenized")
         tokenizer = tokenizer_from_spec(spec) if spec.kind == "file" else None
     if tokenizer is not None:
         if vocab > tokenizer.vocab_size:

@@ -40,6 +40,8 @@ from jaxshard.rules import StateKind
 
 STAGE = str(MeshAxis.STAGE)
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
+DEFAULT_SCHEDULE = "1f1b"  # with a stage axis and no --pipeline-schedule
+DEFAULT_VIRTUAL = 2  # interleaved: chunks per stage without --virtual-stages
 
 
 @dataclass(frozen=True)

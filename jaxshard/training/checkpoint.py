@@ -20,6 +20,7 @@ from typing import Any
 import jax
 
 from jaxshard.errors import ConfigError, JaxshardError
+from jaxshard.options import flag, option
 from jaxshard.pytree import named_leaves
 
 
@@ -27,24 +28,34 @@ class CheckpointError(JaxshardError):
     """A checkpoint that cannot be used: missing, unreadable, or of another model."""
 
 
+KEEP = 3  # checkpoints kept without --keep
+
+
 @dataclass(frozen=True, slots=True)
 class CheckpointConfig:
-    directory: str | None = None
-    save_every: int = 0  # steps between saves; 0: only the final step
-    keep: int | None = None  # most recent checkpoints kept (None: 3)
-    resume: bool = False  # continue from the latest complete checkpoint, if any
+    directory: str | None = option(None, "where sharded checkpoints go", flag="--checkpoint-dir",
+                                   run_only=True)
+    save_every: int = option(0, "steps between saves (0: at the end only)", run_only=True)
+    keep: int | None = option(None, "most recent checkpoints kept", default_text=str(KEEP), run_only=True)
+    resume: bool = option(False, "continue from the latest complete checkpoint in --checkpoint-dir, "
+                                 "on any mesh", run_only=True)
+    export: str | None = option(None, "write the final params to this .npz (plain numpy)", run_only=True)
+    export_hf: str | None = option(
+        None, "write the final model as a Hugging Face folder (config.json, safetensors, "
+              "tokenizer.json) that transformers loads as it is", metavar="DIR", run_only=True)
 
     def __post_init__(self) -> None:
         if (self.save_every or self.resume or self.keep is not None) and not self.directory:
-            raise ConfigError("--save-every, --keep and --resume need --checkpoint-dir")
+            raise ConfigError(f"{flag(CheckpointConfig, 'save_every')}, {flag(CheckpointConfig, 'keep')} and "
+                              f"{flag(CheckpointConfig, 'resume')} need {flag(CheckpointConfig, 'directory')}")
         if self.save_every < 0:
-            raise ConfigError(f"--save-every must be >= 0, got {self.save_every}")
+            raise ConfigError(f"{flag(CheckpointConfig, 'save_every')} must be >= 0, got {self.save_every}")
         if self.keep is not None and self.keep < 1:
-            raise ConfigError(f"--keep must be >= 1, got {self.keep}")
+            raise ConfigError(f"{flag(CheckpointConfig, 'keep')} must be >= 1, got {self.keep}")
 
     @property
     def kept(self) -> int:
-        return 3 if self.keep is None else self.keep
+        return KEEP if self.keep is None else self.keep
 
 
 def param_shapes(params: Any) -> dict[str, list[int]]:

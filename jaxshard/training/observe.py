@@ -17,6 +17,27 @@ from typing import Any, Callable, Iterator, Mapping
 import jax
 
 from jaxshard.errors import ConfigError, DataError
+from jaxshard.options import flag, option
+
+@dataclass(frozen=True, slots=True)
+class OutputConfig:
+    """What a run writes and shows as it trains."""
+
+    metrics: str | None = option(None, "JSON lines, one per step", run_only=True)
+    report: str | None = option(None, "JSON summary written at the end", run_only=True)
+    no_progress: bool = option(False, "no progress bar", run_only=True)
+    log_every: int = option(0, "print a line (loss, tokens/s, MFU) every N steps; 0: about ten per run",
+                            run_only=True)
+    tensorboard: str | None = option(None, "write TensorBoard scalars (loss, val loss, lr, grad norm, "
+                                           "tokens/s, MFU)", metavar="DIR", run_only=True)
+    profile_steps: str | None = option(None, "record a jax.profiler trace of steps A to B into "
+                                             "--profile-dir", metavar="A:B", run_only=True)
+    profile_dir: str | None = option(None, "where --profile-steps' trace goes", metavar="DIR", run_only=True)
+
+    def __post_init__(self) -> None:
+        if self.log_every < 0:
+            raise ConfigError(f"{flag(OutputConfig, 'log_every')} must be >= 0, got {self.log_every}")
+
 
 # A step record's key -> its TensorBoard tag; every moe_* key is written too, as train/moe_*.
 TAGS = {"loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",

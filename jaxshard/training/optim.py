@@ -13,32 +13,35 @@ from jax.sharding import PartitionSpec as P
 
 from jaxshard.axes import Dim
 from jaxshard.errors import ConfigError
+from jaxshard.options import flag, option
 from jaxshard.rules import spec_axes
 
 
 @dataclass(frozen=True, slots=True)
 class OptimConfig:
-    lr: float = 3e-3
-    warmup_steps: int = 20
-    total_steps: int = 300  # cosine decays to min_lr_ratio * lr at this step
-    min_lr_ratio: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
+    lr: float = option(3e-3, "peak learning rate", group="training")
+    warmup_steps: int = option(20, "linear warm-up from 0 to --lr", group="training")
+    # Cosine decays to min_lr_ratio * lr at this step (a run sets it: --decay-steps, else --steps).
+    total_steps: int = 300
+    min_lr_ratio: float = option(0.1, "the cosine ends at this fraction of --lr", group="training")
+    b1: float = option(0.9, "Adam's first-moment decay", flag="--beta1", group="training")
+    b2: float = option(0.95, "Adam's second-moment decay", flag="--beta2", group="training")
     eps: float = 1e-8
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0  # global norm; 0 disables clipping
+    weight_decay: float = option(0.1, "AdamW's decoupled weight decay (matrices only)", group="training")
+    grad_clip: float = option(1.0, "global-norm clip; 0 disables", group="training")
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
-            raise ConfigError(f"--lr must be > 0, got {self.lr}")
+            raise ConfigError(f"{flag(OptimConfig, 'lr')} must be > 0, got {self.lr}")
         if self.warmup_steps < 0:
-            raise ConfigError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+            raise ConfigError(f"{flag(OptimConfig, 'warmup_steps')} must be >= 0, got {self.warmup_steps}")
         if self.total_steps < 1:
             raise ConfigError(f"--decay-steps must be >= 1, got {self.total_steps}")
         if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+            raise ConfigError(f"{flag(OptimConfig, 'min_lr_ratio')} must be in [0, 1], got {self.min_lr_ratio}")
         if self.grad_clip < 0 or self.weight_decay < 0:
-            raise ConfigError("--grad-clip and --weight-decay must be >= 0")
+            raise ConfigError(f"{flag(OptimConfig, 'grad_clip')} and {flag(OptimConfig, 'weight_decay')} "
+                              "must be >= 0")
 
 
 def schedule(cfg: OptimConfig) -> optax.Schedule:

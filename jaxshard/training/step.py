@@ -25,6 +25,7 @@ from jaxshard import runtime
 from jaxshard.axes import Dim, MeshAxis
 from jaxshard.errors import ConfigError
 from jaxshard.model import LanguageModel, Stageable
+from jaxshard.options import flag, option
 from jaxshard.parallel import balance as balance_lib
 from jaxshard.parallel import pipeline
 from jaxshard.parallel.staged import staged
@@ -40,44 +41,92 @@ from jaxshard.training.state import StateLayout, TrainState, build_init, fresh_s
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+def parse_counts(text: str) -> tuple[int, ...]:
+    """``--stage-layers``' text: comma-separated layer counts."""
+    try:
+        return tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise ConfigError(f"{flag(StepConfig, 'stage_layers')} expects comma-separated layer counts "
+                          f"like 3,3,2, got {text!r}") from None
+
+
+def show_counts(counts: tuple[int, ...] | None) -> str | None:
+    return None if counts is None else ",".join(map(str, counts))
+
+
 @dataclass(frozen=True, slots=True)
 class StepConfig:
-    grad_accum: int = 1
-    compute_dtype: str = "float32"  # matmuls run in this (norms, softmax and the loss in float32)
-    seed: int = 0  # drives init and dropout
+    grad_accum: int = option(1, "microbatches per step", group="training")
+    # Matmuls run in this (norms, softmax and the loss in float32); None: param_dtype.
+    compute_dtype: str | None = option(
+        None, "dtype of matmuls (norms, softmax and the loss stay float32); float16 adds dynamic "
+              "loss scaling", choices=DTYPES, default_text="--param-dtype", group="precision")
+    seed: int = option(0, "drives init, data order and dropout", group="training")
     # Params (and so gradients and their collectives) are stored in this; a 2-byte dtype keeps
     # a float32 master copy in the optimizer state.
-    param_dtype: str = "float32"
-    loss_scale: float = 2.0 ** 15  # float16: the initial dynamic loss scale
-    loss_scale_period: int = 2000  # float16: finite steps before the scale doubles
-    # With a stage axis: the schedule (None: 1f1b), microbatches per step (None: the stages),
-    # chunks per stage (interleaved; None: 2) and layers per (virtual) stage (None: even).
-    pipeline_schedule: str | None = None
-    microbatches: int | None = None
-    virtual_stages: int | None = None
-    stage_layers: tuple[int, ...] | None = None
-    balance: str | None = None  # choose stage_layers: see balance_stages()
+    param_dtype: str = option(
+        "float32", "dtype params and gradients are stored and communicated in; a 2-byte one keeps a "
+                   "float32 master copy in the optimizer state (2+2+12 bytes/param)",
+        choices=DTYPES, group="precision")
+    loss_scale: float = option(2.0 ** 15, "float16: the initial dynamic loss scale", group="precision")
+    loss_scale_period: int = option(2000, "float16: finite steps before the loss scale doubles",
+                                    group="precision")
+    # With a stage axis: the schedule, microbatches per step (None: the stages), chunks per
+    # stage (interleaved) and layers per (virtual) stage (None: even).
+    pipeline_schedule: str | None = option(
+        None, "with a stage axis: naive (one microbatch through the stages in turn), gpipe (all "
+              "forwards, then all backwards), 1f1b (one forward and one backward per tick: at most "
+              "2 x stages microbatches' activations kept), interleaved (1f1b over --virtual-stages "
+              "chunks per stage)", metavar="|".join(pipeline.SCHEDULES),
+        default_text=pipeline.DEFAULT_SCHEDULE, group="pipeline")
+    microbatches: int | None = option(
+        None, "with a stage axis: microbatches per step; the bubble is (stages - 1) / (virtual x "
+              "microbatches + stages - 1)", default_text="the stages; naive: 1", group="pipeline")
+    virtual_stages: int | None = option(
+        None, "interleaved: chunks of layers per stage, stage s holding chunks s, s + stages, ...",
+        default_text=str(pipeline.DEFAULT_VIRTUAL), group="pipeline")
+    stage_layers: tuple[int, ...] | None = option(
+        None, "layers of each (virtual) stage in pipeline order, e.g. 3,3,2", parse=parse_counts,
+        show=show_counts, metavar="N1,N2,...", default_text="an even split", group="pipeline")
+    balance: str | None = option(
+        None, "choose --stage-layers so the slowest stage is fastest: from the FLOPs model, or by "
+              "timing a layer, the embedding and the head on this machine",
+        metavar="|".join(balance_lib.HOW), group="pipeline")
     # Who reduces the gradients (--strategy): the partitioner ('gspmd'), or the step itself in
     # buckets of bucket_mb MB ('explicit': DDP's Reducer by hand, see jaxshard/training/reducer.py).
-    reducer: str = "gspmd"
-    bucket_mb: float = 25.0
+    reducer: str = option(
+        "gspmd", "gspmd: the partitioner places the collectives; explicit: the data-parallel step "
+                 "written with shard_map, reducing its gradients itself in buckets like DDP's "
+                 "Reducer (an all-reduce per bucket; a reduce-scatter per bucket, explicit ZeRO-2, "
+                 "with --zero 1/2; data-only meshes)", flag="--strategy", choices=reducer_lib.REDUCERS,
+        group="mesh and strategy")
+    bucket_mb: float = option(
+        25.0, "--strategy explicit: MB of gradients per bucket, filled in reverse layer order "
+              "(DDP's default size)", group="mesh and strategy")
 
     def __post_init__(self) -> None:
+        if self.compute_dtype is None:
+            object.__setattr__(self, "compute_dtype", self.param_dtype)
         if self.grad_accum < 1:
-            raise ConfigError(f"--grad-accum must be >= 1, got {self.grad_accum}")
-        for flag, dtype in (("--compute-dtype", self.compute_dtype), ("--param-dtype", self.param_dtype)):
-            if dtype not in DTYPES:
-                raise ConfigError(f"{flag} must be one of {', '.join(DTYPES)}, got {dtype}")
+            raise ConfigError(f"{flag(StepConfig, 'grad_accum')} must be >= 1, got {self.grad_accum}")
+        for name in ("compute_dtype", "param_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ConfigError(f"{flag(StepConfig, name)} must be one of {', '.join(DTYPES)}, "
+                                  f"got {getattr(self, name)}")
         if not self.loss_scale > 0 or self.loss_scale_period < 1:
-            raise ConfigError("--loss-scale must be > 0 and --loss-scale-period >= 1")
+            raise ConfigError(f"{flag(StepConfig, 'loss_scale')} must be > 0 and "
+                              f"{flag(StepConfig, 'loss_scale_period')} >= 1")
         if self.balance is not None and self.balance not in balance_lib.HOW:
-            raise ConfigError(f"--balance must be one of {', '.join(balance_lib.HOW)}, got {self.balance!r}")
+            raise ConfigError(f"{flag(StepConfig, 'balance')} must be one of {', '.join(balance_lib.HOW)}, "
+                              f"got {self.balance!r}")
         if self.balance is not None and self.stage_layers is not None:
-            raise ConfigError("--balance chooses --stage-layers: give one of them")
+            raise ConfigError(f"{flag(StepConfig, 'balance')} chooses {flag(StepConfig, 'stage_layers')}: "
+                              "give one of them")
         if self.reducer not in reducer_lib.REDUCERS:
-            raise ConfigError(f"--strategy must be one of {', '.join(reducer_lib.REDUCERS)}, got {self.reducer!r}")
+            raise ConfigError(f"{flag(StepConfig, 'reducer')} must be one of {', '.join(reducer_lib.REDUCERS)}, "
+                              f"got {self.reducer!r}")
         if not self.bucket_mb > 0:
-            raise ConfigError(f"--bucket-mb must be > 0, got {self.bucket_mb}")
+            raise ConfigError(f"{flag(StepConfig, 'bucket_mb')} must be > 0, got {self.bucket_mb}")
 
     @property
     def scaled(self) -> bool:
@@ -174,16 +223,14 @@ def _pipeline_plan(rules: ShardingRules, model: Stageable, cfg: StepConfig) -> t
     """(schedule, stages, chunks per stage, microbatches) of a stage axis, None without one."""
     stages = rules.size(rules.active_axes((MeshAxis.STAGE,)))
     if stages == 1:
-        for flag, value in (("--pipeline-schedule", cfg.pipeline_schedule),
-                            ("--microbatches", cfg.microbatches), ("--virtual-stages", cfg.virtual_stages),
-                            ("--stage-layers", cfg.stage_layers), ("--balance", cfg.balance)):
-            if value is not None:
-                raise ConfigError(f"{flag} needs a stage axis of size > 1 in --mesh")
+        for name in ("pipeline_schedule", "microbatches", "virtual_stages", "stage_layers", "balance"):
+            if getattr(cfg, name) is not None:
+                raise ConfigError(f"{flag(StepConfig, name)} needs a stage axis of size > 1 in --mesh")
         return None
-    kind = cfg.pipeline_schedule or "1f1b"
+    kind = cfg.pipeline_schedule or pipeline.DEFAULT_SCHEDULE
     if cfg.virtual_stages is not None and kind != "interleaved":
         raise ConfigError(f"--virtual-stages needs --pipeline-schedule interleaved, got {kind}")
-    virtual = (cfg.virtual_stages or 2) if kind == "interleaved" else 1
+    virtual = (cfg.virtual_stages or pipeline.DEFAULT_VIRTUAL) if kind == "interleaved" else 1
     if cfg.grad_accum != 1:
         raise ConfigError("--grad-accum with a stage axis: a pipeline accumulates over its "
                           "microbatches; use --microbatches")
