@@ -234,7 +234,8 @@ def reference() -> str:
              "as keys (the flag's name with underscores: `batch_size = 32`), at the top level or in "
              "tables of any name. `experiments/inspect.py` takes the same flags, refuses those of a "
              "training run (data, outputs, checkpoints, processes), and adds `--strict` and "
-             "`--no-unroll`.", ""]
+             "`--no-unroll`. What a run does around its step (the flags it refuses, the report, the "
+             "data order, bad input): [The training run](training-run.md).", ""]
     flags = entries()
     for i, e in enumerate(flags):
         if i == 0 or e.group != flags[i - 1].group:
