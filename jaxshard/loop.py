@@ -298,6 +298,12 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
     with writer, board, bar, data_lib.Prefetch(make_batch, range(start, cfg.steps)) as batches, \
             Termination() as term:
         try:
+            if cfg.eval_at_start:  # a record of its own: step ``start``'s weights, before any update
+                baseline = {"step": start, "val_loss": validate()}
+                writer.write(baseline)
+                board.write(start, baseline)
+                if jax.process_index() == 0:
+                    bar.write(f"step {start}/{cfg.steps} | val {baseline['val_loss']:.4f} (before training)")
             stopped = run_pipelined(range(start, cfg.steps), dispatch, lambda i, out: complete(i, *out),
                                     waits=lambda i: evaluates(i + 1) or saves(i + 1), stop=term.agreed)
         finally:

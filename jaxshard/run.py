@@ -82,6 +82,9 @@ class RunConfig:
     data: DataConfig = section(DataConfig, "data")
     eval_every: int = option(50, "validation every N steps; 0: at the end", group="data", run_only=True)
     eval_batches: int = option(4, "batches per validation", group="data", run_only=True)
+    eval_at_start: bool = option(False, "also validate before the first step (the untrained baseline, "
+                                        "about ln(vocab); a resumed run's starting point)", group="data",
+                                 run_only=True)
     peak: PeakConfig = section(PeakConfig, "outputs")
     outputs: OutputConfig = section(OutputConfig, "outputs")
     sample_tokens: int = option(0, "after training, generate N tokens from --sample-prompt and print "

@@ -1,6 +1,7 @@
 """experiments/train.py through its command line, as a user runs it."""
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -102,6 +103,22 @@ def test_train_writes_metrics_and_report(tmp_path):
     # throughput: achieved model FLOP/s per device, and no MFU on CPU without a peak
     assert rep["tflops_per_device"] > 0 and rep["mfu"] is None and "tflops_per_device" in records[0]
     assert rep["predicted"]["argument_bytes"] == rep["xla_memory"]["argument"]
+
+
+def test_eval_at_start_records_the_untrained_baseline(tmp_path):
+    """--eval-at-start: a step-0 record holding the initial weights' validation loss -- about
+    ln 256 for a byte model (a near-uniform guess; a little below, as tied embeddings at init
+    favour repeating the input byte) -- before the steps' records."""
+    metrics = tmp_path / "m.jsonl"
+    result = train("--model", "tiny", "--mesh", "fsdp=8", "--cpu-devices", "8", "--steps", "8",
+                   "--batch-size", "16", "--seq-len", "32", "--eval-every", "0", "--eval-batches", "1",
+                   "--eval-at-start", "--metrics", str(metrics))
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(0, 9))
+    assert records[0] == pytest.approx({"step": 0, "val_loss": math.log(256)}, abs=0.3)
+    assert records[-1]["val_loss"] < records[0]["val_loss"] - 0.3
+    assert "step 0/8 | val" in result.stdout
 
 
 def test_pipelined_run_reports_its_schedule_and_matches_its_prediction(tmp_path):
