@@ -45,9 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model {model.cfg.name}: {model.n_params():,} params | mesh {axis_sizes(rules.mesh)} | "
               f"strategy {rules.name} | batch {cfg.batch_size} x {cfg.seq_len}\n")
         compiled = program.lower_step(cfg.batch_size, cfg.seq_len).compile()
-        v = inspect.verify(model, program, compiled, cfg.batch_size, cfg.seq_len,
-                           compute_dtype=cfg.step.compute_dtype, grad_accum=cfg.step.grad_accum,
-                           param_dtype=cfg.step.param_dtype)
+        v = inspect.verify(model, program, compiled, cfg.batch_size, cfg.seq_len, step=step)
         print(inspect.format_verification(v))
         print(f"\ncompiled step: fingerprint {hlo.fingerprint(compiled.as_text())} (a hash of its HLO)")
         return 1 if args.strict and v.flags else 0

@@ -178,22 +178,19 @@ class Verification:
 
 
 def verify(model: Stageable, program: Any, compiled: jax.stages.Compiled, batch_size: int, seq_len: int,
-           *, compute_dtype: str = "float32", grad_accum: int = 1, expected: Any = None,
-           param_dtype: str = "float32") -> Verification:
-    """Compare the accounting of ``expected`` rules (default: the program's) with ``compiled``.
+           *, step: StepConfig = StepConfig(), expected: Any = None) -> Verification:
+    """Compare the accounting of ``expected`` rules (default: the program's) with ``compiled``,
+    the step of ``program`` that ``build_program(model, rules, optim, step)`` made.
 
     Flags a collective kind/axes the strategy does not explain, a kind whose bytes differ from
     the prediction by more than 5% (plus a small slack for scalars), and argument bytes that
     differ from the prediction at all.
     """
     rules = expected or program.rules
-    remat = model.remat
-    kwargs = dict(compute_dtype=compute_dtype, remat=remat, grad_accum=grad_accum, param_dtype=param_dtype)
     schedule = program.schedule
-    if getattr(program, "buckets", None):
-        kwargs["reducer"] = "explicit"
-    mem, comm = accounting.predict(model, rules, batch_size, seq_len, schedule, **kwargs)
-    fl = accounting.flops(model.cfg, rules, batch_size, seq_len, remat=remat, model=model)
+    mem, comm = accounting.predict(model, rules, batch_size, seq_len, schedule,
+                                   **accounting.step_options(step, model, program))
+    fl = accounting.flops(model.cfg, rules, batch_size, seq_len, remat=model.remat, model=model)
     found = compiled_collectives(compiled, program.rules.mesh)
     in_slots: dict[tuple[str, tuple[str, ...]], int] = defaultdict(int)
     if schedule is not None:  # what runs in the slots is not predicted (see pipeline_communication)

@@ -312,13 +312,12 @@ def confirm(model: Stageable, p: Plan, batch_size: int, seq_len: int) -> str:
     rules = ShardingRules(build_mesh(spec), p.strategy)
     model = type(model)(model.cfg, remat=p.remat)
     pipelined = dict(pipeline_schedule="1f1b", microbatches=p.microbatches) if p.microbatches else {}
-    program = build_program(model, rules, OptimConfig(), StepConfig(compute_dtype=compute_dtype,
-                                                                     grad_accum=p.grad_accum, **pipelined))
+    step = StepConfig(compute_dtype=compute_dtype, grad_accum=p.grad_accum, **pipelined)
+    program = build_program(model, rules, OptimConfig(), step)
     compiled = program.lower_step(batch_size, seq_len).compile()
     if p.microbatches:
         return _confirm_pipeline(model, p, program, compiled, batch_size, seq_len, compute_dtype)
-    v = inspect.verify(model, program, compiled, batch_size, seq_len, compute_dtype=compute_dtype,
-                       grad_accum=p.grad_accum)
+    v = inspect.verify(model, program, compiled, batch_size, seq_len, step=step)
     head = (f"Confirmed by compiling {p.name} on --mesh {p.mesh_flag} ({rules.mesh.devices.size} fake "
             f"CPU devices, float32): argument bytes per device predicted {v.memory[2][1]:,}, "
             f"XLA {v.memory[2][2]:,}")
