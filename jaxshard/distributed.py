@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from jaxshard.errors import JaxshardError
-from jaxshard.options import option
+from jaxshard.options import flag, option
 
 _HELLO = "jaxshard-rendezvous"
 
@@ -43,17 +43,17 @@ class DistributedConfig:
             object.__setattr__(self, "timeout_s", TIMEOUT_S)
         given = [v is not None for v in (self.coordinator, self.num_processes, self.process_id)]
         if any(given) and not all(given):
-            raise DistributedError("--coordinator, --num-processes and --process-id go together "
-                                   "(or set none of them)")
+            raise DistributedError(f"{_flag('coordinator')}, {_flag('num_processes')} and "
+                                   f"{_flag('process_id')} go together (or set none of them)")
         if self.coordinator is not None:
             host_port(self.coordinator)
             if self.num_processes < 1:
-                raise DistributedError(f"--num-processes must be >= 1, got {self.num_processes}")
+                raise DistributedError(f"{_flag('num_processes')} must be >= 1, got {self.num_processes}")
             if not 0 <= self.process_id < self.num_processes:
-                raise DistributedError(f"--process-id must be in [0, {self.num_processes}), "
+                raise DistributedError(f"{_flag('process_id')} must be in [0, {self.num_processes}), "
                                        f"got {self.process_id}")
         if self.timeout_s <= 0:
-            raise DistributedError(f"--init-timeout must be > 0, got {self.timeout_s}")
+            raise DistributedError(f"{_flag('timeout_s')} must be > 0, got {self.timeout_s}")
 
     @property
     def multi_process(self) -> bool:
@@ -71,6 +71,10 @@ class DistributedConfig:
         return cls(coordinator, num_processes, process_id, timeout_s, timeout_s is not None)
 
     from_flags = from_env  # what the flags leave unset, the environment gives
+
+
+def _flag(name: str) -> str:
+    return flag(DistributedConfig, name)
 
 
 def _int(text: str, name: str) -> int:
