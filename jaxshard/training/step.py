@@ -7,6 +7,11 @@ Collectives come from the layouts alone: the batch is sharded over ``data``/``fs
 layer's weights are constrained to their compute layout inside the layer scan (the FSDP
 all-gather), grads are constrained to their at-rest layout (all-reduce for DDP and ZeRO-1,
 reduce-scatter for ZeRO-2/3), and the updated params to theirs (the ZeRO-1/2 all-gather).
+
+Three kinds of step share the update and differ in how a microbatch's gradients are made and
+reduced, each built by its own function and chosen by :func:`_step_kind`: the partitioner's
+(:func:`_gspmd`), ``--strategy explicit``'s buckets reduced by hand (:func:`_explicit`), and a
+pipeline's tick executor (:func:`_pipelined`).
 """
 
 from __future__ import annotations
@@ -247,6 +252,119 @@ def _pipeline_plan(rules: ShardingRules, model: Stageable, cfg: StepConfig) -> t
     return kind, stages, virtual, default if cfg.microbatches is None else cfg.microbatches
 
 
+@dataclass(frozen=True)
+class _Parts:
+    """What every kind of step is built from."""
+
+    model: Stageable  # under a pipeline, staged over the schedule's layout
+    rules: ShardingRules
+    cfg: StepConfig
+    tx: optax.GradientTransformation
+    layout: StateLayout
+    schedule: pipeline.Schedule | None
+    dtype: Any  # the compute dtype
+    loss_sums: Callable  # (params, batch, key, under=rules) -> the model's Loss (sums)
+    scaled_loss: Callable  # (params, batch, key, factor, under=rules) -> (the scaled total, sums)
+
+
+@dataclass(frozen=True)
+class _StepKind:
+    """What one kind of step does its own way: a microbatch's gradients, reduced into the
+    layout the update uses, and the evaluation's loss sums."""
+
+    reduced_grads: Callable  # (params, batch, key, factor, micro=(0, 1)) -> (sums, grads)
+    eval_sums: Callable  # (params, batch) -> the model's Loss (sums)
+    buckets: list | None = None  # Program.buckets
+    compiler_options: dict = dataclasses.field(default_factory=dict)  # the step's, beyond runtime's
+    saved: dict = dataclasses.field(default_factory=dict)  # Program.saved, unsaved, saved_abstract
+
+
+def _gspmd(parts: _Parts) -> _StepKind:
+    """The partitioner reduces the gradients, constrained to the layout the update uses
+    (rules.reduced_into): replicated -> all-reduce; sharded (ZeRO-1's optimizer shard,
+    ZeRO-2/3's gradient shard) -> reduce-scatter."""
+    grad_fn = jax.grad(parts.scaled_loss, has_aux=True)
+
+    def reduced_grads(params, batch, key, factor, micro=(0, 1)):
+        """(the loss's sums, gradients of the total's sum) of microbatch ``micro`` = (index,
+        count) of the step's batch."""
+        with microbatch_rows(*micro):
+            grads, sums = grad_fn(params, batch, key, factor)
+        return sums, jax.lax.with_sharding_constraint(grads, parts.layout.reduce_shardings)
+
+    return _StepKind(reduced_grads, eval_sums=functools.partial(parts.loss_sums, key=None))
+
+
+def _explicit(parts: _Parts) -> _StepKind:
+    """``--strategy explicit``: each device's gradients reduced over data by the step itself,
+    in buckets (DDP's Reducer by hand, jaxshard/training/reducer.py)."""
+    model, rules, layout = parts.model, parts.rules, parts.layout
+    reducer_lib.check(rules, model, parts.cfg.grad_accum, parts.schedule)
+    buckets = reducer_lib.plan(layout.abstract.params, model.param_axes(), layout.reduce_shardings,
+                               parts.cfg.bucket_mb)
+    n_data = rules.mesh.shape[reducer_lib.DATA]
+    grad_specs = jax.tree.map(lambda s: s.spec, layout.reduce_shardings)
+
+    # One device's program: the region is manual over data.
+    local_grad_fn = jax.grad(functools.partial(parts.scaled_loss, under=None), has_aux=True)
+
+    def local_grads(params, batch, key, factor):
+        """This device's rows: their loss sums and gradients, reduced over data by hand.
+        The params are marked as varying over data: the gradient of a value the same on
+        every device would come back already summed (autodiff's own all-reduce)."""
+        params = jax.tree.map(lambda x: jax.lax.pcast(x, reducer_lib.DATA, to="varying"), params)
+        grads, sums = local_grad_fn(params, batch, key, factor)
+        sums = jax.tree.map(lambda x: jax.lax.psum(x, reducer_lib.DATA), sums)
+        return sums, reducer_lib.reduce(grads, buckets, n_data)
+
+    def reduced_grads(params, batch, key, factor, micro=(0, 1)):
+        """``micro``: (index, count) of the microbatch ``batch`` is (dropout draws its
+        rows of the whole batch's mask; here each device its block of them)."""
+        index, count = micro
+        scale = () if factor is None else (factor,)  # float16's loss scale, when there is one
+
+        def local(p, b, k, i, *f):
+            with microbatch_rows(i, count, (reducer_lib.DATA,)):
+                return local_grads(p, b, k, *f or (None,))
+
+        return jax.shard_map(local, mesh=rules.mesh, axis_names=frozenset({reducer_lib.DATA}),
+                             in_specs=(P(), P(reducer_lib.DATA), P(), P(), *[P()] * len(scale)),
+                             out_specs=(P(), grad_specs))(params, batch, key, jnp.asarray(index), *scale)
+
+    return _StepKind(reduced_grads, eval_sums=functools.partial(parts.loss_sums, key=None), buckets=buckets,
+                     compiler_options=reducer_lib.COMPILER_OPTIONS)
+
+
+def _pipelined(parts: _Parts) -> _StepKind:
+    """A stage axis: the schedule's tick executor runs the staged model's slots
+    (``model.pipeline_grads``); the partitioner reduces the gradients as :func:`_gspmd`'s. The
+    evaluation runs the forward slots, so no stage gathers the others' layers."""
+    model, rules, schedule, dtype = parts.model, parts.rules, parts.schedule, parts.dtype
+
+    def cast(p):
+        return cast_floats(p, dtype)
+
+    def reduced_grads(params, batch, key, factor, micro=(0, 1)):
+        """(``micro`` is always the whole batch: the schedule makes its own microbatches.)"""
+        sums, grads = model.pipeline_grads(params, batch["inputs"], batch["targets"], schedule, key=key,
+                                           seed=1.0 if factor is None else factor, cast=cast)
+        return sums, jax.lax.with_sharding_constraint(grads, parts.layout.reduce_shardings)
+
+    def eval_sums(params, batch):
+        with use_rules(rules):
+            return model.pipeline_loss(params, batch["inputs"], batch["targets"], schedule, cast=cast)
+
+    saved = {} if schedule.layout.trivial else _saved_forms(model, parts.tx, parts.layout)
+    return _StepKind(reduced_grads, eval_sums, saved=saved)
+
+
+def _step_kind(parts: _Parts) -> _StepKind:
+    """``--strategy explicit``'s step (which rejects a pipeline), a pipeline's, or the partitioner's."""
+    if parts.cfg.reducer == "explicit":
+        return _explicit(parts)
+    return _gspmd(parts) if parts.schedule is None else _pipelined(parts)
+
+
 def build_program(model: Stageable, rules: ShardingRules, optim_cfg: optim.OptimConfig,
                   cfg: StepConfig, schedule: pipeline.Schedule | None = None) -> Program:
     """``schedule``: a pipeline schedule of one's own tables, for a stage axis (default: the
@@ -279,59 +397,7 @@ def build_program(model: Stageable, rules: ShardingRules, optim_cfg: optim.Optim
         sums = loss_sums(params, batch, key, under)
         return (sums.total if factor is None else sums.total * factor), sums
 
-    grad_fn = jax.grad(scaled_loss, has_aux=True)
-
-    if cfg.reducer == "explicit":
-        reducer_lib.check(rules, model, cfg.grad_accum, schedule)
-        buckets = reducer_lib.plan(layout.abstract.params, model.param_axes(), layout.reduce_shardings,
-                                   cfg.bucket_mb)
-        n_data = rules.mesh.shape[reducer_lib.DATA]
-        grad_specs = jax.tree.map(lambda s: s.spec, layout.reduce_shardings)
-
-        # One device's program: the region is manual over data.
-        local_grad_fn = jax.grad(functools.partial(scaled_loss, under=None), has_aux=True)
-
-        def local_grads(params, batch, key, factor):
-            """This device's rows: their loss sums and gradients, reduced over data by hand.
-            The params are marked as varying over data: the gradient of a value the same on
-            every device would come back already summed (autodiff's own all-reduce)."""
-            params = jax.tree.map(lambda x: jax.lax.pcast(x, reducer_lib.DATA, to="varying"), params)
-            grads, sums = local_grad_fn(params, batch, key, factor)
-            sums = jax.tree.map(lambda x: jax.lax.psum(x, reducer_lib.DATA), sums)
-            return sums, reducer_lib.reduce(grads, buckets, n_data)
-
-        def reduced_grads(params, batch, key, factor, micro=(0, 1)):
-            """``micro``: (index, count) of the microbatch ``batch`` is (dropout draws its
-            rows of the whole batch's mask; here each device its block of them)."""
-            index, count = micro
-            scale = () if factor is None else (factor,)  # float16's loss scale, when there is one
-
-            def local(p, b, k, i, *f):
-                with microbatch_rows(i, count, (reducer_lib.DATA,)):
-                    return local_grads(p, b, k, *f or (None,))
-
-            return jax.shard_map(local, mesh=rules.mesh, axis_names=frozenset({reducer_lib.DATA}),
-                                 in_specs=(P(), P(reducer_lib.DATA), P(), P(), *[P()] * len(scale)),
-                                 out_specs=(P(), grad_specs))(params, batch, key, jnp.asarray(index), *scale)
-    else:
-        buckets = None
-
-    def gspmd_reduced_grads(params, batch, key, factor, micro=(0, 1)):
-        """(the loss's sums, gradients of the total's sum) of microbatch ``micro`` = (index,
-        count) of the step's batch."""
-        if schedule is None:
-            with microbatch_rows(*micro):
-                grads, sums = grad_fn(params, batch, key, factor)
-        else:
-            sums, grads = model.pipeline_grads(
-                params, batch["inputs"], batch["targets"], schedule, key=key,
-                seed=1.0 if factor is None else factor, cast=lambda p: cast_floats(p, dtype))
-        # Into the layout the update uses (rules.reduced_into): replicated -> all-reduce;
-        # sharded (ZeRO-1's optimizer shard, ZeRO-2/3's gradient shard) -> reduce-scatter.
-        return sums, jax.lax.with_sharding_constraint(grads, layout.reduce_shardings)
-
-    if buckets is None:
-        reduced_grads = gspmd_reduced_grads
+    step_kind = _step_kind(_Parts(model, rules, cfg, tx, layout, schedule, dtype, loss_sums, scaled_loss))
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         with use_rules(rules):
@@ -343,9 +409,9 @@ def build_program(model: Stageable, rules: ShardingRules, optim_cfg: optim.Optim
             # params for forward, the optimizer state for the update) and goes back after.
             old_params = move(state.params, rest.params, compute.params)
             if cfg.grad_accum == 1:
-                sums, grads = reduced_grads(old_params, batch, key, factor)
+                sums, grads = step_kind.reduced_grads(old_params, batch, key, factor)
             else:
-                sums, grads = _accumulate(reduced_grads, old_params, batch, key, factor,
+                sums, grads = _accumulate(step_kind.reduced_grads, old_params, batch, key, factor,
                                           cfg.grad_accum, layout.reduce_shardings)
             count = sums.tokens
             # Unscaled and averaged in float32, whatever dtype the gradients were reduced in.
@@ -372,21 +438,11 @@ def build_program(model: Stageable, rules: ShardingRules, optim_cfg: optim.Optim
             return TrainState(state.step + 1, params, opt_state, new_scale), metrics
 
     def evaluate(params, batch):
-        params = move(params, rest.params, compute.params)
-        if schedule is None:
-            sums = loss_sums(params, batch, None)
-            loss_sum, count = sums.nll, sums.tokens
-        else:  # through the pipeline's forward slots: no stage gathers the others' layers
-            with use_rules(rules):
-                sums = model.pipeline_loss(params, batch["inputs"], batch["targets"], schedule,
-                                           cast=lambda p: cast_floats(p, dtype))
-                loss_sum, count = sums.nll, sums.tokens
-        return loss_sum / count
+        sums = step_kind.eval_sums(move(params, rest.params, compute.params), batch)
+        return sums.nll / sums.tokens
 
     replicated = rules.replicated()
-    saved = {}
-    if schedule is not None and not schedule.layout.trivial:
-        saved = _saved_forms(model, tx, layout)
+    saved = step_kind.saved
     saved_shardings = jax.tree.map(lambda x: x.sharding, saved.get("saved_abstract", layout.abstract))
     fresh = jax.jit(lambda params: fresh_state(tx, params, jnp.dtype(cfg.param_dtype), initial_scale),
                     out_shardings=saved_shardings)
@@ -395,10 +451,10 @@ def build_program(model: Stageable, rules: ShardingRules, optim_cfg: optim.Optim
         rules=rules, layout=layout, batch_sharding=batch_sharding,
         init=build_init(model, tx, layout, initial_scale), loss=loss_sums, schedule=schedule,
         **{"saved_abstract": layout.abstract, **saved},
-        from_params=lambda params: unsaved(fresh(params)), buckets=buckets,
+        from_params=lambda params: unsaved(fresh(params)), buckets=step_kind.buckets,
         step=jax.jit(step, in_shardings=(layout.shardings, batch_sharding),
                      out_shardings=(layout.shardings, replicated), donate_argnums=0,
-                     compiler_options=runtime.xla_options() | (reducer_lib.COMPILER_OPTIONS if buckets else {})),
+                     compiler_options=runtime.xla_options() | step_kind.compiler_options),
         eval=jax.jit(evaluate, in_shardings=(layout.shardings.params, batch_sharding),
                      out_shardings=replicated, compiler_options=runtime.xla_options()))
 
