@@ -333,7 +333,7 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
             schedule, B, L, model.cfg.vocab_size, steps=5)
         _log(measured.line())
     report = _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compile_s,
-                     throughput, flops, peak_source, schedule, measured, program.buckets)
+                     throughput, flops, peak_source, program, measured)
     if cfg.outputs.report and jax.process_index() == 0:
         write_json_atomic(cfg.outputs.report, report)
     return report
@@ -420,13 +420,13 @@ def _sample(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, params: 
     _log(f"sample ({len(new)} tokens after {cfg.sample_prompt!r}):\n{cfg.sample_prompt}{text}")
 
 
-def _report(cfg, model: Stageable, rules, compiled, held, records, val_loss, corpus, compile_s, throughput,
-            flops, peak_source, schedule, measured=None, program_buckets=None) -> dict[str, Any]:
+def _report(cfg: RunConfig, model: Stageable, rules, compiled, held, records, val_loss, corpus, compile_s,
+            throughput, flops, peak_source, program: Program, measured=None) -> dict[str, Any]:
     B, L = cfg.batch_size, cfg.seq_len
+    schedule, program_buckets = program.schedule, program.buckets
     timed = [r["step_time_s"] for r in records[1:]] or [records[0]["step_time_s"]]
     median = throughput(float(np.median(timed)))
-    kwargs = {"compute_dtype": cfg.step.compute_dtype, "remat": model.remat, "grad_accum": cfg.step.grad_accum,
-              "param_dtype": cfg.step.param_dtype, **({"reducer": "explicit"} if program_buckets else {})}
+    kwargs = accounting.step_options(cfg.step, model, program)
     found = inspect.compiled_collectives(compiled, rules.mesh)
     # (Under a pipeline, what the schedule's slots run -- FSDP's gathers, TP's reductions -- is
     # not predicted.)
