@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import sys
 from typing import Any, Iterator, Sequence
 
@@ -58,27 +57,26 @@ def _help(e: Entry) -> str:
     return text.replace("%", "%%")
 
 
-def add_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
-    """Every flag of :class:`RunConfig` (``defaults=False``: none set unless given, to tell
-    what a command line gave)."""
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """Every flag of :class:`RunConfig`, in its help group."""
     groups: dict[str, Any] = {}
     for e in entries():
-        group = groups.get(e.group) or groups.setdefault(e.group, parser.add_argument_group(e.group))
-        kw: dict[str, Any] = {"dest": e.key, "help": _help(e),
-                              "default": e.default if defaults else argparse.SUPPRESS}
+        if e.group not in groups:
+            groups[e.group] = parser.add_argument_group(e.group)
+        kw: dict[str, Any] = {"dest": e.key, "help": _help(e), "default": e.default}
         if e.switch:
             kw["action"] = "store_true"
         else:
             kw.update(type=_parse(e), choices=e.option.choices, metavar=e.option.metavar)
-        group.add_argument(e.flag, **kw)
+        groups[e.group].add_argument(e.flag, **kw)
 
 
-def train_parser(defaults: bool = True) -> argparse.ArgumentParser:
+def train_parser() -> argparse.ArgumentParser:
     p = Parser(description=DESCRIPTION)
-    p.add_argument("--config", default=None if defaults else argparse.SUPPRESS, metavar="FILE.toml",
+    p.add_argument("--config", default=None, metavar="FILE.toml",
                    help="a TOML file of flags (keys are the flags' names, e.g. batch_size = 32); "
                         "flags on the command line override it")
-    add_flags(p, defaults)
+    add_flags(p)
     return p
 
 
@@ -104,10 +102,10 @@ def parse_run(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None
 def parse_with_config(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None
                       ) -> tuple[argparse.Namespace, frozenset[str], frozenset[str]]:
     """``parser``'s flags, with ``--config FILE.toml`` giving any of them (flags on the command
-    line win), and the keys the command line gave and those the file gave. TOML: typed values and comments
-    in the standard library (``tomllib``); keys are the flags' names (``batch_size`` or
-    ``batch-size``), at the top or in tables of any name (for grouping). An unknown key or a
-    wrong type is an error."""
+    line win), and the keys the command line gave and those the file gave. TOML: typed values
+    and comments in the standard library (``tomllib``); keys are the flags' names
+    (``batch_size`` or ``batch-size``), at the top or in tables of any name (for grouping). An
+    unknown key or a wrong type is an error."""
     argv = list(sys.argv[1:] if argv is None else argv)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)

@@ -17,8 +17,8 @@ from jaxshard.training.step import StepConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The command line's contract: these flags (train.py's, and inspect.py's two of its own) keep
-# their names whatever the tree's shape.
+# The command line's contract: these flags (train.py's, and inspect.py's two of its own, as of
+# the config tree's introduction) keep their names whatever the tree's shape; new ones may join.
 FLAGS = {
     "--balance", "--batch-size", "--beta1", "--beta2", "--bucket-mb", "--checkpoint-dir", "--compile-cache",
     "--compute-dtype", "--config", "--coordinator", "--cpu-devices", "--d-head", "--d-mlp", "--d-model",
@@ -40,7 +40,7 @@ FLAGS = {
 def test_the_flags_keep_their_names():
     parser = cli.inspect_parser()
     flags = {a.option_strings[0] for a in parser._actions if a.option_strings and a.dest != "help"}
-    assert flags == FLAGS, (sorted(flags - FLAGS), sorted(FLAGS - flags))
+    assert FLAGS <= flags, sorted(FLAGS - flags)
 
 
 def test_docs_flag_reference_is_the_generated_one():
