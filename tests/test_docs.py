@@ -268,6 +268,16 @@ def run(words: list[str], cwd: Path, space) -> Outcome:
 
 # ---- the tests -------------------------------------------------------------------------------
 
+def test_the_readme_stays_short():
+    """The README says what jaxshard is, how to set it up, a tour and where to read on; the
+    rest lives in docs/ (a newcomer reads it in a few minutes)."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines; move detail to a page under docs/"
+    linked = {m for m in re.findall(r"\(docs/([\w-]+\.md)\)", "\n".join(lines))}
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")}
+    assert pages <= linked, f"pages the README does not link: {sorted(pages - linked)}"
+
+
 def test_the_pages_have_runnable_blocks():
     """The parser finds what it guards (a README without fenced blocks would pass vacuously)."""
     assert any(b.page == "README.md" for b in RUNNABLE)
