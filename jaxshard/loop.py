@@ -79,9 +79,7 @@ def _start(cfg: RunConfig, program: Program, model: LanguageModel, ckpt: Checkpo
     if cfg.checkpoint.resume:
         _log(f"no complete checkpoint in {cfg.checkpoint.directory}: starting from step 0")
     if cfg.model.init_from:
-        shardings = getattr(program, "model_shardings", None) or \
-            jax.tree.map(lambda x: x.sharding, program.saved_abstract.params)
-        state = program.from_params(family.load_weights(cfg.model.init_from, model, shardings))
+        state = program.from_params(family.load_weights(cfg.model.init_from, model, program.weight_shardings()))
         _log(f"initialised from {cfg.model.init_from}")
         return state, 0, 0
     return program.init(cfg.step.seed), 0, 0

@@ -139,6 +139,11 @@ class ModelConfig:
                 and (layer - self.moe_first_dense + 1) % self.moe_every == 0)
 
     @property
+    def mlp_in(self) -> int:
+        """The MLP's input projections: 2 for SwiGLU (gate and up), 1 for GELU's up."""
+        return 2 if self.mlp is Mlp.SWIGLU else 1
+
+    @property
     def padded_vocab(self) -> int:
         """Rows of the embedding table: vocab_size rounded up to vocab_multiple. The padding
         rows are never looked up and their logits are masked out of the loss."""

@@ -277,7 +277,13 @@ def test_from_params_and_consensus():
     assert int(state.step) == 0 and replicas_equal(host(state.params))
     for a, b in zip(jax.tree.leaves(host(local_sgd.consensus(state.params))), jax.tree.leaves(host(params))):
         np.testing.assert_array_equal(a, b)  # equal replicas: exactly their value
-    fresh = host(make_program(MODEL, "data=8").from_params(params))
+    # Weights to load go where model-shaped params do: no replica dim (a plain program's: its
+    # saved params' shardings).
+    plain = make_program(MODEL, "data=8")
+    assert jax.tree.map(lambda s: s.spec, prog.weight_shardings()) == \
+        jax.tree.map(lambda x: x.sharding.spec, plain.saved_abstract.params) == \
+        jax.tree.map(lambda s: s.spec, plain.weight_shardings())
+    fresh = host(plain.from_params(params))
     for a, b in zip(jax.tree.leaves(host(state.opt_state)), jax.tree.leaves(fresh.opt_state)):
         np.testing.assert_array_equal(a, np.broadcast_to(b, a.shape))
     _, states = local_run(8, H)

@@ -162,7 +162,7 @@ def activation_bytes(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: i
     D, N, K, H, F, L = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_mlp, seq_len
     kv_t = t if K % t == 0 else 1
     projections = 2 * N * H / t + 2 * K * H / kv_t
-    mlp_in = 2 if getattr(cfg.mlp, "value", cfg.mlp) == "swiglu" else 1
+    mlp_in = cfg.mlp_in
     named = {"qkv": N * H / t + 2 * K * H / kv_t, "attn_out": N * H / t, "attn_proj": D / sp,
              "mlp_in": mlp_in * F / t, "mlp_hidden": F / t}
     remat = Remat.parse(remat)
@@ -209,7 +209,7 @@ def _moe_ffn_saved(cfg: Any, rules: ShardingRules, remat: Remat, L: int, t: int,
     dense MLP of their width."""
     E, D = cfg.moe_experts, cfg.d_model
     Fe = cfg.moe_d_mlp or cfg.d_mlp
-    mlp_in = 2 if getattr(cfg.mlp, "value", cfg.mlp) == "swiglu" else 1
+    mlp_in = cfg.mlp_in
     cap = run_capacity(cfg, rules, L)
     slots = E * cap / L if cap else cfg.moe_top_k
     shared = _dense_ffn_saved(remat, cfg.moe_shared_experts * Fe, mlp_in, t) if cfg.moe_shared_experts else 0.0
@@ -296,7 +296,7 @@ def flops(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
           remat: Remat = Remat.NONE, model: LanguageModel | None = None) -> Flops:
     """FLOPs of one step. With ``model``, the optimizer's elementwise work is added too."""
     D, N, K, H, F, L = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_mlp, seq_len
-    mlp_mats = 3 if getattr(cfg.mlp, "value", cfg.mlp) == "swiglu" else 2
+    mlp_mats = cfg.mlp_in + 1
     attn_params = D * (N + 2 * K) * H + N * H * D
     # Matmul params a token passes through, summed over the layers: as the model counts them
     # (MoE: the router and k experts) and as the hardware runs them (under a capacity every

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import numpy as np
 
 from jaxshard.parallel.pipeline import Schedule
+
+if TYPE_CHECKING:
+    from jaxshard.training.step import Program
 
 
 def packed(schedule: Schedule, stage: int | str | None) -> Schedule:
@@ -44,7 +47,7 @@ def packed(schedule: Schedule, stage: int | str | None) -> Schedule:
                                fwd_slot=zero, bwd_slot=zero, slots=1)
 
 
-def step_seconds(program: Any, batch_size: int, seq_len: int, vocab: int, steps: int) -> float:
+def step_seconds(program: Program, batch_size: int, seq_len: int, vocab: int, steps: int) -> float:
     """Fastest wall time of ``steps`` steps of ``program`` (from its own initial state) on one
     random batch, after two warm-up steps (the first compiles); each step waits for its loss.
     The minimum, not the median: other work on the machine only ever adds time, and the

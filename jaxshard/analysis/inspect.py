@@ -17,7 +17,7 @@ from jaxshard.model import Stageable
 from jaxshard.parallel.staged import staged
 from jaxshard.rules import HOST_MEMORY, ShardingRules, Strategy
 from jaxshard.training.optim import OptimConfig
-from jaxshard.training.step import StepConfig, build_program
+from jaxshard.training.step import Program, StepConfig, build_program
 
 
 def bytes_per_device(tree: Any, where: str | None = None) -> dict[int, int]:
@@ -37,7 +37,7 @@ def max_bytes_per_device(tree: Any, where: str | None = None) -> int:
     return max(bytes_per_device(tree, where).values(), default=0)
 
 
-def stored_bytes(program: Any, state: Any, batch_size: int, seq_len: int) -> tuple[int, int]:
+def stored_bytes(program: Program, state: Any, batch_size: int, seq_len: int) -> tuple[int, int]:
     """(device, host) bytes of params, gradients and optimizer state that the most loaded
     device holds, measured from live arrays: ``state`` as it lies, and one batch's gradients
     materialised in the layout the step reduces them to (inside the step they are transient)."""
@@ -108,7 +108,7 @@ def xla_memory(compiled: jax.stages.Compiled) -> dict[str, int]:
             "host_temp": int(getattr(m, "host_temp_size_in_bytes", 0))}
 
 
-def saved_residual_bytes(program: Any, batch_size: int, seq_len: int) -> int:
+def saved_residual_bytes(program: Program, batch_size: int, seq_len: int) -> int:
     """Bytes per device that the forward pass saves for the backward pass (activations under
     the remat policy, and what else autodiff keeps), from the shardings XLA gives them."""
 
@@ -177,7 +177,7 @@ class Verification:
     buckets: tuple[list[int], list[int]] | None = None  # --strategy explicit: (planned, compiled) bytes
 
 
-def verify(model: Stageable, program: Any, compiled: jax.stages.Compiled, batch_size: int, seq_len: int,
+def verify(model: Stageable, program: Program, compiled: jax.stages.Compiled, batch_size: int, seq_len: int,
            *, step: StepConfig = StepConfig(), expected: Any = None) -> Verification:
     """Compare the accounting of ``expected`` rules (default: the program's) with ``compiled``,
     the step of ``program`` that ``build_program(model, rules, optim, step)`` made.
@@ -253,11 +253,11 @@ def verify(model: Stageable, program: Any, compiled: jax.stages.Compiled, batch_
         buckets=buckets)
 
 
-def bucket_check(program: Any, found: list[hlo.Collective]) -> tuple[list[int], list[int]] | None:
+def bucket_check(program: Program, found: list[hlo.Collective]) -> tuple[list[int], list[int]] | None:
     """``--strategy explicit``: (the planned buckets' bytes, the compiled step's gradient
     collectives' bytes), in order of size; the gradient collectives are the step's non-scalar
     all-reduces and reduce-scatters (the loss sums and the norm are scalars)."""
-    if not getattr(program, "buckets", None):
+    if not program.buckets:
         return None
     compiled = sorted(c.bytes for c in found if c.kind in ("all-reduce", "reduce-scatter")
                       and any(math.prod(s) > 1 for s in c.shapes))

@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 from jax.sharding import AbstractMesh, AxisType
@@ -38,6 +38,9 @@ from jaxshard.parallel.pipeline import make_schedule
 from jaxshard.parallel.staged import staged
 from jaxshard.remat import Remat
 from jaxshard.rules import ShardingRules, Strategy
+
+if TYPE_CHECKING:
+    from jaxshard.training.step import Program
 
 TIE = 0.05  # plans within 5% of each other's step time: the time model is no finer; simpler wins
 
@@ -326,7 +329,7 @@ def confirm(model: Stageable, p: Plan, batch_size: int, seq_len: int) -> str:
     return "\n".join([head, *rows, *verdict])
 
 
-def _confirm_pipeline(model: Stageable, p: Plan, program: Any, compiled: Any, batch_size: int, seq_len: int,
+def _confirm_pipeline(model: Stageable, p: Plan, program: Program, compiled: Any, batch_size: int, seq_len: int,
                       compute_dtype: str) -> str:
     """What the accounting predicts of a pipelined step, against the compiled one: the state
     each device holds and the stages' sends (the rest of a pipelined step is not predicted

@@ -79,7 +79,7 @@ def flop_costs(cfg: Any, rows: int, seq_len: int) -> Costs:
     that) and attention's, per microbatch of ``rows`` sequences of ``seq_len``."""
     D, N, K, H, F, L = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_mlp, seq_len
     tokens = rows * seq_len
-    mlp_mats = 3 if getattr(cfg.mlp, "value", cfg.mlp) == "swiglu" else 2
+    mlp_mats = cfg.mlp_in + 1
     forward = tokens * (2 * (D * (N + 2 * K) * H + N * H * D + mlp_mats * D * F) + 4 * L * N * H)
     head = tokens * 2 * D * cfg.padded_vocab
     return Costs(layer=3 * forward, embed=0.0, head=3 * head, unit="FLOP")

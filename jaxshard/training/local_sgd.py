@@ -61,10 +61,7 @@ class LocalSGDProgram(Program):
     per device of ``data`` (leading dim ``replicas``)."""
 
     sync_every: int = 1
-    replicas: int = 1
-    # The shardings of model-shaped params (no replica dim): what ``from_params`` takes (e.g.
-    # weights to load into) and what ``consensus`` returns.
-    model_shardings: Any = None
+    replicas: int = 1  # (model_shardings: those of params without the replica dim, what ``consensus`` returns)
 
 
 def check(model: LanguageModel, rules: ShardingRules, cfg: StepConfig, sync_every: int) -> None:

@@ -160,6 +160,15 @@ class Program:
     # A fresh state (step 0) around given params in model order, e.g. imported weights.
     from_params: Callable | None = None
     buckets: list | None = None  # --strategy explicit: the gradient buckets (jaxshard.training.reducer.plan)
+    # The shardings of model-shaped params, what ``from_params`` takes (e.g. weights to load
+    # into); None: the saved state's params' (local SGD's params carry a replica dim instead).
+    model_shardings: Any = None
+
+    def weight_shardings(self) -> Any:
+        """Where params in model order go: :attr:`model_shardings`, else the saved params'."""
+        if self.model_shardings is not None:
+            return self.model_shardings
+        return jax.tree.map(lambda x: x.sharding, self.saved_abstract.params)
 
     def abstract_batch(self, batch_size: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
         x = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=self.batch_sharding)

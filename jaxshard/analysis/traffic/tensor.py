@@ -41,7 +41,7 @@ def layers(ledger: Ledger) -> None:
     # with kv heads tensor does not split, the partitioner reduces each one's separately: q, k,
     # v (just q when the kv heads are replicated) and the MLP's one (GELU) or two (SwiGLU)
     # input projections.
-    mlp_in = 2 if getattr(cfg.mlp, "value", cfg.mlp) == "swiglu" else 1
+    mlp_in = cfg.mlp_in
     cp = bool(rules.activation_mesh_axes(Dim.LENGTH))
     fused = not cp and not (ledger.sp and K % T)  # the attention block's; the MLP's: not cp
     bwd_inputs = (1 if fused or K % T else 3) + (1 if not cp else mlp_in)
