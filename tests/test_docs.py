@@ -183,6 +183,7 @@ KINDS = {
     "scripts/bench.py": Kind("scripts/bench.py", ("--models", "tiny", "--strategies", "ddp,fsdp,tp+sp",
                                                   "--no-scaling", *BENCH), runtime=EIGHT),
     "scripts/bench_moe.py": Kind("scripts/bench_moe.py", (*BENCH, "--rounds", "1"), runtime=()),
+    "scripts/bench_plan.py": Kind("scripts/bench_plan.py", process=True, process_runtime=()),  # analysis only
     "scripts/bench_reducer.py": Kind("scripts/bench_reducer.py", ("--buckets", "1", *BENCH,
                                                                   "--rounds", "1"), runtime=()),
     "scripts/bench_local_sgd.py": Kind("scripts/bench_local_sgd.py", ("--sync-every", "1,2", "--steps", "2",

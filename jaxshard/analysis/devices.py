@@ -13,27 +13,54 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class Device:
-    """An accelerator: dense peak FLOP/s and the bandwidth one device gets per direction."""
+    """An accelerator in a typical 8-GPU host: what the time model prices work and transfers at.
+
+    Every number is a physical quantity with its source in :data:`SOURCES`; none is fitted."""
 
     name: str
     memory: float  # bytes
-    bf16_tflops: float
+    bf16_tflops: float  # dense datasheet peak
     fp32_tflops: float  # TF32 tensor cores where the device has them
     intra_host_gbs: float  # NVLink (or PCIe) GB/s per device, one direction
-    inter_host_gbs: float  # network GB/s per device (e.g. 400 Gb/s NDR = 50 GB/s)
+    inter_host_gbs: float  # network GB/s per device, one direction (one NIC per GPU: 400 Gb/s NDR = 50 GB/s)
     per_host: int
+    # The fastest a large bf16 matmul runs, measured (MAMF); None where no measurement is
+    # published (the dense peak is then the ceiling, an upper bound).
+    matmul_tflops: float | None = None
+    hbm_gbs: float | None = None  # HBM bandwidth, GB/s
 
     def peak(self, compute_dtype: str) -> float:
         return 1e12 * (self.bf16_tflops if compute_dtype != "float32" else self.fp32_tflops)
 
+    def matmul_flops(self, compute_dtype: str) -> float:
+        """FLOP/s of a large matmul: the measured ceiling (scaled with the peak for float32's
+        TF32), or the peak where none is published."""
+        if self.matmul_tflops is None:
+            return self.peak(compute_dtype)
+        return self.peak(compute_dtype) * self.matmul_tflops / self.bf16_tflops
 
-# Dense (no sparsity) datasheet peaks; typical 8-GPU HGX/DGX hosts.
+
+# Dense (no sparsity) datasheet peaks; typical 8-GPU HGX/DGX hosts (sources below).
 KNOWN_DEVICES = {
-    "h100": Device("h100", 80 * GB, 989, 494, 450, 50, 8),
-    "h200": Device("h200", 141 * GB, 989, 494, 450, 50, 8),
-    "a100-80gb": Device("a100-80gb", 80 * GB, 312, 156, 300, 25, 8),
-    "a100-40gb": Device("a100-40gb", 40 * GB, 312, 156, 300, 25, 8),
-    "v100": Device("v100", 32 * GB, 125, 15.7, 150, 12.5, 8),
+    "h100": Device("h100", 80 * GB, 989, 494, 450, 50, 8, matmul_tflops=792.1, hbm_gbs=3350),
+    "h200": Device("h200", 141 * GB, 989, 494, 450, 50, 8, matmul_tflops=828.0, hbm_gbs=4800),
+    "a100-80gb": Device("a100-80gb", 80 * GB, 312, 156, 300, 25, 8, matmul_tflops=267.9, hbm_gbs=2039),
+    "a100-40gb": Device("a100-40gb", 40 * GB, 312, 156, 300, 25, 8, matmul_tflops=267.9, hbm_gbs=1555),
+    "v100": Device("v100", 32 * GB, 125, 15.7, 150, 12.5, 8, hbm_gbs=900),
+}
+
+SOURCES = {
+    "bf16_tflops, fp32_tflops, memory, hbm_gbs": "NVIDIA datasheets: A100 Tensor Core GPU (SXM4: 312 "
+        "TFLOPS bf16, 156 TF32, 1,555 GB/s 40 GB, 2,039 GB/s 80 GB), H100 Tensor Core GPU (SXM5: 989 bf16, "
+        "494 TF32, 3.35 TB/s), H200 (SXM: 989 bf16, 4.8 TB/s, 141 GB), V100 (SXM2: 125 tensor, 15.7 fp32, "
+        "900 GB/s)",
+    "intra_host_gbs": "NVLink per GPU, half the datasheets' bidirectional total: V100 300 GB/s, A100 600, "
+                      "H100/H200 900",
+    "inter_host_gbs": "one NIC per GPU as in DGX systems: DGX A100 8 x 200 Gb/s HDR (25 GB/s), DGX H100 8 x "
+                      "400 Gb/s NDR (50 GB/s), DGX-2 8 x 100 Gb/s EDR (12.5 GB/s)",
+    "matmul_tflops": "Maximum Achievable Matmul FLOPS, bf16, measured with mamf-finder.py (S. Bekman, "
+                     "Machine Learning Engineering, compute/accelerator): A100 SXM 267.9 (CUDA 12.1), "
+                     "H100 SXM 792.1 (CUDA 12.1), H200 SXM 828.0 (mean of five runs); none for V100",
 }
 
 
@@ -71,9 +98,11 @@ def device_spec(name: str | None, *, memory: float | None = None, peak_tflops: f
             raise ConfigError(f"without --device, give {', '.join(missing)} (no silent defaults); "
                               f"known devices: {', '.join(KNOWN_DEVICES)}")
         base = Device("custom", memory, peak_tflops, peak_tflops, intra_gbs, inter_gbs, per_host or 8)
+    # (A peak given by flags replaces the measured matmul ceiling too: it is no longer that device.)
     return Device(base.name, memory or base.memory, peak_tflops or base.bf16_tflops,
                   peak_tflops or base.fp32_tflops, intra_gbs or base.intra_host_gbs,
-                  inter_gbs or base.inter_host_gbs, per_host or base.per_host)
+                  inter_gbs or base.inter_host_gbs, per_host or base.per_host,
+                  matmul_tflops=None if peak_tflops else base.matmul_tflops, hbm_gbs=base.hbm_gbs)
 
 
 def detect_device(device_kind: str, memory_bytes: float | None = None) -> Device | None:

@@ -1,0 +1,258 @@
+"""How long a training step takes on real accelerators: a model from shapes, the software's
+kernels and the devices' measured ceilings, with nothing fitted to the runs it predicts.
+
+A step's time on one device is the sum of
+
+* **matmuls** -- the layers' projections, MLP and vocabulary head, forward, backward (twice the
+  forward) and what the recompute policy runs again -- at the largest matmul rate measured on
+  the device (:attr:`Device.matmul_tflops`, the MAMF; the dense peak is never reached);
+* **the attention core** -- materialised (Megatron 2021: ``QK^T`` and ``PV`` as batched
+  matmuls, the full square, their scores through HBM) at the matmul rate, or a flash kernel
+  (causal blocks skipped: half the square; the backward recomputes the scores, 2.5 forwards)
+  at that kernel's measured rate (:data:`FLASH_TFLOPS`);
+* **memory-bound work** -- norms, activations, softmax, dropout, residual adds -- priced by the
+  bytes they move at HBM bandwidth: each activation a layer stores for the backward pass
+  (Korthikanti et al. 2022's count, :func:`stored_bytes`) is written and read once in the
+  forward pass, twice that in the backward, and once more per recompute;
+* **the optimizer** -- AdamW reads and writes the optimizer state and reads the gradients once,
+  at HBM bandwidth;
+* **communication** that the software does not hide behind compute: each collective of the
+  accounting (:mod:`jaxshard.analysis.traffic`) priced as a ring over its group at the
+  bandwidth of the slowest link it crosses -- NVLink within a host, and across hosts the NICs
+  of the group's devices in each host (NCCL runs one ring per NIC, so a group with ``g``
+  devices per host crosses at ``g`` NICs' bandwidth, at most NVLink's);
+* **the pipeline bubble** -- (P - 1) / (V M) of the compute with P stages, V virtual stages per
+  device and M microbatches -- and the stage-to-stage sends.
+
+What the software does (:class:`Software`) is stated per code base with its source: which
+attention kernel, whether the data-parallel reduction and FSDP's gathers overlap compute,
+whether elementwise work is fused. Predictions are checked against published runs in
+``scripts/bench_plan.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from jaxshard.analysis import accounting
+from jaxshard.analysis.devices import GB, Device
+from jaxshard.analysis.traffic import Transfer
+from jaxshard.axes import Dim
+from jaxshard.model import Stageable
+from jaxshard.remat import Kind, Remat
+from jaxshard.rules import ShardingRules
+
+# Flash attention's forward + backward throughput, causal, head dim 128, long sequences,
+# counted as the kernel's FLOPs (causal half square, backward 2.5 forwards). FlashAttention-2
+# (Dao 2023, arXiv 2307.08691): 50-73% of the A100's peak (abstract), ~335 TFLOP/s on H100.
+# Hopper's FlashAttention-3 / cuDNN kernels (Shah et al. 2024, arXiv 2407.08608): up to 740
+# TFLOP/s forward. Two entries are assumptions until measured: the A100's forward + backward
+# as the middle of FA2's band (0.62 of peak), and FA3's forward + backward as 550, between
+# FA2's 335 and FA3's forward 740.
+FLASH_TFLOPS = {
+    "fa2": {"a100-80gb": 0.62 * 312, "a100-40gb": 0.62 * 312, "h100": 335.0, "h200": 335.0},
+    "fa3": {"h100": 550.0, "h200": 550.0},
+}
+
+
+@dataclass(frozen=True)
+class Software:
+    """What a code base does that its step time depends on (facts about its code, not fits)."""
+
+    name: str
+    attention: str  # "materialized" (scores in HBM, fused scale-mask-softmax) or a FLASH_TFLOPS kernel
+    overlap_data: bool  # the data-parallel reduction and FSDP's gathers run behind compute
+    dropout: bool = False  # dropout masks stored and applied (Megatron 2021's GPT runs)
+    # Gradients reduced once per step (DDP's no_sync, Megatron's accumulation buffers), or once
+    # per microbatch as jaxshard's compiled accumulation scan does (the accounting's count).
+    reduce_per_microbatch: bool = False
+    source: str = ""
+
+
+SOFTWARE = {
+    "megatron-2021": Software(
+        "megatron-2021", "materialized", overlap_data=False, dropout=True,
+        source="Narayanan et al. 2021 (Megatron-LM, SC21): fused bias-GeLU, bias-dropout-add and "
+               "scale-mask-softmax kernels; unfused attention; gradients all-reduced after the backward pass"),
+    "torchtitan": Software(
+        "torchtitan", "fa2", overlap_data=True,
+        source="torchtitan (Liang et al. 2024, arXiv 2410.06511): SDPA's FlashAttention-2 kernel; FSDP2 "
+               "prefetches the next layer's gather; without torch.compile every elementwise op is a kernel"),
+    "maxtext": Software(
+        "maxtext", "fa3", overlap_data=True,
+        source="MaxText configs/a3 (GPU): cuDNN flash attention; XLA fuses elementwise work and its "
+               "latency-hiding scheduler overlaps FSDP's collectives"),
+    "jaxshard": Software(
+        "jaxshard", "fa3", overlap_data=True, reduce_per_microbatch=True,
+        source="jax.nn.dot_product_attention picks cuDNN's flash kernel on Hopper; XLA fuses "
+               "elementwise work and overlaps collectives (not yet measured on a GPU)"),
+}
+
+
+def stored_bytes(cfg: Any, tokens: int, seq_len: int, tensor: int, sp: bool, software: Software,
+                 c: int = 2) -> float:
+    """Activation bytes one layer stores for its backward pass, per device: Korthikanti et al.
+    2022 (Sec. 4.1: sbh(34 + 5as/h), with tensor t sbh(10 + 24/t + 5as/(ht)), with SP all of it
+    over t), generalised to grouped-query heads and SwiGLU and without dropout's masks where
+    the software has none; a flash kernel stores no scores."""
+    D, F, t = cfg.d_model, cfg.d_mlp, tensor
+    q, kv = cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
+    drop = 1 if software.dropout else 0  # a byte-per-element mask after attention and after the MLP
+    # Replicated over tensor unless SP splits them: the two norms' inputs, the attention's and
+    # the MLP's inputs, the two dropout masks (10 sbh in the paper).
+    shared = c * 2 * D + c * D + c * D + drop * 2 * D
+    split = c * (2 * q + 2 * kv)  # q and k for the scores, v, the output projection's input (8 sbh)
+    split += c * (cfg.mlp_in + 1) * F  # the MLP's hidden values: GELU's input and output, SwiGLU's three
+    scores = 0.0
+    if software.attention == "materialized":
+        scores = cfg.n_heads * seq_len * (c + (drop + c) * drop)  # softmax output (+ mask, dropout output)
+    per_token = (shared / t if sp else shared) + (split + scores) / t
+    return per_token * tokens
+
+
+@dataclass
+class StepTime:
+    """One step on one device, in seconds, by part (``exposed``: communication not hidden)."""
+
+    matmul: float
+    attention: float
+    memory_bound: float
+    optimizer: float
+    bubble: float
+    exposed: dict[str, float] = field(default_factory=dict)  # by mesh axes, e.g. "tensor", "data+fsdp"
+    hidden: dict[str, float] = field(default_factory=dict)  # communication behind compute
+    flops: float = 0.0  # what the device computes, per step
+
+    @property
+    def compute(self) -> float:
+        return self.matmul + self.attention + self.memory_bound + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.bubble + sum(self.exposed.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"step_s": self.total, "compute_s": self.compute, "matmul_s": self.matmul,
+                "attention_s": self.attention, "memory_bound_s": self.memory_bound,
+                "optimizer_s": self.optimizer, "bubble_s": self.bubble,
+                "exposed_communication_s": dict(self.exposed), "hidden_communication_s": dict(self.hidden)}
+
+
+def group_bandwidth(t: Transfer, mesh: dict[str, int], device: Device) -> float:
+    """Bytes/s a device's ring over ``t``'s group moves at: NVLink within a host; across hosts
+    the group's NICs in each host (one ring per NIC), at most NVLink's. Devices fill hosts in
+    mesh order, the last axis fastest."""
+    stride, inner = 1, {}
+    for axis, size in reversed(list(mesh.items())):
+        inner[axis] = stride
+        stride *= size
+    per_host = device.per_host
+    span = max(inner[a] * mesh[a] for a in t.axes)  # the devices one group's index range covers
+    if span <= per_host:
+        return device.intra_host_gbs * GB
+    # The group's devices within one host: the product of its axes' parts that lie inside a host.
+    in_host = 1
+    for a in t.axes:
+        in_host *= max(1, min(mesh[a], per_host // inner[a]))
+    return min(device.intra_host_gbs, in_host * device.inter_host_gbs) * GB
+
+
+def recomputed(remat: Remat) -> float:
+    """The share of a layer's forward matmuls the backward pass runs again."""
+    match remat.kind:
+        case Kind.NONE | Kind.DOTS | Kind.SELECTIVE | Kind.DOTS_NO_BATCH:
+            return 0.0
+        case Kind.NAMES:  # (every matmul output not named is recomputed; counted as full)
+            return 1.0
+    return 1.0
+
+
+def step_time(model: Stageable, rules: ShardingRules, mesh: dict[str, int], device: Device,
+              batch_size: int, seq_len: int, *, software: Software, compute_dtype: str = "bfloat16",
+              param_dtype: str | None = None, remat: Remat = Remat.NONE, recompute: float | None = None,
+              microbatches: int = 1, virtual_stages: int = 1, grad_accum: int = 1) -> StepTime:
+    """The predicted step time of ``model`` under ``rules`` on ``device``s laid out as ``mesh``
+    (outermost first). ``microbatches`` and ``virtual_stages``: a pipeline's, with a stage axis;
+    ``grad_accum``: microbatches without one. ``recompute`` overrides the share of forward
+    matmuls the remat policy runs again (a policy of another code base, e.g. torchtitan's
+    selective "op" policy recomputes every second matmul: 0.5)."""
+    cfg = model.cfg
+    c = accounting.dtype_bytes(compute_dtype)
+    param_dtype = param_dtype or compute_dtype
+    remat = Remat.parse(remat)
+    again = recomputed(remat) if recompute is None else recompute
+    stages = mesh.get("stage", 1)
+    tensor = rules.size(rules.activation_mesh_axes(Dim.ACT_HEADS))
+    sp = rules.size(rules.activation_mesh_axes(Dim.RESIDUAL_LENGTH)) > rules.size(rules.activation_mesh_axes(Dim.LENGTH))
+    cp = rules.size(rules.activation_mesh_axes(Dim.LENGTH))
+    tokens = batch_size * seq_len // rules.size(rules.batch_axes) // cp  # this device's, per step
+    L, layers = seq_len, cfg.n_layers / stages
+
+    # Matmuls: the layers' and the head's (the head on one stage: the last stage's extra work
+    # sets the pace; counted on every stage as the slowest one).
+    fl = accounting.flops(cfg, rules, batch_size, seq_len, remat=Remat.NONE)
+    layer_matmul = (fl.matmul_per_token - 2 * cfg.d_model * cfg.padded_vocab) / cfg.n_layers / tensor
+    head = 2 * cfg.d_model * cfg.padded_vocab / tensor
+    matmul_flops = tokens * ((3 + again) * layer_matmul * layers + 3 * head)
+    rate = device.matmul_flops(compute_dtype)
+    matmul_s = matmul_flops / rate
+
+    # The attention core, per layer per token, forward: 4 L q (the full square).
+    square = 4 * L * cfg.n_heads * cfg.d_head / tensor / cp
+    if software.attention == "materialized":
+        attention_flops = tokens * layers * square * (3 + again)
+        attention_s = attention_flops / rate
+    else:
+        kernel = FLASH_TFLOPS[software.attention].get(device.name)
+        if kernel is None:
+            raise ValueError(f"no measured {software.attention} throughput for {device.name}")
+        attention_flops = tokens * layers * square / 2 * (3.5 + again)
+        attention_s = attention_flops / (kernel * 1e12)
+
+    # Memory-bound work: the stored activations written and read, forward, recompute, backward.
+    hbm = (device.hbm_gbs or math.inf) * GB
+    stored = stored_bytes(cfg, tokens, L, tensor, sp, software, c) * layers
+    memory_s = stored * (2 + 2 * again + 4) / hbm
+
+    mem = accounting.memory(model, rules, batch_size, seq_len, compute_dtype=compute_dtype, remat=remat,
+                            grad_accum=grad_accum * microbatches, param_dtype=param_dtype)
+    optimizer_s = (2 * mem.opt_state + mem.grads + mem.params) / hbm
+
+    compute = matmul_s + attention_s + memory_s + optimizer_s
+    # Pipeline: (P - 1) / (V M) of the stage's compute idles.
+    bubble = compute * (stages - 1) / (virtual_stages * microbatches) if stages > 1 else 0.0
+
+    # (Split into microbatches or not, the activations' collectives add up to the same bytes.)
+    split = max(grad_accum, microbatches if stages > 1 else 1) if software.reduce_per_microbatch else 1
+    comm = accounting.communication(model, rules, batch_size, seq_len, compute_dtype=compute_dtype,
+                                    remat=remat, grad_accum=split, param_dtype=param_dtype)
+    exposed: dict[str, float] = {}
+    hidden: dict[str, float] = {}
+    behind = {"data", "fsdp"} if software.overlap_data else set()
+    for t in comm.transfers:
+        # The accounting counts every layer's activation collectives; a stage runs 1/P of the
+        # layers. Its parameters' gradients and gathers are its own shard's already.
+        share = 1 if set(t.axes) & {"data", "fsdp", "stage"} else stages
+        seconds = t.sent_bytes / group_bandwidth(t, mesh, device) / share
+        name = "+".join(t.axes)
+        where = hidden if set(t.axes) <= behind else exposed
+        where[name] = where.get(name, 0.0) + seconds
+    if stages > 1:  # a microbatch's activations (and their gradients) to the next stage, per chunk
+        act = c * tokens // microbatches * cfg.d_model / tensor  # Megatron's scatter-gather: 1/t each
+        send = {"stage": stages}
+        hops = 2 * virtual_stages * microbatches
+        bw = group_bandwidth(Transfer("collective-permute", ("stage",), 0, 1, "", stages), mesh | send, device)
+        exposed["stage"] = exposed.get("stage", 0.0) + hops * act / bw
+    # What overlaps compute shows only where it outlasts it.
+    overflow = sum(hidden.values()) - compute
+    if overflow > 0:
+        exposed["overlap overflow"] = overflow
+    return StepTime(matmul=matmul_s, attention=attention_s, memory_bound=memory_s, optimizer=optimizer_s,
+                    bubble=bubble, exposed=exposed, hidden=hidden, flops=matmul_flops + attention_flops)
+
+
+def with_software(software: str | Software, **changes: Any) -> Software:
+    base = SOFTWARE[software] if isinstance(software, str) else software
+    return replace(base, **changes)

@@ -1,0 +1,102 @@
+"""The step-time model (jaxshard.analysis.timing): its parts reduce to the published formulas
+they come from, links are priced by where a group's devices sit, and the published runs'
+benchmark runs (scripts/bench_plan.py; its ratios are in docs/seeing.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxshard.analysis import timing
+from jaxshard.analysis.devices import GB, KNOWN_DEVICES
+from jaxshard.analysis.traffic import Transfer
+from jaxshard.remat import Remat
+from models import TransformerLM
+from models.config import ModelConfig, Mlp, Norm, Positions
+
+ROOT = Path(__file__).resolve().parents[1]
+A100 = KNOWN_DEVICES["a100-80gb"]
+
+
+def gpt3_like(layers=4, h=2048, a=16):
+    return ModelConfig(name="gpt3-like", n_layers=layers, d_model=h, n_heads=a, d_mlp=4 * h, vocab_size=51200,
+                       max_seq_len=2048, norm=Norm.LAYER, mlp=Mlp.GELU, positions=Positions.LEARNED)
+
+
+@pytest.mark.parametrize("t, sp", [(1, False), (4, False), (8, False), (4, True), (8, True)])
+def test_stored_bytes_are_korthikantis_for_a_gpt(t, sp):
+    """Korthikanti et al. 2022, Table 2 (16-bit activations, dropout): sbh(34 + 5as/h) without
+    parallelism, sbh(10 + 24/t + 5as/(ht)) with tensor t, sbh(34/t + 5as/(ht)) with SP."""
+    cfg, s, b = gpt3_like(), 2048, 2
+    h, a = cfg.d_model, cfg.n_heads
+    megatron = timing.SOFTWARE["megatron-2021"]
+    got = timing.stored_bytes(cfg, b * s, s, t, sp, megatron)
+    linear = 34 / t if sp else 10 + 24 / t
+    assert got == pytest.approx(s * b * h * (linear + 5 * a * s / (h * t)))
+    # A flash kernel stores no scores; without dropout no masks and no dropout output.
+    flash = timing.with_software(megatron, attention="fa2", dropout=False)
+    assert timing.stored_bytes(cfg, b * s, s, t, sp, flash) == pytest.approx(
+        s * b * h * ((32 / t) if sp else 8 + 24 / t))
+
+
+def test_links_are_priced_by_where_the_group_sits():
+    """Within a host NVLink; a group with one device per host crosses at one NIC; g devices per
+    host at g NICs, never above NVLink."""
+    mesh = {"data": 16, "tensor": 8}  # 16 hosts of 8: tensor within one, data one device per host
+    nvlink, nic = A100.intra_host_gbs * GB, A100.inter_host_gbs * GB
+    tp = Transfer("all-reduce", ("tensor",), 1, 1, "", 8)
+    dp = Transfer("all-reduce", ("data",), 1, 1, "", 16)
+    assert timing.group_bandwidth(tp, mesh, A100) == nvlink
+    assert timing.group_bandwidth(dp, mesh, A100) == nic
+    mesh = {"data": 32, "tensor": 4}  # two tensor groups per host: a data group has 2 devices in each
+    assert timing.group_bandwidth(Transfer("all-reduce", ("data",), 1, 1, "", 32), mesh, A100) == 2 * nic
+    assert timing.group_bandwidth(Transfer("all-gather", ("fsdp",), 1, 1, "", 64), {"fsdp": 64}, A100) \
+        == min(nvlink, 8 * nic)
+
+
+def _step(mesh, software=timing.SOFTWARE["megatron-2021"], **kw):
+    from scripts.bench_plan import abstract_rules
+
+    model = TransformerLM(gpt3_like(layers=8), remat=Remat.FULL)
+    return timing.step_time(model, abstract_rules(mesh), mesh, A100, kw.pop("batch", 64), 2048,
+                            software=software, compute_dtype="float16", remat=Remat.FULL, **kw)
+
+
+def test_the_bubble_is_the_schedules_idle_share():
+    t = _step({"stage": 4, "data": 2, "tensor": 8}, microbatches=16, virtual_stages=2)
+    assert t.bubble == pytest.approx(t.compute * 3 / (2 * 16))
+    assert _step({"stage": 4, "data": 2, "tensor": 8}, microbatches=16).bubble == pytest.approx(t.bubble * 2)
+
+
+def test_overlapped_reduction_shows_only_beyond_compute():
+    """Megatron 2021 all-reduces gradients after the backward pass (exposed); a software that
+    overlaps them hides them unless they outlast the compute."""
+    mesh = {"data": 64}
+    overlapping = timing.with_software("megatron-2021", overlap_data=True)
+    exposed, hidden = _step(mesh), _step(mesh, software=overlapping)
+    assert exposed.exposed["data"] > 0 and "data" not in hidden.exposed
+    assert hidden.hidden["data"] == pytest.approx(exposed.exposed["data"])
+
+
+def test_more_tensor_parallelism_splits_the_matmuls():
+    one, four = _step({"data": 8, "tensor": 1}), _step({"data": 2, "tensor": 4})
+    assert four.matmul == pytest.approx(one.matmul)  # 4x fewer FLOPs per token on 4x the tokens
+    assert four.exposed["tensor"] > 0 and "tensor" not in one.exposed
+
+
+def test_the_published_runs_benchmark(tmp_path):
+    out = tmp_path / "rows.json"
+    done = subprocess.run([sys.executable, "scripts/bench_plan.py", "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())
+    assert len(rows) == 9 and {r["software"] for r in rows} == {"megatron-2021", "torchtitan", "maxtext"}
+    for r in rows:
+        assert r["ratio"] == pytest.approx(r["predicted"]["step_s"] / r["published_step_s"])
+        parts = r["predicted"]
+        assert parts["step_s"] == pytest.approx(parts["compute_s"] + parts["bubble_s"]
+                                                + sum(parts["exposed_communication_s"].values()))
