@@ -21,11 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jax.sharding import AbstractMesh, AxisType  # noqa: E402
-
 from jaxshard.analysis import timing  # noqa: E402
+from jaxshard.analysis.planner import abstract_mesh  # noqa: E402
 from jaxshard.analysis.devices import KNOWN_DEVICES  # noqa: E402
-from jaxshard.axes import MESH_AXES  # noqa: E402
 from jaxshard.remat import Remat  # noqa: E402
 from jaxshard.rules import ShardingRules, Strategy  # noqa: E402
 from models import TransformerLM  # noqa: E402
@@ -113,11 +111,7 @@ def maxtext_step(run: Run, tflops: float) -> float:
 
 
 def abstract_rules(mesh: dict[str, int]) -> ShardingRules:
-    full = dict(mesh)
-    for a in MESH_AXES:
-        full.setdefault(str(a), 1)
-    am = AbstractMesh(tuple(full.values()), tuple(full), axis_types=(AxisType.Auto,) * len(full))
-    return ShardingRules(am, Strategy())
+    return ShardingRules(abstract_mesh(mesh), Strategy())
 
 
 def predict(run: Run) -> timing.StepTime:

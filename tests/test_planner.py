@@ -137,7 +137,7 @@ def test_pipeline_plans_hold_a_stage_of_the_layers_and_few_microbatches():
     assert 0.5 * flat.memory.opt_state < piped.memory.opt_state < 0.6 * flat.memory.opt_state
     # 1F1B keeps 3 of the 8 microbatches (2P - 1), each through half the layers, of a batch
     # that data=2 splits in two instead of four.
-    one = planner.accounting.memory(model, planner.ShardingRules(planner._abstract_mesh(piped.mesh)),
+    one = planner.accounting.memory(model, planner.ShardingRules(planner.abstract_mesh(piped.mesh)),
                                     32 // 8, 2048, compute_dtype="bfloat16").activations
     assert piped.memory.activations == one * 3 // 2
     # The bubble stretches half the step's work by (M + P - 1) / M.

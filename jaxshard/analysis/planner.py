@@ -92,7 +92,8 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _abstract_mesh(mesh: dict[str, int]) -> AbstractMesh:
+def abstract_mesh(mesh: dict[str, int]) -> AbstractMesh:
+    """An abstract mesh of every axis (those not in ``mesh`` of size 1), for rules without devices."""
     full = dict(mesh)
     for a in MESH_AXES:
         full.setdefault(str(a), 1)
@@ -175,7 +176,7 @@ def evaluate(model: Stageable, mesh: dict[str, int], strategy: Strategy, remat: 
              batch_size: int, seq_len: int, compute_dtype: str = "bfloat16",
              mfu: float = 0.5, usable: float = 0.9, microbatches: int | None = None,
              grad_accum: int = 1) -> Plan:
-    rules = ShardingRules(_abstract_mesh(mesh), strategy)
+    rules = ShardingRules(abstract_mesh(mesh), strategy)
     kw = dict(compute_dtype=compute_dtype, remat=remat)
     mem = accounting.memory(model, rules, batch_size, seq_len, grad_accum=grad_accum, **kw)
     fl = accounting.flops(model.cfg, rules, batch_size, seq_len, remat=remat, model=model)
