@@ -100,3 +100,39 @@ def test_the_published_runs_benchmark(tmp_path):
         parts = r["predicted"]
         assert parts["step_s"] == pytest.approx(parts["compute_s"] + parts["bubble_s"]
                                                 + sum(parts["exposed_communication_s"].values()))
+
+
+def test_what_the_model_cannot_price_is_a_one_line_error():
+    """A device without an HBM bandwidth, or a flash kernel never measured on it, is an error
+    naming what is missing -- never a silent zero."""
+    from dataclasses import replace
+
+    from jaxshard.errors import ConfigError
+    from scripts.bench_plan import abstract_rules
+
+    model, mesh = TransformerLM(gpt3_like(layers=2)), {"data": 8}
+    kw = dict(software=timing.SOFTWARE["megatron-2021"], compute_dtype="float16")
+    with pytest.raises(ConfigError, match="HBM bandwidth"):
+        timing.step_time(model, abstract_rules(mesh), mesh, replace(A100, hbm_gbs=None), 8, 2048, **kw)
+    kw["software"] = timing.SOFTWARE["maxtext"]  # FlashAttention-3: Hopper only
+    with pytest.raises(ConfigError, match="^no fa3 attention throughput is known for a100-80gb"):
+        timing.step_time(model, abstract_rules(mesh), mesh, A100, 8, 2048, **kw)
+
+
+def test_the_docs_table_is_what_the_benchmark_prints(tmp_path):
+    """docs/seeing.md's table of published runs: each row's published and predicted step time
+    and ratio as scripts/bench_plan.py computes them today (a changed model changes the page)."""
+    import re
+
+    out = tmp_path / "rows.json"
+    subprocess.run([sys.executable, "scripts/bench_plan.py", "--json", str(out)], cwd=ROOT, check=True,
+                   capture_output=True, timeout=300)
+    rows = json.loads(out.read_text())
+    page = (ROOT / "docs" / "seeing.md").read_text()
+    table = [line.split("|")[1:-1] for line in page.splitlines()
+             if re.match(r"\| (GPT|Llama) ", line)]
+    assert len(table) == len(rows)
+    for cells, row in zip(table, rows):
+        assert cells[0].strip() == row["run"] and cells[2].strip() == str(row["gpus"])
+        assert [c.strip() for c in cells[-3:]] == [f"{row['published_step_s']:.2f}",
+                                                  f"{row['predicted']['step_s']:.2f}", f"{row['ratio']:.2f}"]

@@ -32,14 +32,14 @@ whether elementwise work is fused. Predictions are checked against published run
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from jaxshard.analysis import accounting
-from jaxshard.analysis.devices import GB, Device
+from jaxshard.analysis.devices import GB, KNOWN_DEVICES, Device
 from jaxshard.analysis.traffic import Transfer
 from jaxshard.axes import Dim
+from jaxshard.errors import ConfigError
 from jaxshard.model import Stageable
 from jaxshard.remat import Kind, Remat
 from jaxshard.rules import ShardingRules
@@ -107,7 +107,7 @@ def stored_bytes(cfg: Any, tokens: int, seq_len: int, tensor: int, sp: bool, sof
     split += c * (cfg.mlp_in + 1) * F  # the MLP's hidden values: GELU's input and output, SwiGLU's three
     scores = 0.0
     if software.attention == "materialized":
-        scores = cfg.n_heads * seq_len * (c + (drop + c) * drop)  # softmax output (+ mask, dropout output)
+        scores = cfg.n_heads * seq_len * (c + drop * (1 + c))  # softmax output (+ dropout's mask and output)
     per_token = (shared / t if sp else shared) + (split + scores) / t
     return per_token * tokens
 
@@ -137,7 +137,8 @@ class StepTime:
         return {"step_s": self.total, "compute_s": self.compute, "matmul_s": self.matmul,
                 "attention_s": self.attention, "memory_bound_s": self.memory_bound,
                 "optimizer_s": self.optimizer, "bubble_s": self.bubble,
-                "exposed_communication_s": dict(self.exposed), "hidden_communication_s": dict(self.hidden)}
+                "exposed_communication_s": dict(self.exposed), "hidden_communication_s": dict(self.hidden),
+                "flops_per_device": self.flops}
 
 
 def group_bandwidth(t: Transfer, mesh: dict[str, int], device: Device) -> float:
@@ -160,13 +161,10 @@ def group_bandwidth(t: Transfer, mesh: dict[str, int], device: Device) -> float:
 
 
 def recomputed(remat: Remat) -> float:
-    """The share of a layer's forward matmuls the backward pass runs again."""
-    match remat.kind:
-        case Kind.NONE | Kind.DOTS | Kind.SELECTIVE | Kind.DOTS_NO_BATCH:
-            return 0.0
-        case Kind.NAMES:  # (every matmul output not named is recomputed; counted as full)
-            return 1.0
-    return 1.0
+    """The share of a layer's forward matmuls the backward pass runs again: none where every
+    matmul output is kept (or only the attention core is recomputed), all of them otherwise
+    (names/offload keep a few outputs; counted as full, as the accounting's FLOPs do)."""
+    return 0.0 if remat.kind in (Kind.NONE, Kind.DOTS, Kind.SELECTIVE, Kind.DOTS_NO_BATCH) else 1.0
 
 
 def step_time(model: Stageable, rules: ShardingRules, mesh: dict[str, int], device: Device,
@@ -207,12 +205,16 @@ def step_time(model: Stageable, rules: ShardingRules, mesh: dict[str, int], devi
     else:
         kernel = FLASH_TFLOPS[software.attention].get(device.name)
         if kernel is None:
-            raise ValueError(f"no measured {software.attention} throughput for {device.name}")
+            raise ConfigError(f"no {software.attention} attention throughput is known for {device.name}; "
+                              f"known: {', '.join(FLASH_TFLOPS[software.attention])}")
         attention_flops = tokens * layers * square / 2 * (3.5 + again)
         attention_s = attention_flops / (kernel * 1e12)
 
     # Memory-bound work: the stored activations written and read, forward, recompute, backward.
-    hbm = (device.hbm_gbs or math.inf) * GB
+    if device.hbm_gbs is None:
+        raise ConfigError(f"the time model needs {device.name}'s HBM bandwidth; known devices: "
+                          f"{', '.join(KNOWN_DEVICES)}")
+    hbm = device.hbm_gbs * GB
     stored = stored_bytes(cfg, tokens, L, tensor, sp, software, c) * layers
     memory_s = stored * (2 + 2 * again + 4) / hbm
 
@@ -241,9 +243,8 @@ def step_time(model: Stageable, rules: ShardingRules, mesh: dict[str, int], devi
         where[name] = where.get(name, 0.0) + seconds
     if stages > 1:  # a microbatch's activations (and their gradients) to the next stage, per chunk
         act = c * tokens // microbatches * cfg.d_model / tensor  # Megatron's scatter-gather: 1/t each
-        send = {"stage": stages}
         hops = 2 * virtual_stages * microbatches
-        bw = group_bandwidth(Transfer("collective-permute", ("stage",), 0, 1, "", stages), mesh | send, device)
+        bw = group_bandwidth(Transfer("collective-permute", ("stage",), 0, 1, "", stages), mesh, device)
         exposed["stage"] = exposed.get("stage", 0.0) + hops * act / bw
     # What overlaps compute shows only where it outlasts it.
     overflow = sum(hidden.values()) - compute
