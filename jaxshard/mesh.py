@@ -142,3 +142,15 @@ def _hybrid_mesh(spec: MeshSpec, dcn: MeshSpec, devices: list) -> jax.sharding.M
 def axis_sizes(mesh: jax.sharding.Mesh) -> dict[str, int]:
     """``{axis: size}`` in the mesh's nesting order (the report's ``mesh`` field)."""
     return {str(name): int(size) for name, size in mesh.shape.items()}
+
+
+def abstract_mesh(sizes: dict[str, int]) -> jax.sharding.AbstractMesh:
+    """A mesh of no devices with every axis (those not in ``sizes`` of size 1), in ``sizes``'
+    order: rules for a cluster this machine does not have (the planner, the time model)."""
+    import jax
+
+    full = dict(sizes)
+    for a in MESH_AXES:
+        full.setdefault(str(a), 1)
+    return jax.sharding.AbstractMesh(tuple(full.values()), tuple(full),
+                                     axis_types=(jax.sharding.AxisType.Auto,) * len(full))

@@ -42,11 +42,7 @@ def model_config(cfg: RunConfig, tokenizer_vocab: int | None = None):
     if tokenizer_vocab is not None and not choice.init_from:
         shape.setdefault("vocab_size", tokenizer_vocab)
     if shape:
-        if "d_model" in shape or "n_heads" in shape:  # d_head follows them unless given
-            shape.setdefault("d_head", None)
-        if "n_heads" in shape and model_cfg.n_kv_heads == model_cfg.n_heads:
-            shape.setdefault("n_kv_heads", None)  # multi-head attention stays so
-        model_cfg = model_cfg.replace(**shape)
+        model_cfg = model_cfg.with_shape(**shape)
     if choice.dropout is not None:
         model_cfg = model_cfg.replace(dropout=choice.dropout)
     if choice.vocab_multiple is not None:

@@ -152,6 +152,15 @@ class ModelConfig:
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
+    def with_shape(self, **shape) -> ModelConfig:
+        """This config with shape fields overridden: the head width follows d_model and n_heads
+        unless given, and multi-head attention stays multi-head when n_heads changes."""
+        if "d_model" in shape or "n_heads" in shape:
+            shape.setdefault("d_head", None)
+        if "n_heads" in shape and self.n_kv_heads == self.n_heads:
+            shape.setdefault("n_kv_heads", None)
+        return self.replace(**shape)
+
     def to_dict(self) -> dict:
         """Plain JSON values (reports, checkpoints); :meth:`from_dict` reads them back."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

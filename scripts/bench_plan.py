@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxshard.analysis import timing  # noqa: E402
-from jaxshard.analysis.planner import abstract_mesh  # noqa: E402
+from jaxshard.mesh import abstract_mesh  # noqa: E402
 from jaxshard.analysis.devices import KNOWN_DEVICES  # noqa: E402
 from jaxshard.remat import Remat  # noqa: E402
 from jaxshard.rules import ShardingRules, Strategy  # noqa: E402
@@ -66,9 +66,8 @@ class Run:
 
 
 def megatron_step(m: ModelConfig, batch: int, gpus: int, tflops: float) -> float:
-    """Step seconds from Megatron's TFLOP/s per GPU: Eq. 3, 96 B s l h^2 (1 + s / 6h + V / 16 l h)."""
-    B, s, l, h, V = batch, 2048, m.n_layers, m.d_model, m.vocab_size
-    return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h)) / (gpus * tflops * 1e12)
+    """Step seconds from Megatron's TFLOP/s per GPU (its Eq. 3 count, sequence 2048)."""
+    return timing.model_flops_per_token(m, 2048)["megatron_eq3"] * batch * 2048 / (gpus * tflops * 1e12)
 
 
 def _megatron(name, layers, hidden, heads, gpus, tp, pp, dp, mbs, batch, tflops, v=1) -> Run:
@@ -102,11 +101,8 @@ RUNS = [
 
 
 def maxtext_step(run: Run, tflops: float) -> float:
-    """MaxText's TFLOP/s per chip counts 6 N per token (the matmul params, vocabulary included)
-    plus causal attention, 6 l s q per token (half of 12 l s q)."""
-    m = TransformerLM(run.model)
-    matmul = m.n_params() - run.model.d_model * run.model.padded_vocab  # no embedding lookup
-    per_token = 6 * matmul + 6 * run.model.n_layers * run.seq_len * run.model.n_heads * run.model.d_head
+    """MaxText's TFLOP/s per chip count 6N + causal attention per token."""
+    per_token = timing.model_flops_per_token(run.model, run.seq_len)["6n_causal_attention"]
     return per_token * run.batch * run.seq_len / run.gpus / (tflops * 1e12)
 
 
@@ -118,7 +114,7 @@ def predict(run: Run) -> timing.StepTime:
     model = TransformerLM(run.model, remat=Remat.parse(run.remat))
     stages = run.mesh.get("stage", 1)
     return timing.step_time(
-        model, abstract_rules(run.mesh), run.mesh, KNOWN_DEVICES[run.device], run.batch, run.seq_len,
+        model, abstract_rules(run.mesh), KNOWN_DEVICES[run.device], run.batch, run.seq_len,
         software=timing.SOFTWARE[run.software], compute_dtype=run.compute_dtype, remat=Remat.parse(run.remat),
         recompute=run.recompute, microbatches=run.microbatches if stages > 1 else 1,
         virtual_stages=run.virtual_stages, grad_accum=run.microbatches if stages == 1 else 1)

@@ -139,7 +139,22 @@ COMMANDS = {
                         "--device": Case(("a100-80gb",)), "--device-memory": Case(("1KB",)),
                         "--inter-bw": Case(("1",), context=("--hosts", "2")),
                         "--compute-dtype": Case(("float32",)), "--top": Case(("1",)),
-                        "--vocab-multiple": Case(("384",))}),
+                        "--vocab-multiple": Case(("384",)), "--mfu": Case(("0.25",)),
+                        "--family": Case(("llama",), drop=("--model",), context=(
+                            "--n-layers", "2", "--d-model", "64", "--n-heads", "8", "--d-mlp", "128",
+                            "--vocab-size", "256")),
+                        "--n-layers": Case(("4",)), "--d-model": Case(("128",)), "--n-heads": Case(("4",)),
+                        "--n-kv-heads": Case(("4",)), "--d-mlp": Case(("128",)), "--vocab-size": Case(("300",)),
+                        "--mesh": Case(("data=8",)),
+                        # (the given configuration's flags, each on a --mesh it acts on)
+                        "--zero": Case(("1",), context=("--mesh", "data=8")),
+                        "--sequence-parallel": Case(context=("--mesh", "data=4,tensor=2")),
+                        "--microbatches": Case(("4",), context=("--mesh", "data=8", "--batch", "32")),
+                        "--virtual-stages": Case(("2",), context=("--mesh", "stage=2,data=4", "--microbatches", "4",
+                                                                  "--n-layers", "4", "--batch", "32")),
+                        "--remat": Case(("full",), context=("--mesh", "data=8")),
+                        "--software": Case(("megatron-2021",), context=("--mesh", "data=8")),
+                        "--json": Case(("p.json",))}),
     "generate": dict(main=lambda: _experiment("generate").main, parser=lambda: _experiment("generate").parser(),
                      base=[*RUNTIME, "--checkpoint", "{ck}", "--prompt", "alph", "--max-new-tokens", "8",
                            "--mesh", "data=-1"],
@@ -416,6 +431,10 @@ def test_process_flags_act_or_are_refused(command, space):
     ("generate", ["--top-p", "0.9", "--temperature", "0"], "top_k and top_p choose among tokens to sample"),
     ("generate", ["--init-from", "{hf}", "--step", "1"], "--step picks a step of --checkpoint's; --init-from has one"),
     ("plan", ["--inter-bw", "10"], "--inter-bw prices the links between hosts; --hosts is 1"),
+    ("plan", ["--remat", "full"], "--remat: for one given configuration, with --mesh"),
+    ("plan", ["--mesh", "data=8", "--mfu", "0.3"], "--mfu is the ranking's assumption; a given --mesh is priced"),
+    ("plan", ["--mesh", "data=4"], "--mesh data=4 must lay out exactly --devices 8"),
+    ("plan", ["--family", "llama"], "--model and --family both name the model: give one"),
 ])
 def test_flags_that_cannot_act_are_one_line_errors(command, argv, message, space):
     """The flags a review found ignored, each with its message."""

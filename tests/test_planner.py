@@ -168,3 +168,41 @@ def test_an_moe_model_is_planned_with_expert_parallelism_and_no_pipeline():
             rest += x.size
     assert ep.memory.params == pytest.approx(4 * (experts / 64 + rest / 8), rel=1e-3)
     assert "does not fit one h100" in " ".join(planner.explain(model, plans, H100, 8, "bfloat16"))
+
+
+def test_plan_json_for_a_given_configuration(tmp_path):
+    """plan.py --mesh evaluates one configuration of an explicit shape and --json writes its
+    prediction: the keys, and figures that must agree with what they derive from -- throughput
+    with the step time, the 6N count with the model's own parameter count, the memory and time
+    parts with their totals."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "p.json"
+    argv = ["--family", "llama", "--n-layers", "4", "--d-model", "256", "--n-heads", "8", "--n-kv-heads", "2",
+            "--d-mlp", "512", "--vocab-size", "1000", "--devices", "16", "--hosts", "2", "--device", "h100",
+            "--mesh", "data=2,fsdp=4,tensor=2", "--batch", "32", "--seq-len", "512", "--remat", "full",
+            "--confirm-limit", "0", "--json", str(out)]
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "experiments/plan.py", *argv], cwd=root, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "step " in done.stdout and f"wrote {out}" in done.stdout
+    p = json.loads(out.read_text())
+    assert {"step_s", "tokens_per_s_per_device", "model_tflops_per_device", "memory", "time"} <= set(p)
+    assert set(p["memory"]) >= {"params", "grads", "optimizer", "activations", "temporaries", "peak"}
+    assert p["mesh"] == {"data": 2, "fsdp": 4, "tensor": 2} and p["remat"] == "full"
+    assert p["tokens_per_s_per_device"] * p["step_s"] * 16 == pytest.approx(32 * 512)
+    # 6N: the params a token's matmuls use -- all but the embedding lookup and the norms' scales.
+    h, layers, vocab, s, q = 256, 4, 1000, 512, 256
+    matmul_params = p["params"] - vocab * h - (2 * layers + 1) * h
+    six_n = (6 * matmul_params + 6 * layers * s * q) * p["tokens_per_s_per_device"] / 1e12
+    assert p["model_tflops_per_device"]["6n_causal_attention"] == pytest.approx(six_n)
+    m = p["memory"]
+    assert m["peak"] == m["params"] + m["grads"] + m["optimizer"] + m["activations"] + m["temporaries"]
+    t = p["time"]
+    assert t["step_s"] == pytest.approx(p["step_s"]) == pytest.approx(
+        t["compute_s"] + t["bubble_s"] + sum(t["exposed_communication_s"].values()))
+    assert t["exposed_communication_s"]["tensor"] > 0  # Megatron's all-reduces are not hidden

@@ -27,12 +27,11 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import jax
-from jax.sharding import AbstractMesh, AxisType
 
-from jaxshard.analysis import accounting
+from jaxshard.analysis import accounting, timing
 from jaxshard.analysis.devices import GB, Device
-from jaxshard.axes import MESH_AXES
 from jaxshard.errors import ConfigError
+from jaxshard.mesh import abstract_mesh
 from jaxshard.model import Stageable
 from jaxshard.parallel.pipeline import make_schedule
 from jaxshard.parallel.staged import staged
@@ -90,14 +89,6 @@ class Plan:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def abstract_mesh(mesh: dict[str, int]) -> AbstractMesh:
-    """An abstract mesh of every axis (those not in ``mesh`` of size 1), for rules without devices."""
-    full = dict(mesh)
-    for a in MESH_AXES:
-        full.setdefault(str(a), 1)
-    return AbstractMesh(tuple(full.values()), tuple(full), axis_types=(AxisType.Auto,) * len(full))
 
 
 def host_spanning_axes(mesh: dict[str, int], per_host: int) -> tuple[str, ...]:
@@ -208,6 +199,81 @@ def evaluate(model: Stageable, mesh: dict[str, int], strategy: Strategy, remat: 
     return Plan(mesh=mesh, strategy=strategy, remat=remat, name=rules.name, memory=mem,
                 fits=mem.peak <= usable * device.memory, compute_s=compute_s, comm_s=comm_s,
                 inter_host_bytes=inter, host_axes=spanning, microbatches=microbatches, grad_accum=grad_accum)
+
+
+def given(model: Stageable, mesh: dict[str, int], strategy: Strategy, device: Device, batch_size: int,
+          seq_len: int, *, hosts: int = 1, compute_dtype: str = "bfloat16", microbatches: int = 1,
+          virtual_stages: int = 1, software: timing.Software = timing.SOFTWARE["jaxshard"]
+          ) -> tuple[Plan, timing.StepTime]:
+    """One configuration, exactly: its memory per device (as :func:`evaluate` counts it, a
+    pipeline's as 1F1B's) and its step time by the time model (:mod:`jaxshard.analysis.timing`).
+    ``microbatches``: a pipeline's with a stage axis, gradient accumulation's without one."""
+    devices = math.prod(mesh.values())
+    if devices % hosts:
+        raise ConfigError(f"--mesh {_flag(mesh)} has {devices} devices: not a multiple of --hosts {hosts}")
+    stages = mesh.get("stage", 1)
+    if virtual_stages < 1 or microbatches < 1:
+        raise ConfigError("--microbatches and --virtual-stages must be >= 1")
+    if virtual_stages > 1 and stages == 1:
+        raise ConfigError("--virtual-stages needs a stage axis in --mesh")
+    if stages > 1 and (model.cfg.n_layers % (stages * virtual_stages) or microbatches < stages):
+        raise ConfigError(f"--mesh {_flag(mesh)}: {model.cfg.n_layers} layers must split into {stages} x "
+                          f"{virtual_stages} stages, with --microbatches at least {stages}")
+    shards = mesh.get("data", 1) * mesh.get("fsdp", 1) * mesh.get("expert", 1)
+    if batch_size % (shards * microbatches):
+        raise ConfigError(f"--batch {batch_size} does not split into {microbatches} microbatch(es) over "
+                          f"{shards} batch shard(s)")
+    device = replace(device, per_host=devices // hosts)
+    pipelined = stages > 1
+    plan = evaluate(model, mesh, strategy, model.remat, device, batch_size, seq_len, compute_dtype,
+                    microbatches=microbatches if pipelined else None, grad_accum=1 if pipelined else microbatches)
+    rules = ShardingRules(abstract_mesh(mesh), strategy)
+    time = timing.step_time(model, rules, device, batch_size, seq_len, software=software,
+                            compute_dtype=compute_dtype, remat=model.remat, microbatches=microbatches if pipelined else 1,
+                            virtual_stages=virtual_stages, grad_accum=1 if pipelined else microbatches)
+    return plan, time
+
+
+def _flag(mesh: dict[str, int]) -> str:
+    return ",".join(f"{a}={n}" for a, n in mesh.items())
+
+
+def prediction(model: Stageable, plan: Plan, time: timing.StepTime, device: Device, batch_size: int,
+               seq_len: int) -> dict[str, Any]:
+    """What ``plan.py --json`` writes: the step time and its parts, throughput, the model
+    TFLOP/s per device under both published counts, and the memory per device by part."""
+    devices = math.prod(plan.mesh.values())
+    tokens = batch_size * seq_len / devices / time.total  # per device per second
+    m = plan.memory
+    return {
+        "model": model.cfg.name, "params": model.n_params(), "device": device.name, "devices": devices,
+        "mesh": plan.mesh, "strategy": plan.name, "flags": plan.flags, "remat": str(plan.remat),
+        "batch": batch_size, "seq_len": seq_len,
+        "step_s": time.total, "tokens_per_s_per_device": tokens,
+        "model_tflops_per_device": {k: v * tokens / 1e12
+                                    for k, v in timing.model_flops_per_token(model.cfg, seq_len).items()},
+        "memory": {"params": m.params, "grads": m.grads, "optimizer": m.opt_state, "activations": m.activations,
+                   "temporaries": m.weights_extra + 2 * m.gathered_layer + m.batch, "peak": m.peak,
+                   "device": device.memory, "fits": plan.fits},
+        "time": time.as_dict(),
+    }
+
+
+def format_given(prediction: dict[str, Any], t: timing.StepTime) -> str:
+    """A given plan's step time, throughput and memory by part (:func:`prediction`'s figures)."""
+    mem = prediction["memory"]
+    parts = ", ".join(f"{k} {v:.3f}" for k, v in t.exposed.items()) or "none"
+    hidden = f" (hidden behind compute: {', '.join(f'{k} {v:.3f}' for k, v in t.hidden.items())})" if t.hidden else ""
+    return "\n".join([
+        f"step {t.total:.3f} s: matmul {t.matmul:.3f}, attention {t.attention:.3f}, memory-bound "
+        f"{t.memory_bound:.3f}, optimizer {t.optimizer:.3f}, bubble {t.bubble:.3f}, exposed communication "
+        f"{parts}{hidden}",
+        f"{prediction['tokens_per_s_per_device']:,.0f} tokens/s per device; model TFLOP/s per device: "
+        + ", ".join(f"{v:,.1f} ({k})" for k, v in prediction["model_tflops_per_device"].items()),
+        f"memory per device: params {mem['params'] / GB:.2f} GB, grads {mem['grads'] / GB:.2f}, optimizer "
+        f"{mem['optimizer'] / GB:.2f}, activations {mem['activations'] / GB:.2f}, temporaries "
+        f"{mem['temporaries'] / GB:.2f}: peak {mem['peak'] / GB:.2f} of {mem['device'] / GB:g} GB "
+        + ("(fits)" if mem["fits"] else "(does NOT fit)")])
 
 
 def _with_remat(model: Stageable, remat: Remat) -> Any:

@@ -48,12 +48,14 @@ from jaxshard.rules import ShardingRules
 # counted as the kernel's FLOPs (causal half square, backward 2.5 forwards). FlashAttention-2
 # (Dao 2023, arXiv 2307.08691): 50-73% of the A100's peak (abstract), ~335 TFLOP/s on H100.
 # Hopper's FlashAttention-3 / cuDNN kernels (Shah et al. 2024, arXiv 2407.08608): up to 740
-# TFLOP/s forward. Two entries are assumptions until measured: the A100's forward + backward
-# as the middle of FA2's band (0.62 of peak), and FA3's forward + backward as 550, between
-# FA2's 335 and FA3's forward 740.
+# TFLOP/s forward; on Ampere cuDNN's flash kernel is FA2's algorithm, counted at FA2's rate.
+# Two entries are assumptions until measured: the A100's forward + backward as the middle of
+# FA2's band (0.62 of peak), and Hopper's cuDNN forward + backward as 550, between FA2's 335
+# and FA3's forward 740.
+_A100_FA2 = 0.62 * 312
 FLASH_TFLOPS = {
-    "fa2": {"a100-80gb": 0.62 * 312, "a100-40gb": 0.62 * 312, "h100": 335.0, "h200": 335.0},
-    "fa3": {"h100": 550.0, "h200": 550.0},
+    "fa2": {"a100-80gb": _A100_FA2, "a100-40gb": _A100_FA2, "h100": 335.0, "h200": 335.0},
+    "cudnn": {"a100-80gb": _A100_FA2, "a100-40gb": _A100_FA2, "h100": 550.0, "h200": 550.0},
 }
 
 
@@ -81,11 +83,11 @@ SOFTWARE = {
         source="torchtitan (Liang et al. 2024, arXiv 2410.06511): SDPA's FlashAttention-2 kernel; FSDP2 "
                "prefetches the next layer's gather; without torch.compile every elementwise op is a kernel"),
     "maxtext": Software(
-        "maxtext", "fa3", overlap_data=True,
+        "maxtext", "cudnn", overlap_data=True,
         source="MaxText configs/a3 (GPU): cuDNN flash attention; XLA fuses elementwise work and its "
                "latency-hiding scheduler overlaps FSDP's collectives"),
     "jaxshard": Software(
-        "jaxshard", "fa3", overlap_data=True, reduce_per_microbatch=True,
+        "jaxshard", "cudnn", overlap_data=True, reduce_per_microbatch=True,
         source="jax.nn.dot_product_attention picks cuDNN's flash kernel on Hopper; XLA fuses "
                "elementwise work and overlaps collectives (not yet measured on a GPU)"),
 }
@@ -167,16 +169,17 @@ def recomputed(remat: Remat) -> float:
     return 0.0 if remat.kind in (Kind.NONE, Kind.DOTS, Kind.SELECTIVE, Kind.DOTS_NO_BATCH) else 1.0
 
 
-def step_time(model: Stageable, rules: ShardingRules, mesh: dict[str, int], device: Device,
+def step_time(model: Stageable, rules: ShardingRules, device: Device,
               batch_size: int, seq_len: int, *, software: Software, compute_dtype: str = "bfloat16",
               param_dtype: str | None = None, remat: Remat = Remat.NONE, recompute: float | None = None,
               microbatches: int = 1, virtual_stages: int = 1, grad_accum: int = 1) -> StepTime:
-    """The predicted step time of ``model`` under ``rules`` on ``device``s laid out as ``mesh``
-    (outermost first). ``microbatches`` and ``virtual_stages``: a pipeline's, with a stage axis;
+    """The predicted step time of ``model`` under ``rules`` on ``device``s laid out as the
+    rules' mesh (outermost first; devices fill hosts in that order). ``microbatches`` and
+    ``virtual_stages``: a pipeline's, with a stage axis;
     ``grad_accum``: microbatches without one. ``recompute`` overrides the share of forward
     matmuls the remat policy runs again (a policy of another code base, e.g. torchtitan's
     selective "op" policy recomputes every second matmul: 0.5)."""
-    cfg = model.cfg
+    cfg, mesh = model.cfg, {str(a): int(n) for a, n in rules.mesh.shape.items()}
     c = accounting.dtype_bytes(compute_dtype)
     param_dtype = param_dtype or compute_dtype
     remat = Remat.parse(remat)
@@ -257,3 +260,15 @@ def step_time(model: Stageable, rules: ShardingRules, mesh: dict[str, int], devi
 def with_software(software: str | Software, **changes: Any) -> Software:
     base = SOFTWARE[software] if isinstance(software, str) else software
     return replace(base, **changes)
+
+
+def model_flops_per_token(cfg: Any, seq_len: int) -> dict[str, float]:
+    """Two published counts of a step's FLOPs per token, the ones runs report TFLOP/s by:
+    Megatron's Eq. 3 (Narayanan et al. 2021: 96 B s l h^2 (1 + s/6h + V/16lh) over B s
+    tokens; a GPT layer, full recompute counted) and 6N + causal attention (MaxText's: N the
+    matmul params a token passes through, the vocabulary projection included, plus 6 l s q)."""
+    h, l, V, s = cfg.d_model, cfg.n_layers, cfg.padded_vocab, seq_len
+    q = cfg.n_heads * cfg.d_head
+    megatron = 96 * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    layer = h * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.d_head + q * h + (cfg.mlp_in + 1) * h * cfg.d_mlp
+    return {"megatron_eq3": megatron, "6n_causal_attention": 6 * (l * layer + h * V) + 6 * l * s * q}
