@@ -206,3 +206,16 @@ def test_plan_json_for_a_given_configuration(tmp_path):
     assert t["step_s"] == pytest.approx(p["step_s"]) == pytest.approx(
         t["compute_s"] + t["bubble_s"] + sum(t["exposed_communication_s"].values()))
     assert t["exposed_communication_s"]["tensor"] > 0  # Megatron's all-reduces are not hidden
+
+
+@pytest.mark.parametrize("mesh, kw, message", [
+    ({"data": 8}, dict(virtual_stages=2), "--virtual-stages needs a stage axis"),
+    ({"stage": 4, "data": 2}, dict(microbatches=2), "4 layers must split into 4 x 1 stages, with --microbatches at least 4"),
+    ({"stage": 2, "data": 4}, dict(microbatches=4, virtual_stages=4), "must split into 2 x 4 stages"),
+    ({"data": 8}, dict(microbatches=3), "--batch 16 does not split into 3 microbatch(es) over 8 batch shard(s)"),
+    ({"data": 6}, dict(hosts=4), "has 6 devices: not a multiple of --hosts 4"),
+])
+def test_a_given_configuration_that_cannot_run_is_refused(mesh, kw, message):
+    model = TransformerLM(get_preset("llama-tiny"))
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        planner.given(model, mesh, planner.Strategy(), H100, 16, 128, **kw)
