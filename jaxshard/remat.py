@@ -118,27 +118,47 @@ def tag(x: jax.Array, name: str) -> jax.Array:
     return checkpoint_name(x, name)
 
 
+def from_inputs(fn: Callable) -> Callable:
+    """``fn`` whose backward pass recomputes it from its inputs: autodiff saves the inputs only,
+    none of ``fn``'s intermediates. A custom VJP rather than a nested ``jax.checkpoint``: an
+    enclosing checkpoint's policy (FSDP's, which must not keep gathered weights) would override
+    the nested one's and save the intermediates again."""
+
+    @jax.custom_vjp
+    def f(*args):
+        return fn(*args)
+
+    def f_fwd(*args):
+        return fn(*args), args
+
+    def f_bwd(args, g):
+        return jax.vjp(fn, *args)[1](g)
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
+
+
 def attention_core(fn: Callable) -> Callable:
     """``fn`` (the attention core: scores, softmax, probabilities times values) recomputed from
     its inputs q, k, v in the backward pass under ``selective``, as Megatron's selective
-    recompute does. A custom VJP rather than a nested ``jax.checkpoint``: an enclosing
-    checkpoint's policy (FSDP's, which must not keep gathered weights) would override the
-    nested one's and save the scores again."""
-    if _CURRENT.get().kind is not Kind.SELECTIVE:
-        return fn
+    recompute does."""
+    return from_inputs(fn) if _CURRENT.get().kind is Kind.SELECTIVE else fn
 
-    @jax.custom_vjp
-    def core(*args):
-        return fn(*args)
 
-    def core_fwd(*args):
-        return fn(*args), args
+def keeps_activations() -> bool:
+    """Whether the policy being traced keeps every activation (``none``; ``selective`` but for
+    the attention core): then what a layer keeps is the layer's choice (:func:`elementwise`,
+    ``parallel.tensor``'s SP inputs). The others recompute what their rule does not keep."""
+    return _CURRENT.get().kind in (Kind.NONE, Kind.SELECTIVE)
 
-    def core_bwd(args, g):
-        return jax.vjp(fn, *args)[1](g)
 
-    core.defvjp(core_fwd, core_bwd)
-    return core
+def elementwise(fn: Callable) -> Callable:
+    """``fn`` (a norm, an activation function: cheap, elementwise or per token) recomputed from
+    its inputs in the backward pass, as Megatron's fused kernels do: a norm keeps its input, not
+    its float32 centred and normalised values; GELU its input, not the pieces of its tanh.
+    Korthikanti et al. 2022 count exactly these. Under the other policies the layer's
+    unkept values are recomputed anyway (a second recompute would be waste)."""
+    return from_inputs(fn) if keeps_activations() else fn
 
 
 @contextlib.contextmanager

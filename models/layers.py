@@ -20,7 +20,7 @@ from jaxshard.parallel.attention import causal_attention
 from jaxshard.parallel.tensor import column_parallel
 from jaxshard.parallel.vectors import scale, shift
 from jaxshard.parallel.vocab import embed_lookup, project
-from jaxshard.remat import attention_core, tag
+from jaxshard.remat import attention_core, elementwise, tag
 from jaxshard.rules import active, constrain
 from models.config import ModelConfig, Mlp, Norm, Positions, RopeScaling
 
@@ -73,13 +73,19 @@ class NormLayer(nnx.Module):
             self.bias = _const(0.0, (cfg.d_model,), (Dim.EMBED,))
 
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
+        """Recomputed in the backward pass from ``x`` (:func:`jaxshard.remat.elementwise`): the
+        float32 centred and normalised values are not kept."""
+        weights = (self.scale[...],) + ((self.bias[...],) if self.kind is Norm.LAYER else ())
+        return elementwise(self._normalize)(x_BLD, *weights)
+
+    def _normalize(self, x_BLD: jax.Array, w_D: jax.Array, b_D: jax.Array | None = None) -> jax.Array:
         x = x_BLD.astype(jnp.float32)
         if self.kind is Norm.LAYER:
             x = x - x.mean(-1, keepdims=True)
         y = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + self.eps)
-        y = scale(y, self.scale[...].astype(jnp.float32))
-        if self.kind is Norm.LAYER:
-            y = shift(y, self.bias[...].astype(jnp.float32))
+        y = scale(y, w_D.astype(jnp.float32))
+        if b_D is not None:
+            y = shift(y, b_D.astype(jnp.float32))
         return y.astype(x_BLD.dtype)
 
 
@@ -205,6 +211,14 @@ class Attention(nnx.Module):
         return y_BLD if cache is None else (y_BLD, cache)
 
 
+def _gelu(h: jax.Array) -> jax.Array:
+    return jax.nn.gelu(h, approximate=True)
+
+
+def _swiglu(g: jax.Array, u: jax.Array) -> jax.Array:
+    return jax.nn.silu(g) * u
+
+
 class FeedForward(nnx.Module):
     """GPT-2 MLP (up, GELU, down) or Llama SwiGLU (SiLU(gate) * up, down)."""
 
@@ -230,11 +244,13 @@ class FeedForward(nnx.Module):
         h_BLF = tag(h[0], "mlp_in")
         if self.use_bias:
             h_BLF = shift(h_BLF, self.b_in[...])
+        # The activation is recomputed from its inputs in the backward pass (as Megatron's
+        # fused bias-GeLU): GELU's tanh pieces and SwiGLU's products are not kept.
         if self.kind is Mlp.SWIGLU:
             g_BLF = tag(h[1], "mlp_in")
-            h_BLF = jax.nn.silu(g_BLF) * h_BLF
+            h_BLF = elementwise(_swiglu)(g_BLF, h_BLF)
         else:
-            h_BLF = jax.nn.gelu(h_BLF, approximate=True)
+            h_BLF = elementwise(_gelu)(h_BLF)
         h_BLF = tag(constrain(h_BLF, (Dim.BATCH, Dim.LENGTH, Dim.ACT_MLP)), "mlp_hidden")
         y_BLD = token_einsum("blf,fd->bld", h_BLF, self.w_out[...], RESIDUAL_BLD)
         return shift(y_BLD, self.b_out[...]) if self.use_bias else y_BLD

@@ -31,8 +31,9 @@ from flax import nnx
 from jaxshard.axes import Dim
 from jaxshard.parallel.experts import batch_mean, expert_axes, run_experts
 from jaxshard.rules import constrain
+from jaxshard.remat import elementwise
 from models.config import Mlp
-from models.layers import FeedForward, _const, _param
+from models.layers import FeedForward, _const, _gelu, _param, _swiglu
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,8 @@ class MoEFeedForward(nnx.Module):
         gate projection, made by ``gate``), after the up bias ``b_in`` (broadcast already)."""
         if b_in is not None:
             h_in = h_in + b_in
-        return jax.nn.silu(gate()) * h_in if self.swiglu else jax.nn.gelu(h_in, approximate=True)
+        # Recomputed from its inputs in the backward pass, as the dense MLP's.
+        return elementwise(_swiglu)(gate(), h_in) if self.swiglu else elementwise(_gelu)(h_in)
 
     def _experts(self, names: tuple[str, ...]):
         """Every expert on its slots: ``[..., E, C, D]`` and the named weights (experts dim

@@ -146,15 +146,17 @@ def activation_bytes(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: i
     """Activations saved for the backward pass per device, one microbatch. Per layer per
     token, as XLA keeps them (counted from ``print_saved_residuals``):
 
-    * no remat: 6 D of the residual stream (norm inputs, normalised values, sums; split over
-      tensor under SP), 2 N H + 2 K H of q, k, v and the attention output (split by heads),
-      2 N L of attention scores and probabilities (split by heads), 6 F of MLP intermediates
-      (GELU's tanh pieces or SwiGLU's gate/up/products; split over tensor);
+    * no remat: 4 D of the residual stream (each norm's input and output; split over tensor
+      under SP, whose gathered copies are made again in the backward pass), 2 N H + 2 K H of
+      q, k, v and the attention output (split by heads), N L of attention probabilities (split
+      by heads), and the MLP's activation inputs and output, 2 F (GELU) or 3 F (SwiGLU) --
+      Korthikanti et al. 2022's count, as the norms, activations and softmax are recomputed
+      from their inputs (``remat.elementwise``);
     * dots: the matmul outputs (2 D, the projections, N L scores, 1 or 2 F MLP inputs);
       dots_no_batch: those without batch dims (not the scores nor the attention output);
     * full: the layer's input, D.
 
-    Plus the float32 logits' exponentials ``[tokens, V / tensor]`` and a few per-token stats.
+    Plus the final norm's input and output, and the float32 logits' exponentials ``[tokens, V / tensor]``.
     """
     t = rules.size(rules.activation_mesh_axes(Dim.ACT_HEADS))
     sp = rules.size(rules.activation_mesh_axes(Dim.RESIDUAL_LENGTH)) // seq_split(rules)
@@ -175,23 +177,23 @@ def activation_bytes(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: i
             per_token_layer = 2 * D / sp + projections + N * L / t + mlp_in * F / t
         case Kind.DOTS_NO_BATCH:  # no batched matmuls: not the scores nor p v
             per_token_layer = 2 * D / sp + projections - N * H / t + mlp_in * F / t
-        case Kind.SELECTIVE:  # no attention scores or probabilities: they are recomputed
-            per_token_layer = 6 * D / sp + projections + 6 * F / t
+        case Kind.SELECTIVE:  # no attention probabilities: they are recomputed
+            per_token_layer = 4 * D / sp + projections + (mlp_in + 1) * F / t
         case _:
-            per_token_layer = 6 * D / sp + projections + 2 * N * L / t + 6 * F / t
+            per_token_layer = 4 * D / sp + projections + N * L / t + (mlp_in + 1) * F / t
     n_moe = cfg.n_moe_layers
     moe = 0.0
     if n_moe:  # an MoE layer's feed-forward in place of the dense one
         moe = n_moe * (_moe_ffn_saved(cfg, rules, remat, L, t, sp) - _dense_ffn_saved(remat, F, mlp_in, t))
     logits = F32 * tokens * cfg.padded_vocab / t
-    return int(c * (per_token_layer * cfg.n_layers + moe) * tokens + logits + 4 * D * tokens * c / sp)
+    return int(c * (per_token_layer * cfg.n_layers + moe) * tokens + logits + 2 * D * tokens * c / sp)
 
 
 def _dense_ffn_saved(remat: Remat, F: int, mlp_in: int, t: int) -> float:
     """The MLP's part of :func:`activation_bytes`' per-token-per-layer elements."""
     match remat.kind:
         case Kind.NONE | Kind.SELECTIVE:
-            return 6 * F / t
+            return (mlp_in + 1) * F / t
         case Kind.DOTS | Kind.DOTS_NO_BATCH:
             return mlp_in * F / t
         case Kind.NAMES:
@@ -215,7 +217,7 @@ def _moe_ffn_saved(cfg: Any, rules: ShardingRules, remat: Remat, L: int, t: int,
     shared = _dense_ffn_saved(remat, cfg.moe_shared_experts * Fe, mlp_in, t) if cfg.moe_shared_experts else 0.0
     match remat.kind:
         case Kind.NONE | Kind.SELECTIVE:
-            return slots * (6 * Fe / t + 1.5 * D) + 12 * E + shared
+            return slots * ((mlp_in + 1) * Fe / t + 1.5 * D) + 12 * E + shared
         case Kind.DOTS:
             return (slots * (mlp_in * Fe / t + D) if cap else 0) + E + shared
         case Kind.DOTS_NO_BATCH:

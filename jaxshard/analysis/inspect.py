@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -120,6 +120,16 @@ def saved_residual_bytes(program: Program, batch_size: int, seq_len: int) -> int
         .lower(abstract, program.abstract_batch(batch_size, seq_len)).compile()
     return sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
                for x, s in zip(jax.tree.leaves(compiled.out_info), jax.tree.leaves(compiled.output_shardings)))
+
+
+def layer_activation_bytes(build: Callable[[int], Program], batch_size: int, seq_len: int) -> float:
+    """Bytes per device one layer keeps for the backward pass for ``batch_size`` sequences,
+    from the compiled residuals (:func:`saved_residual_bytes`) of ``build(n_layers)``'s
+    program at 1 and 2 layers and at ``batch_size`` and twice that: the differences cancel
+    what does not grow with layers (the ends, the logits) or with the batch (the weights'
+    compute-dtype copies autodiff keeps too)."""
+    saved = {(n, b): saved_residual_bytes(build(n), b, seq_len) for n in (1, 2) for b in (batch_size, 2 * batch_size)}
+    return (saved[2, 2 * batch_size] - saved[1, 2 * batch_size]) - (saved[2, batch_size] - saved[1, batch_size])
 
 
 def compiled_collectives(compiled: jax.stages.Compiled, mesh: jax.sharding.Mesh) -> list[hlo.Collective]:

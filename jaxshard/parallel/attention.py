@@ -17,6 +17,7 @@ kv_heads, H]`` keys/values per device. The partitioner alone would all-gather ke
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -51,10 +52,37 @@ def _scores(q_BLKGH, k_BMKH, q_pos, k_pos):
 def _dense(q_BLKGH, k_BLKH, v_BLKH):
     if jax.default_backend() == "gpu":
         return fused(q_BLKGH, k_BLKH, v_BLKH)
-    L = q_BLKGH.shape[1]
-    s_BKGLM = _scores(q_BLKGH, k_BLKH, jnp.arange(L), jnp.arange(L))
-    p_BKGLM = jax.nn.softmax(s_BKGLM, axis=-1).astype(v_BLKH.dtype)
+    s_BKGLM = jnp.einsum("blkgh,bmkh->bkglm", q_BLKGH, k_BLKH,
+                         preferred_element_type=jnp.float32) / math.sqrt(q_BLKGH.shape[-1])
+    p_BKGLM = _causal_probabilities(s_BKGLM, v_BLKH.dtype)
     return jnp.einsum("bkglm,bmkh->blkgh", p_BKGLM, v_BLKH)
+
+
+def _causal_softmax(s_BKGLM: jax.Array) -> jax.Array:
+    L = s_BKGLM.shape[-1]
+    return jax.nn.softmax(jnp.where(jnp.arange(L)[:, None] >= jnp.arange(L), s_BKGLM, _NEG), axis=-1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _causal_probabilities(s_BKGLM: jax.Array, dtype) -> jax.Array:
+    """The causal softmax of the scores, in ``dtype``. Its backward pass needs only these
+    probabilities (masked ones are 0, so is their gradient): autodiff keeps them alone, in the
+    compute dtype, as Megatron's fused scale-mask-softmax does (Korthikanti et al. 2022's
+    2as^2b) -- not also the float32 masked scores and probabilities."""
+    return _causal_softmax(s_BKGLM).astype(dtype)
+
+
+def _probabilities_fwd(s_BKGLM, dtype):
+    p = _causal_softmax(s_BKGLM).astype(dtype)
+    return p, p
+
+
+def _probabilities_bwd(dtype, p, dp):
+    p, dp = p.astype(jnp.float32), dp.astype(jnp.float32)
+    return (p * (dp - (p * dp).sum(-1, keepdims=True)),)
+
+
+_causal_probabilities.defvjp(_probabilities_fwd, _probabilities_bwd)
 
 
 def fused(q_BLKGH: jax.Array, k_BLKH: jax.Array, v_BLKH: jax.Array,

@@ -13,7 +13,10 @@ the summed gradients; weights come in their column split. A weight that ``tensor
 split (grouped-query kv heads fewer than ``tensor``) is applied to the replicated ``x``.
 
 Under sequence parallelism ``x`` is all-gathered before the region; backward, the region's
-all-reduce and the slice back into the sequence split compile to one reduce-scatter. Not yet
+all-reduce and the slice back into the sequence split compile to one reduce-scatter. Where the
+remat policy keeps activations, ``x`` is kept in its sequence split and gathered again in the
+backward pass for the weights' gradients (Korthikanti et al. 2022, Sec. 4.2.2), not kept
+gathered (t times the bytes): the region's forward products are dead there. Not yet
 under context parallelism, nor under SP with kv heads that ``tensor`` does not split: those
 keep the partitioner's per-projection reductions.
 """
@@ -26,8 +29,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxshard import remat
 from jaxshard.axes import INPUT_BLD, RESIDUAL_BLD, Dim
-from jaxshard.rules import active, relayout
+from jaxshard.rules import active, constrain, relayout
 
 
 def gather_sequence(x_BLD: jax.Array) -> jax.Array:
@@ -47,11 +51,21 @@ def column_parallel(x_BLD: jax.Array, weights: Sequence[jax.Array], specs: Seque
     if rules is None:
         return [fn(x_BLD, w) for w in weights]
     tensor = rules.activation_mesh_axes(Dim.ACT_HEADS)
-    # Under sequence parallelism the sequence is gathered before the region (backward, the
-    # region's one all-reduce and the slice into the residual layout make one reduce-scatter).
-    # Gathered inside, the partitioner would gather the batch around it.
-    x_BLD = gather_sequence(x_BLD)
     sp = bool(set(tensor) & set(rules.activation_mesh_axes(Dim.RESIDUAL_LENGTH)))
+    if not (sp and remat.keeps_activations()):
+        return _projections(rules, tensor, sp, x_BLD, weights, specs, fn, out_axes)
+
+    def kept(x, *ws):
+        # Pinned to the sequence split on both sides of the forward/backward boundary (or the
+        # partitioner may keep the gathered layout after all).
+        return _projections(rules, tensor, sp, constrain(x, RESIDUAL_BLD), ws, specs, fn, out_axes)
+
+    return remat.from_inputs(kept)(constrain(x_BLD, RESIDUAL_BLD), *weights)
+
+
+def _projections(rules, tensor, sp: bool, x_BLD: jax.Array, weights: Sequence[jax.Array],
+                 specs: Sequence[tuple], fn: Callable, out_axes: Sequence[tuple]) -> list[jax.Array]:
+    x_BLD = gather_sequence(x_BLD)
     # A weight's compute spec holds the model-parallel (tensor) axes only.
     w_specs = [rules.compute_param_spec(ax, tuple(w.shape)) for ax, w in zip(specs, weights)]
     split = [any(e is not None for e in s) for s in w_specs]

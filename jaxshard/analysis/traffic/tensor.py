@@ -51,6 +51,11 @@ def layers(ledger: Ledger) -> None:
         ledger.add("reduce-scatter", tensor, act, micro * n_layers * n_out,
                    "SP: reduce-scatter attention/MLP outputs")
         ledger.add("all-gather", tensor, act, micro * n_layers * 2, "SP backward: gather output gradients")
+        if remat.kind in (Kind.NONE, Kind.SELECTIVE):
+            # The sublayers' inputs are kept in their sequence split (parallel.tensor), as
+            # Korthikanti et al.'s: gathered again for the weights' gradients.
+            ledger.add("all-gather", tensor, act, micro * n_layers * 2,
+                       "SP backward: gather the sequence again for the weights' gradients")
         ledger.add("reduce-scatter", tensor, act, micro * n_layers * bwd_inputs,
                    "SP backward: reduce-scatter the input gradient of each column-parallel projection")
     else:
