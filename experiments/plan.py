@@ -6,8 +6,9 @@ or, with --mesh, evaluate one given configuration exactly.
         --vocab-size 51200 --devices 32 --hosts 4 --device a100-80gb --mesh data=32 --batch 512 \
         --remat full --json plan.json
 
-Ranking prints the plans (memory per device, predicted step time split into compute and
-communication, which axes cross hosts), the reasoning in the classic terms, and -- where the
+Ranking prints the plans (memory per device, step time by the time model --
+jaxshard/analysis/timing.py -- split into compute and the communication it does not hide,
+which axes cross hosts), the reasoning in the classic terms, and -- where the
 device count allows it (``--confirm-limit``) -- compiles the top plan's step for the real model
 on that many fake CPU devices and checks the prediction against XLA. A given --mesh prints its
 step time by part from the time model (jaxshard/analysis/timing.py) and its memory by part;
@@ -27,12 +28,13 @@ from pathlib import Path
 sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from jaxshard import cli  # noqa: E402
+from jaxshard.analysis.devices import KNOWN_DEVICES  # noqa: E402
 from jaxshard.analysis.timing import SOFTWARE  # noqa: E402
 from jaxshard.errors import ConfigError  # noqa: E402
 
 
 SHAPE = ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_mlp", "vocab_size")
-GIVEN = ("microbatches", "virtual_stages", "remat", "software", "zero", "sequence_parallel")
+GIVEN = ("microbatches", "virtual_stages", "remat", "zero", "sequence_parallel")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -46,18 +48,19 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"{what} (overrides the preset's)")
     p.add_argument("--devices", type=int, required=True, help="accelerators in all")
     p.add_argument("--hosts", type=int, default=1, help="hosts they are spread over (evenly)")
-    p.add_argument("--device", default=None, help="h100, h200, a100-80gb, a100-40gb, v100")
+    p.add_argument("--device", default=None, help=", ".join(KNOWN_DEVICES))
     p.add_argument("--device-memory", default=None, help="memory per device, e.g. 80GB (overrides --device's)")
     p.add_argument("--peak-tflops", type=float, default=None, help="dense peak per device (overrides --device's)")
     p.add_argument("--intra-bw", type=float, default=None, help="GB/s per device within a host")
     p.add_argument("--inter-bw", type=float, default=None, help="GB/s per device between hosts")
+    p.add_argument("--hbm-bw", type=float, default=None, help="HBM GB/s per device (overrides --device's)")
+    p.add_argument("--software", default="jaxshard", choices=tuple(SOFTWARE),
+                   help="whose kernels and overlap the time model prices (see jaxshard/analysis/timing.py)")
     p.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: 1 per device)")
     p.add_argument("--seq-len", type=int, default=None, help="default: the model's max, at most 2048")
     p.add_argument("--vocab-multiple", type=int, default=None,
                    help="pad the vocab to a multiple of N (so tensor parallelism can split it)")
     p.add_argument("--compute-dtype", default="bfloat16", choices=("float32", "bfloat16"))
-    p.add_argument("--mfu", type=float, default=None, help="ranking: assumed fraction of peak the matmuls reach "
-                                                           "(default 0.5; a given --mesh is priced by the time model)")
     p.add_argument("--top", type=int, default=10, help="plans to list")
     p.add_argument("--confirm-limit", type=int, default=16,
                    help="compile the top (or given) plan on fake CPU devices if --devices is at most this (0: never)")
@@ -70,8 +73,6 @@ def parser() -> argparse.ArgumentParser:
                    help="a pipeline's microbatches (stage axis), or gradient accumulation without one")
     g.add_argument("--virtual-stages", type=int, default=1, help="interleaved: layer chunks per stage")
     g.add_argument("--remat", default="none", help="recompute policy (none, full, dots, selective, ...)")
-    g.add_argument("--software", default="jaxshard", choices=tuple(SOFTWARE),
-                   help="whose kernels and overlap the time model prices (see jaxshard/analysis/timing.py)")
     p.add_argument("--json", default=None, metavar="PATH",
                    help="write the prediction of the given (or top) plan: step_s, tokens_per_s_per_device, "
                         "model_tflops_per_device, memory, time")
@@ -102,8 +103,6 @@ def main(argv: list[str] | None = None) -> int:
             given = [f"--{k.replace('_', '-')}" for k in GIVEN if getattr(a, k) != getattr(defaults, k)]
             if given:
                 raise ConfigError(f"{', '.join(given)}: for one given configuration, with --mesh")
-        elif a.mfu is not None:
-            raise ConfigError("--mfu is the ranking's assumption; a given --mesh is priced by the time model")
         confirm = 0 < a.devices <= a.confirm_limit
         from jaxshard import runtime
 
@@ -111,43 +110,38 @@ def main(argv: list[str] | None = None) -> int:
                                                 platform="cpu" if confirm else None))
         from jaxshard.analysis import devices, planner, timing
 
-        mfu = 0.5 if a.mfu is None else a.mfu
-        if not 0 < mfu <= 1:
-            raise ConfigError(f"--mfu must be in (0, 1], got {mfu}")
         if a.inter_bw is not None and a.hosts == 1:
             raise ConfigError("--inter-bw prices the links between hosts; --hosts is 1")
         device = devices.device_spec(
             a.device, memory=devices.parse_bytes(a.device_memory) if a.device_memory else None,
-            peak_tflops=a.peak_tflops, intra_gbs=a.intra_bw, inter_gbs=a.inter_bw)
+            peak_tflops=a.peak_tflops, intra_gbs=a.intra_bw, inter_gbs=a.inter_bw, hbm_gbs=a.hbm_bw)
+        software = timing.SOFTWARE[a.software]
         model = build_model(a)
         model_cfg = model.cfg
         batch = a.devices if a.batch is None else a.batch
         a.seq_len = min(2048, model_cfg.max_seq_len) if a.seq_len is None else a.seq_len
         name = a.model or model_cfg.name
         if a.mesh is not None:
-            return _given(a, model, device, batch, name, planner, timing, confirm)
+            return _given(a, model, device, batch, name, planner, software, confirm)
         plans = planner.plan(model, a.devices, device, batch, a.seq_len, hosts=a.hosts,
-                             compute_dtype=a.compute_dtype, mfu=mfu)
+                             compute_dtype=a.compute_dtype, software=software)
         print(f"{name}: {model.n_params():,} params on {a.devices} x {device.name} "
               f"({device.memory / 1e9:g} GB) in {a.hosts} host(s); batch {batch} x {a.seq_len}, "
-              f"{a.compute_dtype}, assumed MFU {mfu:g}\n")
+              f"{a.compute_dtype}; step times by the time model, priced as {a.software}\n")
         print(planner.format_plans(plans[:a.top], device))
         print()
         for line in planner.explain(model, plans, device, a.hosts, a.compute_dtype):
             print(f"- {line}")
         top = next((p for p in plans if p.fits), None)
         if top is not None and a.json:
-            top_model = type(model)(model.cfg, remat=top.remat)
-            plan, time = planner.given(top_model, top.mesh, top.strategy, device, batch, a.seq_len, hosts=a.hosts,
-                                       compute_dtype=a.compute_dtype, microbatches=top.microbatches or top.grad_accum)
-            _write(a.json, planner.prediction(top_model, plan, time, device, batch, a.seq_len))
+            _write(a.json, planner.prediction(model, top, device, batch, a.seq_len))
         if top is not None and confirm:
             print()
             print(planner.confirm(model, top, batch, a.seq_len))
         return 0 if top is not None else 1
 
 
-def _given(a, model, device, batch, name, planner, timing, confirm) -> int:
+def _given(a, model, device, batch, name, planner, software, confirm) -> int:
     """--mesh: one configuration, its memory and its time by part."""
     from jaxshard.mesh import MeshSpec
     from jaxshard.rules import Strategy
@@ -157,13 +151,13 @@ def _given(a, model, device, batch, name, planner, timing, confirm) -> int:
     if -1 in mesh.values() or math.prod(mesh.values()) != a.devices:
         raise ConfigError(f"--mesh {a.mesh} must lay out exactly --devices {a.devices} (no -1)")
     strategy = Strategy(zero=a.zero, sequence_parallel=a.sequence_parallel)
-    plan, t = planner.given(model, mesh, strategy, device, batch, a.seq_len, hosts=a.hosts,
-                            compute_dtype=a.compute_dtype, microbatches=a.microbatches,
-                            virtual_stages=a.virtual_stages, software=timing.SOFTWARE[a.software])
-    out = planner.prediction(model, plan, t, device, batch, a.seq_len)
+    plan = planner.given(model, mesh, strategy, device, batch, a.seq_len, hosts=a.hosts,
+                         compute_dtype=a.compute_dtype, microbatches=a.microbatches,
+                         virtual_stages=a.virtual_stages, software=software)
+    out = planner.prediction(model, plan, device, batch, a.seq_len)
     print(f"{name}: {model.n_params():,} params on --mesh {a.mesh} ({a.devices} x {device.name}, {a.hosts} "
           f"host(s)); batch {batch} x {a.seq_len}, {a.compute_dtype}, remat {model.remat}, priced as {a.software}")
-    print(planner.format_given(out, t))
+    print(planner.format_given(out, plan.time))
     if a.json:
         _write(a.json, out)
     if confirm:

@@ -122,6 +122,14 @@ def llama_70b() -> ModelConfig:
                   rope_theta=500_000.0)
 
 
+def llama_405b() -> ModelConfig:
+    """Llama-3.1-405B shape (Llama 3 paper, Table 3): 126 layers, d 16384, 128 heads / 8 kv,
+    mlp 53248, vocab 128256; 405,853,388,800 params (at sequence 8192, without the long-context
+    rope scaling)."""
+    return llama_family("llama-405b", 126, 16384, 128, 8, 53248, vocab_size=128256, max_seq_len=8192,
+                        rope_theta=500_000.0)
+
+
 def moe_tiny() -> ModelConfig:
     """Llama family with an MoE layer in each of 2 layers: 8 SwiGLU experts of hidden size 64,
     top-2 (for tests; 8 experts so that expert=8 splits them)."""
@@ -166,6 +174,7 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "llama-7b": llama_7b,
     "llama-8b": llama_8b,
     "llama-70b": llama_70b,
+    "llama-405b": llama_405b,
     "moe-tiny": moe_tiny,
     "moe-tiny-gpt2": moe_tiny_gpt2,
     "mixtral-8x7b": mixtral_8x7b,

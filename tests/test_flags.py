@@ -77,7 +77,7 @@ COMMON = {
     "--stage-layers": Case(("1,1",)),
     "--balance": Case(("flops",)),
     "--d-model": Case(("32",)),
-    "--n-heads": Case(("4",)),
+    "--n-heads": Case(("16",), drop=("--model",), context=("--model", "llama-1b")),
     "--n-kv-heads": Case(("4",)),
     "--d-head": Case(("16",)),
     "--d-mlp": Case(("128",)),
@@ -139,11 +139,11 @@ COMMANDS = {
                         "--device": Case(("a100-80gb",)), "--device-memory": Case(("1KB",)),
                         "--inter-bw": Case(("1",), context=("--hosts", "2")),
                         "--compute-dtype": Case(("float32",)), "--top": Case(("1",)),
-                        "--vocab-multiple": Case(("384",)), "--mfu": Case(("0.25",)),
+                        "--vocab-multiple": Case(("384",)), "--hbm-bw": Case(("100",)),
                         "--family": Case(("llama",), drop=("--model",), context=(
                             "--n-layers", "2", "--d-model", "64", "--n-heads", "8", "--d-mlp", "128",
                             "--vocab-size", "256")),
-                        "--n-layers": Case(("4",)), "--d-model": Case(("128",)), "--n-heads": Case(("4",)),
+                        "--n-layers": Case(("4",)), "--d-model": Case(("128",)), "--n-heads": Case(("16",), drop=("--model",), context=("--model", "llama-1b")),
                         "--n-kv-heads": Case(("4",)), "--d-mlp": Case(("128",)), "--vocab-size": Case(("300",)),
                         "--mesh": Case(("data=8",)),
                         # (the given configuration's flags, each on a --mesh it acts on)
@@ -432,7 +432,6 @@ def test_process_flags_act_or_are_refused(command, space):
     ("generate", ["--init-from", "{hf}", "--step", "1"], "--step picks a step of --checkpoint's; --init-from has one"),
     ("plan", ["--inter-bw", "10"], "--inter-bw prices the links between hosts; --hosts is 1"),
     ("plan", ["--remat", "full"], "--remat: for one given configuration, with --mesh"),
-    ("plan", ["--mesh", "data=8", "--mfu", "0.3"], "--mfu is the ranking's assumption; a given --mesh is priced"),
     ("plan", ["--mesh", "data=4"], "--mesh data=4 must lay out exactly --devices 8"),
     ("plan", ["--family", "llama"], "--model and --family both name the model: give one"),
 ])

@@ -44,10 +44,10 @@ def test_stored_bytes_are_korthikantis_for_a_gpt(t, sp):
 
 
 def test_links_are_priced_by_where_the_group_sits():
-    """Within a host NVLink; a group with one device per host crosses at one NIC; g devices per
-    host at g NICs, never above NVLink."""
+    """Within a host NVLink (at NCCL's measured ring bus bandwidth); a group with one device per
+    host crosses at one NIC; g devices per host at g NICs, never above NVLink."""
     mesh = {"data": 16, "tensor": 8}  # 16 hosts of 8: tensor within one, data one device per host
-    nvlink, nic = A100.intra_host_gbs * GB, A100.inter_host_gbs * GB
+    nvlink, nic = A100.intra_busbw_gbs * GB, A100.inter_busbw_gbs * GB
     tp = Transfer("all-reduce", ("tensor",), 1, 1, "", 8)
     dp = Transfer("all-reduce", ("data",), 1, 1, "", 16)
     assert timing.group_bandwidth(tp, mesh, A100) == nvlink
@@ -113,14 +113,15 @@ def test_what_the_model_cannot_price_is_a_one_line_error():
     model, mesh = TransformerLM(gpt3_like(layers=2)), {"data": 8}
     kw = dict(software=timing.SOFTWARE["megatron-2021"], compute_dtype="float16")
     with pytest.raises(ConfigError, match="HBM bandwidth"):
-        timing.step_time(model, abstract_rules(mesh), replace(A100, hbm_gbs=None), 8, 2048, **kw)
+        timing.step_time(model, abstract_rules(mesh), replace(A100, hbm_gbs=None, hbm_achieved_gbs=None), 8, 2048,
+                         **kw)
     kw["software"] = timing.SOFTWARE["maxtext"]  # cuDNN's flash kernel: never measured on a V100
     with pytest.raises(ConfigError, match="^no cudnn attention throughput is known for v100"):
         timing.step_time(model, abstract_rules(mesh), KNOWN_DEVICES["v100"], 8, 2048, **kw)
 
 
 def test_the_docs_table_is_what_the_benchmark_prints(tmp_path):
-    """docs/seeing.md's table of published runs: each row's published and predicted step time
+    """The table of published runs in docs/seeing.md and the README: each row's published and predicted step time
     and ratio as scripts/bench_plan.py computes them today (a changed model changes the page)."""
     import re
 
@@ -128,11 +129,27 @@ def test_the_docs_table_is_what_the_benchmark_prints(tmp_path):
     subprocess.run([sys.executable, "scripts/bench_plan.py", "--json", str(out)], cwd=ROOT, check=True,
                    capture_output=True, timeout=300)
     rows = json.loads(out.read_text())
-    page = (ROOT / "docs" / "seeing.md").read_text()
-    table = [line.split("|")[1:-1] for line in page.splitlines()
-             if re.match(r"\| (GPT|Llama) ", line)]
-    assert len(table) == len(rows)
-    for cells, row in zip(table, rows):
-        assert cells[0].strip() == row["run"] and cells[2].strip() == str(row["gpus"])
-        assert [c.strip() for c in cells[-3:]] == [f"{row['published_step_s']:.2f}",
-                                                  f"{row['predicted']['step_s']:.2f}", f"{row['ratio']:.2f}"]
+    for doc in ("docs/seeing.md", "README.md"):
+        page = (ROOT / doc).read_text()
+        table = [line.split("|")[1:-1] for line in page.splitlines()
+                 if re.match(r"\| (GPT|Llama) ", line)]
+        assert len(table) == len(rows), doc
+        for cells, row in zip(table, rows):
+            assert cells[0].strip() == row["run"] and cells[2].strip() == str(row["gpus"])
+            assert [c.strip() for c in cells[-3:]] == [f"{row['published_step_s']:.2f}",
+                                                      f"{row['predicted']['step_s']:.2f}", f"{row['ratio']:.2f}"]
+
+
+def test_published_runs_within_the_goal_or_with_the_reason_they_miss():
+    """Every published run within 0.8-1.25 of its step time, except the rows that carry the
+    reason they miss (a fact of the run no measured quantity prices): those are still below
+    0.8 -- a model that reaches them must drop the reason -- and not off by more than 0.7."""
+    from scripts.bench_plan import RUNS, predict, published_step
+
+    for run in RUNS:
+        ratio = predict(run).total / published_step(run)
+        if run.gap:
+            assert 0.7 <= ratio < 0.8, (run.model.name, run.device, ratio)
+        else:
+            assert 0.8 <= ratio <= 1.25, (run.model.name, run.device, ratio)
+    assert sum(not run.gap for run in RUNS) == 6  # the A100 rows: Megatron's five, torchtitan's 70B

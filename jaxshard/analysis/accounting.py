@@ -75,9 +75,10 @@ LOSS_SCALE_BYTES = 12  # float16: the scale, its good-step and skipped-step coun
 
 def memory(model: LanguageModel, rules: ShardingRules, batch_size: int, seq_len: int, *,
            compute_dtype: str = "float32", remat: Remat = Remat.NONE, grad_accum: int = 1,
-           param_dtype: str = "float32") -> Memory:
+           param_dtype: str = "float32", flash: bool = False) -> Memory:
     """2-byte ``param_dtype``: params and gradients in 2 bytes, a float32 master copy in the
-    optimizer state beside the moments (the classic 2 + 2 + 12); float16 also keeps a loss scale."""
+    optimizer state beside the moments (the classic 2 + 2 + 12); float16 also keeps a loss scale.
+    ``flash``: attention by a flash kernel (cuDNN's on GPUs), which keeps no probabilities."""
     sizes = rules.sizes
     c = dtype_bytes(compute_dtype)
     pb = dtype_bytes(param_dtype)
@@ -104,7 +105,7 @@ def memory(model: LanguageModel, rules: ShardingRules, batch_size: int, seq_len:
     keep = not rules.strategy.reshard_after_forward if gathers else remat.kind is Kind.NONE
     saved = outer_weights + (layer_weights if keep else layer_rest)
     copies = gathers or c != F32
-    acts = activation_bytes(model.cfg, rules, batch_size // grad_accum, seq_len, c, remat)
+    acts = activation_bytes(model.cfg, rules, batch_size // grad_accum, seq_len, c, remat, flash)
     return Memory(params=params, grads=grads, opt_state=opt + scale, batch=2 * 4 * tokens,
                   activations=acts, weights_saved=saved, weights_extra=saved if copies else 0,
                   gathered_layer=layer_weights // layers if gathers else 0, host=host)
@@ -142,7 +143,7 @@ def classic_bytes_per_param(stage: int, n: int, param_bytes: int = 4,
 
 
 def activation_bytes(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, c: int,
-                     remat: Remat) -> int:
+                     remat: Remat, flash: bool = False) -> int:
     """Activations saved for the backward pass per device, one microbatch. Per layer per
     token, as XLA keeps them (counted from ``print_saved_residuals``):
 
@@ -156,7 +157,9 @@ def activation_bytes(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: i
       dots_no_batch: those without batch dims (not the scores nor the attention output);
     * full: the layer's input, D.
 
-    Plus the final norm's input and output, and the float32 logits' exponentials ``[tokens, V / tensor]``.
+    With ``flash`` (a flash kernel) each row's float32 softmax statistic in place of the N L
+    probabilities. Plus the final norm's input and output, and the float32 logits'
+    exponentials ``[tokens, V / tensor]``.
     """
     t = rules.size(rules.activation_mesh_axes(Dim.ACT_HEADS))
     sp = rules.size(rules.activation_mesh_axes(Dim.RESIDUAL_LENGTH)) // seq_split(rules)
@@ -168,19 +171,21 @@ def activation_bytes(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: i
     named = {"qkv": N * H / t + 2 * K * H / kv_t, "attn_out": N * H / t, "attn_proj": D / sp,
              "mlp_in": mlp_in * F / t, "mlp_hidden": F / t}
     remat = Remat.parse(remat)
+    # A flash kernel keeps each row's float32 softmax statistic instead of the probabilities.
+    scores = N * F32 / c / t if flash else N * L / t
     match remat.kind:
         case Kind.FULL | Kind.OFFLOAD:  # offload: the named ones are in host memory
             per_token_layer = D / sp
         case Kind.NAMES:  # the layer's input and the named activations
             per_token_layer = D / sp + sum(named[n] for n in set(remat.names))
         case Kind.DOTS:  # every matmul output: projections, scores, p v, MLP inputs/output
-            per_token_layer = 2 * D / sp + projections + N * L / t + mlp_in * F / t
+            per_token_layer = 2 * D / sp + projections + scores + mlp_in * F / t
         case Kind.DOTS_NO_BATCH:  # no batched matmuls: not the scores nor p v
             per_token_layer = 2 * D / sp + projections - N * H / t + mlp_in * F / t
         case Kind.SELECTIVE:  # no attention probabilities: they are recomputed
             per_token_layer = 4 * D / sp + projections + (mlp_in + 1) * F / t
         case _:
-            per_token_layer = 4 * D / sp + projections + N * L / t + (mlp_in + 1) * F / t
+            per_token_layer = 4 * D / sp + projections + scores + (mlp_in + 1) * F / t
     n_moe = cfg.n_moe_layers
     moe = 0.0
     if n_moe:  # an MoE layer's feed-forward in place of the dense one

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from jaxshard.errors import ConfigError
 from jaxshard.options import flag, option
@@ -15,7 +15,9 @@ GB = 1e9
 class Device:
     """An accelerator in a typical 8-GPU host: what the time model prices work and transfers at.
 
-    Every number is a physical quantity with its source in :data:`SOURCES`; none is fitted."""
+    Every number is a physical quantity with its source in :data:`SOURCES`; none is fitted.
+    Datasheet figures are ceilings; where a measurement of what is achieved is published (a
+    large matmul, a stream over HBM, NCCL's ring bus bandwidth) the time model uses that."""
 
     name: str
     memory: float  # bytes
@@ -24,10 +26,14 @@ class Device:
     intra_host_gbs: float  # NVLink (or PCIe) GB/s per device, one direction
     inter_host_gbs: float  # network GB/s per device, one direction (one NIC per GPU: 400 Gb/s NDR = 50 GB/s)
     per_host: int
-    # The fastest a large bf16 matmul runs, measured (MAMF); None where no measurement is
-    # published (the dense peak is then the ceiling, an upper bound).
+    # The rate a large bf16 matmul of a transformer layer's shapes runs at, measured; None where
+    # no measurement is published (the dense peak is then the ceiling, an upper bound).
     matmul_tflops: float | None = None
-    hbm_gbs: float | None = None  # HBM bandwidth, GB/s
+    hbm_gbs: float | None = None  # HBM bandwidth, GB/s (datasheet)
+    hbm_achieved_gbs: float | None = None  # measured: BabelStream's triad
+    intra_busbw_gbs: float | None = None  # measured: nccl-tests ring bus bandwidth within a host
+    inter_busbw_gbs: float | None = None  # measured: per device across hosts
+    note: str = ""  # what sets this device apart (a power limit, a cloud's network)
 
     def peak(self, compute_dtype: str) -> float:
         return 1e12 * (self.bf16_tflops if compute_dtype != "float32" else self.fp32_tflops)
@@ -39,28 +45,74 @@ class Device:
             return self.peak(compute_dtype)
         return self.peak(compute_dtype) * self.matmul_tflops / self.bf16_tflops
 
+    @property
+    def hbm(self) -> float | None:
+        """Bytes/s a stream over HBM moves: measured, else the datasheet's (None if neither)."""
+        gbs = self.hbm_achieved_gbs or self.hbm_gbs
+        return None if gbs is None else gbs * GB
 
+    @property
+    def intra(self) -> float:
+        """Bytes/s a ring within a host moves per device: NCCL's measured bus bandwidth, else NVLink's."""
+        return (self.intra_busbw_gbs or self.intra_host_gbs) * GB
+
+    @property
+    def inter(self) -> float:
+        """Bytes/s per device across hosts: measured, else the NIC's line rate."""
+        return (self.inter_busbw_gbs or self.inter_host_gbs) * GB
+
+
+_H100 = dict(matmul_tflops=794.5, intra_busbw_gbs=367.2)
 # Dense (no sparsity) datasheet peaks; typical 8-GPU HGX/DGX hosts (sources below).
 KNOWN_DEVICES = {
-    "h100": Device("h100", 80 * GB, 989, 494, 450, 50, 8, matmul_tflops=792.1, hbm_gbs=3350),
-    "h200": Device("h200", 141 * GB, 989, 494, 450, 50, 8, matmul_tflops=828.0, hbm_gbs=4800),
-    "a100-80gb": Device("a100-80gb", 80 * GB, 312, 156, 300, 25, 8, matmul_tflops=267.9, hbm_gbs=2039),
-    "a100-40gb": Device("a100-40gb", 40 * GB, 312, 156, 300, 25, 8, matmul_tflops=267.9, hbm_gbs=1555),
+    "h100": Device("h100", 80 * GB, 989, 494, 450, 50, 8, hbm_gbs=3350, hbm_achieved_gbs=2970,
+                   inter_busbw_gbs=47, **_H100),
+    "h100-hbm2e-500w": Device("h100-hbm2e-500w", 96 * GB, 989, 494, 450, 50, 8, hbm_gbs=2400,
+                              inter_busbw_gbs=47, note="Meta's Grand Teton H100 (torchtitan's benchmarks): "
+                              "96 GB HBM2e at 2.4 TB/s, 500 W power limit (700 W TDP); its matmul rate at "
+                              "500 W is not published, so the 700 W MAMF stands (an upper bound)", **_H100),
+    "h100-a3-high": Device("h100-a3-high", 80 * GB, 989, 494, 450, 12.5, 8, hbm_gbs=3350, hbm_achieved_gbs=2970,
+                           inter_busbw_gbs=41.33 / 8, note="Google Cloud A3 High (a3-highgpu-8g): 4 x 200 Gb/s "
+                           "GPUDirect-TCPX NICs for 8 GPUs", **_H100),
+    "h200": Device("h200", 141 * GB, 989, 494, 450, 50, 8, hbm_gbs=4800, hbm_achieved_gbs=4150,
+                   inter_busbw_gbs=47, **_H100),
+    "a100-80gb": Device("a100-80gb", 80 * GB, 312, 156, 300, 25, 8, matmul_tflops=250, hbm_gbs=2039,
+                        hbm_achieved_gbs=1700, intra_busbw_gbs=234.9, inter_busbw_gbs=24),
+    "a100-40gb": Device("a100-40gb", 40 * GB, 312, 156, 300, 25, 8, matmul_tflops=250, hbm_gbs=1555,
+                        hbm_achieved_gbs=1378, intra_busbw_gbs=234.9, inter_busbw_gbs=24),
     "v100": Device("v100", 32 * GB, 125, 15.7, 150, 12.5, 8, hbm_gbs=900),
 }
 
+ML_ENGINEERING = "S. Bekman, Machine Learning Engineering (github.com/stas00/ml-engineering, commit 744d01e)"
 SOURCES = {
     "bf16_tflops, fp32_tflops, memory, hbm_gbs": "NVIDIA datasheets: A100 Tensor Core GPU (SXM4: 312 "
         "TFLOPS bf16, 156 TF32, 1,555 GB/s 40 GB, 2,039 GB/s 80 GB), H100 Tensor Core GPU (SXM5: 989 bf16, "
         "494 TF32, 3.35 TB/s), H200 (SXM: 989 bf16, 4.8 TB/s, 141 GB), V100 (SXM2: 125 tensor, 15.7 fp32, "
-        "900 GB/s)",
+        "900 GB/s); h100-hbm2e-500w: torchtitan docs/performance.md (Grand Teton: 96 GB HBM2e, 2.4 TB/s, "
+        "500 W)",
     "intra_host_gbs": "NVLink per GPU, half the datasheets' bidirectional total: V100 300 GB/s, A100 600, "
                       "H100/H200 900",
     "inter_host_gbs": "one NIC per GPU as in DGX systems: DGX A100 8 x 200 Gb/s HDR (25 GB/s), DGX H100 8 x "
-                      "400 Gb/s NDR (50 GB/s), DGX-2 8 x 100 Gb/s EDR (12.5 GB/s)",
-    "matmul_tflops": "Maximum Achievable Matmul FLOPS, bf16, measured with mamf-finder.py (S. Bekman, "
-                     "Machine Learning Engineering, compute/accelerator): A100 SXM 267.9 (CUDA 12.1), "
-                     "H100 SXM 792.1 (CUDA 12.1), H200 SXM 828.0 (mean of five runs); none for V100",
+                      "400 Gb/s NDR (50 GB/s), DGX-2 8 x 100 Gb/s EDR (12.5 GB/s); Google Cloud A3 High: "
+                      "4 x 200 Gb/s for 8 GPUs (12.5 GB/s) (" + ML_ENGINEERING + ", network/README.md)",
+    "matmul_tflops": "bf16 matmuls of transformer layers' shapes, measured. A100 SXM4-80GB: 245-254 TFLOP/s "
+                     "at M 16384-32768 tokens, K and N 4096-16384 (NVIDIA ai-dynamo/aiconfigurator, "
+                     "systems/data/a100_sxm/gemm/sglang/0.5.10/gemm_perf.parquet, commit 4fabb77): 250, "
+                     "below the best shape's 271.2 (Maximum Achievable Matmul FLOPS, mamf-finder.py, "
+                     + ML_ENGINEERING + ", compute/accelerator/README.md). H100 SXM: the best shape's "
+                     "794.5 (same table; 'H200 is the same'), which the same shapes reach too (776-801, "
+                     "aiconfigurator h100_sxm trtllm 1.3.0rc20). None for V100",
+    "hbm_achieved_gbs": "BabelStream triad, measured: A100 SXM 80GB 1.70 TB/s, H100 SXM 2.97, H200 4.15 "
+                        "(Azure/AI-benchmarking-guide, Azure_Results/ND_A100_v4, ND_H100_v5, ND_H200_v5); "
+                        "A100-SXM4-40GB 1.378 (argonne-lcf/ALCFBeginnersGuide, polaris/02_profiling.md)",
+    "intra_busbw_gbs": "nccl-tests ring bus bandwidth, 8 GPUs, 16 GiB: A100 all-reduce 234.89 GB/s; H100/H200 "
+                       "(NVLink4) all-reduce with NCCL_NVLS_ENABLE=0 367.2, all-gather 361.4, reduce-scatter "
+                       "362.9 (" + ML_ENGINEERING + ", network/README.md); NCCL's maintainer: ~370 on NVLink4 "
+                       "after the ring protocol's ~20% (NVIDIA/nccl-tests issue 212)",
+    "inter_busbw_gbs": "per NIC, NCCL across hosts: HDR 200 Gb/s 24 GB/s (DGX A100: 192 GB/s all-reduce bus "
+                       "bandwidth over 8 NICs, NVIDIA/nccl issue 812), NDR 400 Gb/s 46-48 GB/s (NVIDIA/nccl-tests "
+                       "issue 290); A3 High (TCPX): all-gather bus bandwidth 41.33 GB/s per VM over 2 VMs "
+                       "(GoogleCloudPlatform/cluster-toolkit PR 3644), over its 8 GPUs",
 }
 
 
@@ -83,26 +135,31 @@ class PeakConfig:
 
 def device_spec(name: str | None, *, memory: float | None = None, peak_tflops: float | None = None,
                 intra_gbs: float | None = None, inter_gbs: float | None = None,
-                per_host: int | None = None) -> Device:
+                per_host: int | None = None, hbm_gbs: float | None = None) -> Device:
     """A known device, with any of its numbers overridden; or one described wholly by flags."""
     if name is not None:
         key = name.lower()
         if key not in KNOWN_DEVICES:
             raise ConfigError(f"unknown device '{name}'; known: {', '.join(KNOWN_DEVICES)} "
-                              "(or give --peak-tflops, --intra-bw and --inter-bw instead of --device)")
+                              "(or give --peak-tflops, --intra-bw, --inter-bw, --hbm-bw and --device-memory "
+                              "instead of --device)")
         base = KNOWN_DEVICES[key]
     else:
         missing = [f for f, v in (("--peak-tflops", peak_tflops), ("--intra-bw", intra_gbs),
-                                  ("--inter-bw", inter_gbs), ("--device-memory", memory)) if v is None]
+                                  ("--inter-bw", inter_gbs), ("--hbm-bw", hbm_gbs),
+                                  ("--device-memory", memory)) if v is None]
         if missing:
             raise ConfigError(f"without --device, give {', '.join(missing)} (no silent defaults); "
                               f"known devices: {', '.join(KNOWN_DEVICES)}")
         base = Device("custom", memory, peak_tflops, peak_tflops, intra_gbs, inter_gbs, per_host or 8)
-    # (A peak given by flags replaces the measured matmul ceiling too: it is no longer that device.)
-    return Device(base.name, memory or base.memory, peak_tflops or base.bf16_tflops,
-                  peak_tflops or base.fp32_tflops, intra_gbs or base.intra_host_gbs,
-                  inter_gbs or base.inter_host_gbs, per_host or base.per_host,
-                  matmul_tflops=None if peak_tflops else base.matmul_tflops, hbm_gbs=base.hbm_gbs)
+    # A figure given by flags replaces the measured one too: it is no longer that device.
+    return replace(base, memory=memory or base.memory, bf16_tflops=peak_tflops or base.bf16_tflops,
+                   fp32_tflops=peak_tflops or base.fp32_tflops, intra_host_gbs=intra_gbs or base.intra_host_gbs,
+                   inter_host_gbs=inter_gbs or base.inter_host_gbs, per_host=per_host or base.per_host,
+                   matmul_tflops=None if peak_tflops else base.matmul_tflops,
+                   intra_busbw_gbs=None if intra_gbs else base.intra_busbw_gbs,
+                   inter_busbw_gbs=None if inter_gbs else base.inter_busbw_gbs,
+                   hbm_gbs=hbm_gbs or base.hbm_gbs, hbm_achieved_gbs=None if hbm_gbs else base.hbm_achieved_gbs)
 
 
 def detect_device(device_kind: str, memory_bytes: float | None = None) -> Device | None:

@@ -58,6 +58,7 @@ class Plan:
     host_axes: tuple[str, ...]  # axes whose groups span hosts
     microbatches: int | None = None  # a pipeline's (1F1B), with a stage axis
     grad_accum: int = 1
+    time: timing.StepTime | None = None  # the time model's parts
 
     @property
     def step_s(self) -> float:
@@ -164,14 +165,16 @@ def _splits(model: Stageable, devices: int, per_host: int, batch_size: int) -> l
 
 
 def evaluate(model: Stageable, mesh: dict[str, int], strategy: Strategy, remat: Remat, device: Device,
-             batch_size: int, seq_len: int, compute_dtype: str = "bfloat16",
-             mfu: float = 0.5, usable: float = 0.9, microbatches: int | None = None,
-             grad_accum: int = 1) -> Plan:
+             batch_size: int, seq_len: int, compute_dtype: str = "bfloat16", usable: float = 0.9,
+             microbatches: int | None = None, grad_accum: int = 1, virtual_stages: int = 1,
+             software: timing.Software = timing.SOFTWARE["jaxshard"]) -> Plan:
+    """One plan: its memory per device (the accounting's; a pipeline's as 1F1B keeps it) and
+    its step time by the time model (:mod:`jaxshard.analysis.timing`): compute (with the
+    pipeline bubble) and the communication it does not hide."""
     rules = ShardingRules(abstract_mesh(mesh), strategy)
     kw = dict(compute_dtype=compute_dtype, remat=remat)
-    mem = accounting.memory(model, rules, batch_size, seq_len, grad_accum=grad_accum, **kw)
-    fl = accounting.flops(model.cfg, rules, batch_size, seq_len, remat=remat, model=model)
-    compute_s = fl.per_device / (device.peak(compute_dtype) * mfu)
+    flash = software.attention != "materialized"  # keeps no probabilities
+    mem = accounting.memory(model, rules, batch_size, seq_len, grad_accum=grad_accum, flash=flash, **kw)
     if microbatches is None:
         transfers = [(t, 1.0) for t in accounting.communication(
             model, rules, batch_size, seq_len, grad_accum=grad_accum, **kw).transfers]
@@ -180,9 +183,8 @@ def evaluate(model: Stageable, mesh: dict[str, int], strategy: Strategy, remat: 
         # Params and optimizer state: the rules split the layers over stage already. Saved
         # activations: one microbatch's through 1/P of the layers, for each kept microbatch.
         kept = min(m, 2 * stages - 1)
-        one = accounting.memory(model, rules, batch_size // m, seq_len, **kw).activations
+        one = accounting.memory(model, rules, batch_size // m, seq_len, flash=flash, **kw).activations
         mem = replace(mem, activations=one * kept // stages)
-        compute_s *= (m + stages - 1) / m  # the bubble
         accumulate = m if rules.gathers_params or strategy.zero > 1 else 1
         transfers = [(t, 1 / stages) for t in accounting.communication(
             model, rules, batch_size, seq_len, grad_accum=accumulate, **kw).transfers]
@@ -190,24 +192,21 @@ def evaluate(model: Stageable, mesh: dict[str, int], strategy: Strategy, remat: 
         transfers += [(t, 1.0) for t in accounting.pipeline_transfers(
             model, rules, schedule, batch_size, seq_len, compute_dtype)]
     spanning = host_spanning_axes(mesh, device.per_host)
-    comm_s = inter = 0.0
-    for t, share in transfers:
-        across = bool(set(t.axes) & set(spanning))
-        bw = (device.inter_host_gbs if across else device.intra_host_gbs) * GB
-        comm_s += share * t.sent_bytes / bw
-        inter += share * t.sent_bytes if across else 0.0
+    inter = sum(share * t.sent_bytes for t, share in transfers if set(t.axes) & set(spanning))
+    time = timing.step_time(model, rules, device, batch_size, seq_len, software=software,
+                            compute_dtype=compute_dtype, remat=remat, microbatches=microbatches or 1,
+                            virtual_stages=virtual_stages, grad_accum=grad_accum)
     return Plan(mesh=mesh, strategy=strategy, remat=remat, name=rules.name, memory=mem,
-                fits=mem.peak <= usable * device.memory, compute_s=compute_s, comm_s=comm_s,
-                inter_host_bytes=inter, host_axes=spanning, microbatches=microbatches, grad_accum=grad_accum)
+                fits=mem.peak <= usable * device.memory, compute_s=time.compute + time.bubble,
+                comm_s=sum(time.exposed.values()), inter_host_bytes=inter, host_axes=spanning,
+                microbatches=microbatches, grad_accum=grad_accum, time=time)
 
 
 def given(model: Stageable, mesh: dict[str, int], strategy: Strategy, device: Device, batch_size: int,
           seq_len: int, *, hosts: int = 1, compute_dtype: str = "bfloat16", microbatches: int = 1,
-          virtual_stages: int = 1, software: timing.Software = timing.SOFTWARE["jaxshard"]
-          ) -> tuple[Plan, timing.StepTime]:
-    """One configuration, exactly: its memory per device (as :func:`evaluate` counts it, a
-    pipeline's as 1F1B's) and its step time by the time model (:mod:`jaxshard.analysis.timing`).
-    ``microbatches``: a pipeline's with a stage axis, gradient accumulation's without one."""
+          virtual_stages: int = 1, software: timing.Software = timing.SOFTWARE["jaxshard"]) -> Plan:
+    """One configuration, exactly (:func:`evaluate`). ``microbatches``: a pipeline's with a
+    stage axis, gradient accumulation's without one."""
     devices = math.prod(mesh.values())
     if devices % hosts:
         raise ConfigError(f"--mesh {_flag(mesh)} has {devices} devices: not a multiple of --hosts {hosts}")
@@ -225,24 +224,19 @@ def given(model: Stageable, mesh: dict[str, int], strategy: Strategy, device: De
                           f"{shards} batch shard(s)")
     device = replace(device, per_host=devices // hosts)
     pipelined = stages > 1
-    plan = evaluate(model, mesh, strategy, model.remat, device, batch_size, seq_len, compute_dtype,
-                    microbatches=microbatches if pipelined else None, grad_accum=1 if pipelined else microbatches)
-    rules = ShardingRules(abstract_mesh(mesh), strategy)
-    time = timing.step_time(model, rules, device, batch_size, seq_len, software=software,
-                            compute_dtype=compute_dtype, remat=model.remat, microbatches=microbatches if pipelined else 1,
-                            virtual_stages=virtual_stages, grad_accum=1 if pipelined else microbatches)
-    return plan, time
+    return evaluate(model, mesh, strategy, model.remat, device, batch_size, seq_len, compute_dtype,
+                    microbatches=microbatches if pipelined else None, grad_accum=1 if pipelined else microbatches,
+                    virtual_stages=virtual_stages, software=software)
 
 
 def _flag(mesh: dict[str, int]) -> str:
     return ",".join(f"{a}={n}" for a, n in mesh.items())
 
 
-def prediction(model: Stageable, plan: Plan, time: timing.StepTime, device: Device, batch_size: int,
-               seq_len: int) -> dict[str, Any]:
+def prediction(model: Stageable, plan: Plan, device: Device, batch_size: int, seq_len: int) -> dict[str, Any]:
     """What ``plan.py --json`` writes: the step time and its parts, throughput, the model
     TFLOP/s per device under both published counts, and the memory per device by part."""
-    devices = math.prod(plan.mesh.values())
+    devices, time = math.prod(plan.mesh.values()), plan.time
     tokens = batch_size * seq_len / devices / time.total  # per device per second
     m = plan.memory
     return {
@@ -285,7 +279,8 @@ def _with_remat(model: Stageable, remat: Remat) -> Any:
 
 
 def plan(model: Stageable, devices: int, device: Device, batch_size: int, seq_len: int, *,
-         hosts: int = 1, compute_dtype: str = "bfloat16", mfu: float = 0.5) -> list[Plan]:
+         hosts: int = 1, compute_dtype: str = "bfloat16",
+         software: timing.Software = timing.SOFTWARE["jaxshard"]) -> list[Plan]:
     """Every candidate, fitting ones first, fastest first (within 5%: simplest first)."""
     if devices < 1 or hosts < 1 or devices % hosts:
         raise ConfigError(f"--devices {devices} must be a positive multiple of --hosts {hosts}")
@@ -297,8 +292,8 @@ def plan(model: Stageable, devices: int, device: Device, batch_size: int, seq_le
     per_host = devices // hosts
     device = replace(device, per_host=per_host)
     variants = {r: _with_remat(model, r) for r in (Remat.NONE, Remat.FULL)}
-    found = [evaluate(variants[remat], mesh, strategy, remat, device, batch_size, seq_len, compute_dtype, mfu,
-                      microbatches=m, grad_accum=k)
+    found = [evaluate(variants[remat], mesh, strategy, remat, device, batch_size, seq_len, compute_dtype,
+                      microbatches=m, grad_accum=k, software=software)
              for mesh, strategy, remat, m, k in candidates(model, devices, per_host, batch_size)]
     if not found:
         raise ConfigError(f"no mesh splits --batch {batch_size} over {devices} devices; "

@@ -1,33 +1,38 @@
 """How long a training step takes on real accelerators: a model from shapes, the software's
-kernels and the devices' measured ceilings, with nothing fitted to the runs it predicts.
+kernels and the devices' measured rates, with nothing fitted to the runs it predicts.
 
 A step's time on one device is the sum of
 
 * **matmuls** -- the layers' projections, MLP and vocabulary head, forward, backward (twice the
-  forward) and what the recompute policy runs again -- at the largest matmul rate measured on
-  the device (:attr:`Device.matmul_tflops`, the MAMF; the dense peak is never reached);
+  forward) and what the recompute policy runs again -- each on the roofline of its shape (a
+  microbatch's tokens): its FLOPs at the bf16 rate measured at transformer-layer shapes
+  (:attr:`Device.matmul_tflops`), or its operands and result through HBM, whichever is slower;
 * **the attention core** -- materialised (Megatron 2021: ``QK^T`` and ``PV`` as batched
-  matmuls, the full square, their scores through HBM) at the matmul rate, or a flash kernel
-  (causal blocks skipped: half the square; the backward recomputes the scores, 2.5 forwards)
-  at that kernel's measured rate (:data:`FLASH_TFLOPS`);
+  matmuls per head, the full square, on their roofline; the scores through HBM) or a flash
+  kernel (causal blocks skipped: half the square; the backward recomputes the scores, 2.5
+  forwards) at that kernel's measured rate (:data:`FLASH_TFLOPS`);
 * **memory-bound work** -- norms, activations, softmax, dropout, residual adds -- priced by the
-  bytes they move at HBM bandwidth: each activation a layer stores for the backward pass
+  bytes they move at HBM's measured rate: each activation a layer stores for the backward pass
   (Korthikanti et al. 2022's count, :func:`stored_bytes`) is written and read once in the
-  forward pass, twice that in the backward, and once more per recompute;
+  forward pass, twice that in the backward, and once more per recompute; in an eager framework
+  every elementwise op's own reads and writes (:func:`eager_bytes`);
 * **the optimizer** -- AdamW reads and writes the optimizer state and reads the gradients once,
-  at HBM bandwidth;
+  at HBM's rate;
 * **communication** that the software does not hide behind compute: each collective of the
-  accounting (:mod:`jaxshard.analysis.traffic`) priced as a ring over its group at the
-  bandwidth of the slowest link it crosses -- NVLink within a host, and across hosts the NICs
-  of the group's devices in each host (NCCL runs one ring per NIC, so a group with ``g``
-  devices per host crosses at ``g`` NICs' bandwidth, at most NVLink's);
+  accounting (:mod:`jaxshard.analysis.traffic`) priced as a ring over its group at NCCL's
+  measured bus bandwidth over the slowest link it crosses -- NVLink within a host, and across
+  hosts the NICs of the group's devices in each host (NCCL runs one ring per NIC, so a group
+  with ``g`` devices per host crosses at ``g`` NICs' bandwidth, at most NVLink's) -- gradients
+  in the dtype the software reduces them in; ZeRO-1/2's gather of the updated params follows
+  the update and is never hidden;
 * **the pipeline bubble** -- (P - 1) / (V M) of the compute with P stages, V virtual stages per
   device and M microbatches -- and the stage-to-stage sends.
 
 What the software does (:class:`Software`) is stated per code base with its source: which
 attention kernel, whether the data-parallel reduction and FSDP's gathers overlap compute,
-whether elementwise work is fused. Predictions are checked against published runs in
-``scripts/bench_plan.py``.
+whether elementwise work is fused. Hidden communication is taken as free (it shares neither
+SMs nor HBM with compute here), and a collective has no latency term: both are left out, not
+fitted. Predictions are checked against published runs in ``scripts/bench_plan.py``.
 """
 
 from __future__ import annotations
@@ -44,19 +49,23 @@ from jaxshard.model import Stageable
 from jaxshard.remat import Kind, Remat
 from jaxshard.rules import ShardingRules
 
-# Flash attention's forward + backward throughput, causal, head dim 128, long sequences,
-# counted as the kernel's FLOPs (causal half square, backward 2.5 forwards). FlashAttention-2
-# (Dao 2023, arXiv 2307.08691): 50-73% of the A100's peak (abstract), ~335 TFLOP/s on H100.
-# Hopper's FlashAttention-3 / cuDNN kernels (Shah et al. 2024, arXiv 2407.08608): up to 740
-# TFLOP/s forward; on Ampere cuDNN's flash kernel is FA2's algorithm, counted at FA2's rate.
-# Two entries are assumptions until measured: the A100's forward + backward as the middle of
-# FA2's band (0.62 of peak), and Hopper's cuDNN forward + backward as 550, between FA2's 335
-# and FA3's forward 740.
-_A100_FA2 = 0.62 * 312
+# Flash attention's forward + backward throughput, causal, head dim 128, counted as the
+# kernel's FLOPs (causal half square, backward 2.5 forwards), measured. FlashAttention-2 (Dao
+# 2023, arXiv 2307.08691, the fwd+bwd figures; the repository's
+# assets/flash2_{a100,h100}_fwd_bwd_benchmark.png), sequence 8k: A100 182 TFLOP/s, H100 308.
+# cuDNN on Hopper (Shah et al. 2024, FlashAttention-3, arXiv 2407.08608, sequence 16k): forward
+# 539 causal (Fig. 5), backward 516 (Fig. 6) -- 3.5 forwards' FLOPs in 1/539 + 2.5/516 per
+# TFLOP: 522. On Ampere cuDNN's flash kernel is FA2's algorithm (an assumption: not measured).
+_FA2 = {"a100-80gb": 182.0, "a100-40gb": 182.0, "h100": 308.0, "h200": 308.0}
+_CUDNN_HOPPER = 3.5 / (1 / 539 + 2.5 / 516)
 FLASH_TFLOPS = {
-    "fa2": {"a100-80gb": _A100_FA2, "a100-40gb": _A100_FA2, "h100": 335.0, "h200": 335.0},
-    "cudnn": {"a100-80gb": _A100_FA2, "a100-40gb": _A100_FA2, "h100": 550.0, "h200": 550.0},
+    "fa2": _FA2,
+    "cudnn": {"a100-80gb": _FA2["a100-80gb"], "a100-40gb": _FA2["a100-40gb"], "h100": _CUDNN_HOPPER,
+              "h200": _CUDNN_HOPPER},
 }
+for _name in ("h100-hbm2e-500w", "h100-a3-high"):  # the same chip (at 700 W: an upper bound at 500 W)
+    for _kernel in FLASH_TFLOPS.values():
+        _kernel[_name] = _kernel["h100"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,10 @@ class Software:
     # Gradients reduced once per step (DDP's no_sync, Megatron's accumulation buffers), or once
     # per microbatch as jaxshard's compiled accumulation scan does (the accounting's count).
     reduce_per_microbatch: bool = False
+    # Elementwise work as separate kernels, each reading and writing HBM (PyTorch eager: norms,
+    # rotary embeddings, SwiGLU, casts, kv-head repeats; :func:`eager_bytes`), not fused.
+    eager: bool = False
+    reduce_bytes: int | None = None  # the data-parallel gradients' dtype bytes (None: the compute dtype's)
     source: str = ""
 
 
@@ -77,20 +90,39 @@ SOFTWARE = {
     "megatron-2021": Software(
         "megatron-2021", "materialized", overlap_data=False, dropout=True,
         source="Narayanan et al. 2021 (Megatron-LM, SC21): fused bias-GeLU, bias-dropout-add and "
-               "scale-mask-softmax kernels; unfused attention; gradients all-reduced after the backward pass"),
+               "scale-mask-softmax kernels; unfused attention; fp16 gradients all-reduced after the backward pass"),
     "torchtitan": Software(
-        "torchtitan", "fa2", overlap_data=True,
+        "torchtitan", "fa2", overlap_data=True, eager=True, reduce_bytes=4,
         source="torchtitan (Liang et al. 2024, arXiv 2410.06511): SDPA's FlashAttention-2 kernel; FSDP2 "
-               "prefetches the next layer's gather; without torch.compile every elementwise op is a kernel"),
+               "prefetches the next layer's gather and reduce-scatters in float32 (reduce_dtype); without "
+               "torch.compile every elementwise op is a kernel"),
     "maxtext": Software(
-        "maxtext", "cudnn", overlap_data=True,
-        source="MaxText configs/a3 (GPU): cuDNN flash attention; XLA fuses elementwise work and its "
-               "latency-hiding scheduler overlaps FSDP's collectives"),
+        "maxtext", "cudnn", overlap_data=True, reduce_bytes=4,
+        source="MaxText configs/a3 (GPU): cuDNN flash attention; float32 weights (weight_dtype) so float32 "
+               "gradients; XLA fuses elementwise work and its latency-hiding scheduler overlaps collectives"),
     "jaxshard": Software(
         "jaxshard", "cudnn", overlap_data=True, reduce_per_microbatch=True,
         source="jax.nn.dot_product_attention picks cuDNN's flash kernel on Hopper; XLA fuses "
                "elementwise work and overlaps collectives (not yet measured on a GPU)"),
 }
+
+
+def eager_bytes(cfg: Any, tokens: int, tensor: int, c: int = 2) -> float:
+    """HBM bytes one Llama layer's elementwise kernels move in a forward pass, per device, when
+    each op is its own kernel (torchtitan's ``models/llama3/model.py`` run eagerly): per norm
+    (RMSNorm in float32: cast, square, mean, scale, cast back, weight) 18 bytes per element read
+    and written; rotary embeddings on q and k (cast to float32, complex multiply, cast back) 20;
+    ``repeat_kv``'s copies of k and v to every query head; the attention output made contiguous;
+    SwiGLU (SiLU, product) 10 per hidden element; the two residual adds 6. (The backward pass's
+    kernels move about twice these, and a recompute these again: the caller's factor.)"""
+    D, F, t = cfg.d_model, cfg.d_mlp, tensor
+    q, kv = cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
+    f32 = 4
+    norm = (c + 2 * f32) + 2 * f32 + f32 + (2 * f32) + (f32 + c) + 2 * c  # per element
+    rope = (c + f32) + (f32 + f32) + (f32 + c)
+    repeat = 2 * (c * kv + c * q) if kv != q else 0
+    per_token = 2 * norm * D + rope * (q + kv) / t + repeat / t + 2 * c * q / t + 5 * c * F / t + 2 * 3 * c * D
+    return per_token * tokens
 
 
 def stored_bytes(cfg: Any, tokens: int, seq_len: int, tensor: int, sp: bool, software: Software,
@@ -144,9 +176,9 @@ class StepTime:
 
 
 def group_bandwidth(t: Transfer, mesh: dict[str, int], device: Device) -> float:
-    """Bytes/s a device's ring over ``t``'s group moves at: NVLink within a host; across hosts
-    the group's NICs in each host (one ring per NIC), at most NVLink's. Devices fill hosts in
-    mesh order, the last axis fastest."""
+    """Bytes/s a device's ring over ``t``'s group moves at: NCCL's measured ring bus bandwidth
+    over NVLink within a host; across hosts the group's NICs in each host (one ring per NIC), at
+    most NVLink's. Devices fill hosts in mesh order, the last axis fastest."""
     stride, inner = 1, {}
     for axis, size in reversed(list(mesh.items())):
         inner[axis] = stride
@@ -154,12 +186,18 @@ def group_bandwidth(t: Transfer, mesh: dict[str, int], device: Device) -> float:
     per_host = device.per_host
     span = max(inner[a] * mesh[a] for a in t.axes)  # the devices one group's index range covers
     if span <= per_host:
-        return device.intra_host_gbs * GB
+        return device.intra
     # The group's devices within one host: the product of its axes' parts that lie inside a host.
     in_host = 1
     for a in t.axes:
         in_host *= max(1, min(mesh[a], per_host // inner[a]))
-    return min(device.intra_host_gbs, in_host * device.inter_host_gbs) * GB
+    return min(device.intra, in_host * device.inter)
+
+
+def roofline(m: float, k: float, n: float, rate: float, hbm: float, c: int) -> float:
+    """Seconds of an ``m x k`` by ``k x n`` matmul: its FLOPs at ``rate`` or its operands and
+    result through HBM at ``hbm`` bytes/s, whichever takes longer (Williams et al. 2009)."""
+    return max(2 * m * k * n / rate, c * (m * k + k * n + m * n) / hbm)
 
 
 def recomputed(remat: Remat) -> float:
@@ -198,13 +236,28 @@ def step_time(model: Stageable, rules: ShardingRules, device: Device,
     head = 2 * cfg.d_model * cfg.padded_vocab / tensor
     matmul_flops = tokens * ((3 + again) * layer_matmul * layers + 3 * head)
     rate = device.matmul_flops(compute_dtype)
-    matmul_s = matmul_flops / rate
+    if device.hbm is None:
+        raise ConfigError(f"the time model needs {device.name}'s HBM bandwidth; known devices: "
+                          f"{', '.join(KNOWN_DEVICES)}")
+    # Each matmul on the roofline of its shape (a microbatch's tokens): its FLOPs at the matmul
+    # rate, or its operands and result through HBM, whichever is slower. The layers' matmuls run
+    # at their projections' mean slowdown.
+    m = tokens // max(microbatches if stages > 1 else 1, grad_accum)
+    q, kv, D = cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head, cfg.d_model
+    shapes = [(D, (q + 2 * kv) / tensor), (q / tensor, D), (D, cfg.mlp_in * cfg.d_mlp / tensor),
+              (cfg.d_mlp / tensor, D)]
+    slowdown = (sum(roofline(m, k, n, rate, device.hbm, c) for k, n in shapes)
+                / sum(2 * m * k * n / rate for k, n in shapes))
+    head_s = roofline(m, D, cfg.padded_vocab / tensor, rate, device.hbm, c) * tokens / m
+    matmul_s = tokens * (3 + again) * layer_matmul * layers / rate * slowdown + 3 * head_s
 
     # The attention core, per layer per token, forward: 4 L q (the full square).
     square = 4 * L * cfg.n_heads * cfg.d_head / tensor / cp
-    if software.attention == "materialized":
+    if software.attention == "materialized":  # per head, q k^T and p v as batched matmuls
         attention_flops = tokens * layers * square * (3 + again)
-        attention_s = attention_flops / rate
+        dh, heads = cfg.d_head, cfg.n_heads / tensor / cp
+        per_head = roofline(L / cp, dh, L, rate, device.hbm, c) + roofline(L / cp, L, dh, rate, device.hbm, c)
+        attention_s = tokens / (L / cp) * heads * layers * (3 + again) * per_head
     else:
         kernel = FLASH_TFLOPS[software.attention].get(device.name)
         if kernel is None:
@@ -214,12 +267,11 @@ def step_time(model: Stageable, rules: ShardingRules, device: Device,
         attention_s = attention_flops / (kernel * 1e12)
 
     # Memory-bound work: the stored activations written and read, forward, recompute, backward.
-    if device.hbm_gbs is None:
-        raise ConfigError(f"the time model needs {device.name}'s HBM bandwidth; known devices: "
-                          f"{', '.join(KNOWN_DEVICES)}")
-    hbm = device.hbm_gbs * GB
+    hbm = device.hbm
     stored = stored_bytes(cfg, tokens, L, tensor, sp, software, c) * layers
     memory_s = stored * (2 + 2 * again + 4) / hbm
+    if software.eager:  # every elementwise op its own kernel: forward, recompute, backward (2x)
+        memory_s = eager_bytes(cfg, tokens, tensor, c) * layers * (1 + again + 2) / hbm
 
     mem = accounting.memory(model, rules, batch_size, seq_len, compute_dtype=compute_dtype, remat=remat,
                             grad_accum=grad_accum * microbatches, param_dtype=param_dtype)
@@ -240,9 +292,12 @@ def step_time(model: Stageable, rules: ShardingRules, device: Device,
         # The accounting counts every layer's activation collectives; a stage runs 1/P of the
         # layers. Its parameters' gradients and gathers are its own shard's already.
         share = 1 if set(t.axes) & {"data", "fsdp", "stage"} else stages
-        seconds = t.sent_bytes / group_bandwidth(t, mesh, device) / share
+        sent = t.sent_bytes
+        if software.reduce_bytes and t.kind != "all-gather" and set(t.axes) <= {"data", "fsdp"}:
+            sent = sent * software.reduce_bytes / c  # the gradients, reduced in the software's dtype
+        seconds = sent / group_bandwidth(t, mesh, device) / share
         name = "+".join(t.axes)
-        where = hidden if set(t.axes) <= behind else exposed
+        where = hidden if set(t.axes) <= behind and not t.after_update else exposed
         where[name] = where.get(name, 0.0) + seconds
     if stages > 1:  # a microbatch's activations (and their gradients) to the next stage, per chunk
         act = c * tokens // microbatches * cfg.d_model / tensor  # Megatron's scatter-gather: 1/t each

@@ -35,7 +35,7 @@ def gathers(ledger: Ledger, use: ParamUse) -> None:
     p, rules = use.p, ledger.rules
     ledger.add("all-gather", spec_axes(p.opt_state) - spec_axes(p.params),
                ledger.pb * shard_elems(p.shape, p.params, ledger.sizes), 1,
-               f"{p.path}: ZeRO-1/2 all-gather of the updated params")
+               f"{p.path}: ZeRO-1/2 all-gather of the updated params", after_update=True)
     # FSDP/ZeRO-3 gathers a layer's weights again for its backward pass, unless they are kept.
     regather = rules.strategy.reshard_after_forward and p.in_layers
     ledger.add("all-gather", spec_axes(p.params) - use.model_axes, use.used,

@@ -31,6 +31,9 @@ class Transfer:
     executions: int
     what: str
     group: int = 0
+    # After the optimizer update (ZeRO-1/2's gather of the updated params): nothing of the
+    # step is left to overlap it with.
+    after_update: bool = False
 
     @property
     def total(self) -> int:
@@ -97,12 +100,13 @@ class Ledger:
         self.transfers: list[Transfer] = []
         self.allowances: list[str] = []
 
-    def add(self, kind: str, axes, nbytes: float, executions: int, what: str, group: int | None = None) -> None:
+    def add(self, kind: str, axes, nbytes: float, executions: int, what: str, group: int | None = None,
+            after_update: bool = False) -> None:
         """A collective over the active ones of ``axes`` (none if none is, or nothing is sent)."""
         axes = self.rules.active_axes(axes)
         if axes and nbytes and executions:
             self.transfers.append(Transfer(kind, axes, int(nbytes), executions, what,
-                                           group or self.rules.size(axes)))
+                                           group or self.rules.size(axes), after_update))
 
     def allow(self, text: str) -> None:
         """A known difference between what XLA compiles and the textbook's collectives."""
