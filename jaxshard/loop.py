@@ -16,7 +16,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from jaxshard.analysis import accounting, bubble, devices, hlo, inspect
+from jaxshard.analysis import accounting, bubble, devices, hlo, inspect, timing
 from jaxshard.data import corpus as data_lib
 from jaxshard.data import tokenizer as tokenizer_lib
 from jaxshard.errors import ConfigError, DataError, TrainingError
@@ -332,6 +332,11 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
         _log(measured.line())
     report = _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compile_s,
                      throughput, flops, peak_source, program, measured)
+    report["predicted"]["time_model"] = predicted = _time_model(cfg, model, rules, schedule, flops)
+    if predicted:
+        _log(f"time model ({predicted['device']}): {predicted['step_time_s']:.4f} s per step, MFU "
+             f"{predicted['mfu']:.1%} predicted; measured {report['step_time_s_median']:.4f} s"
+             + (f", MFU {report['mfu']:.1%}" if report["mfu"] is not None else ""))
     if cfg.outputs.report and jax.process_index() == 0:
         write_json_atomic(cfg.outputs.report, report)
     return report
@@ -416,6 +421,23 @@ def _sample(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, params: 
         return
     text = tokenizer.decode(new[:-1] if new and new[-1] == tokenizer.eot_id else new)
     _log(f"sample ({len(new)} tokens after {cfg.sample_prompt!r}):\n{cfg.sample_prompt}{text}")
+
+
+def _time_model(cfg: RunConfig, model: Stageable, rules, schedule, flops) -> dict[str, Any] | None:
+    """The time model's step time and MFU for this run (``analysis.timing``, as ``plan.py``
+    prices it), beside the measured ones: where the device is known (``--device`` or a
+    recognised GPU); None otherwise, and for local SGD, whose steps differ."""
+    device = devices.known_device(cfg.peak.device, jax.devices()[0])
+    if device is None or cfg.sync_every is not None:
+        return None
+    device = dataclasses.replace(device, per_host=jax.local_device_count())
+    pipe = dict(microbatches=schedule.microbatches, virtual_stages=schedule.virtual) if schedule else {}
+    t = timing.step_time(model, rules, device, cfg.batch_size, cfg.seq_len, software=timing.SOFTWARE["jaxshard"],
+                         compute_dtype=cfg.step.compute_dtype, param_dtype=cfg.step.param_dtype, remat=model.remat,
+                         grad_accum=cfg.step.grad_accum, **pipe)
+    peak = device.peak(cfg.step.compute_dtype)
+    return {"device": device.name, "step_time_s": t.total,
+            "mfu": flops.model / jax.device_count() / t.total / peak, "parts": t.as_dict()}
 
 
 def _report(cfg: RunConfig, model: Stageable, rules, compiled, held, records, val_loss, corpus, compile_s,

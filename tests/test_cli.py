@@ -155,6 +155,36 @@ def test_mfu_with_a_given_peak(tmp_path):
     assert last["hfu"] >= last["mfu"] > 0
 
 
+def test_the_report_puts_the_time_models_prediction_beside_the_measurement(tmp_path):
+    """With the device known (--device, or a recognised GPU), the report carries the time
+    model's step time and MFU for this run, as plan.py prices it; on CPU it only describes the
+    named device, the measured figures describe the CPU."""
+    from jaxshard.analysis import devices, timing
+    from jaxshard.mesh import abstract_mesh
+    from jaxshard.rules import ShardingRules, Strategy
+    from models import TransformerLM, get_preset
+
+    out = tmp_path / "report.json"
+    result = train("--mesh", "fsdp=8", "--cpu-devices", "8", "--steps", "2", "--batch-size", "8",
+                   "--seq-len", "32", "--device", "a100-80gb", "--compute-dtype", "bfloat16",
+                   "--report", str(out))
+    assert result.returncode == 0, result.stderr
+    rep = json.loads(out.read_text())
+    predicted = rep["predicted"]["time_model"]
+    assert predicted["device"] == "a100-80gb" and "time model (a100-80gb)" in result.stdout + result.stderr
+    rules = ShardingRules(abstract_mesh({"fsdp": 8}), Strategy())
+    want = timing.step_time(TransformerLM(get_preset("tiny"), remat=rep["remat"]), rules,
+                            devices.KNOWN_DEVICES["a100-80gb"], 8, 32, software=timing.SOFTWARE["jaxshard"],
+                            compute_dtype="bfloat16", remat=rep["remat"])
+    assert predicted["step_time_s"] == pytest.approx(want.total)
+    assert predicted["mfu"] == pytest.approx(rep["flops_per_step"]["model"] / 8 / want.total / 312e12)
+    assert rep["mfu"] == pytest.approx(rep["tflops_per_device"] / 312)  # measured, against the same peak
+    plain = tmp_path / "plain.json"
+    assert train("--mesh", "data=8", "--cpu-devices", "8", "--steps", "2", "--batch-size", "8", "--seq-len", "32",
+                 "--report", str(plain)).returncode == 0
+    assert json.loads(plain.read_text())["predicted"]["time_model"] is None  # CPU, no --device
+
+
 def test_microbatch_not_divisible_by_batch_axes():
     result = train("--mesh", "data=8", "--cpu-devices", "8", "--batch-size", "16", "--grad-accum", "4")
     assert_one_line_error(result, "the microbatch of 4 (--batch-size 16 / --grad-accum 4) is not "

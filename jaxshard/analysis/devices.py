@@ -185,16 +185,25 @@ def parse_bytes(text: str) -> float:
     return float(m[1] + (m[2] or "")) * scale
 
 
+def known_device(device: str | None, backend_device: object | None = None) -> Device | None:
+    """The device a run is on, where it is known: a named ``--device``, or a recognised GPU."""
+    if device is not None:
+        return device_spec(device)
+    kind = getattr(backend_device, "device_kind", "")
+    if getattr(backend_device, "platform", "") == "gpu":
+        return detect_device(kind)
+    return None
+
+
 def peak_flops(device: str | None, peak_tflops: float | None, compute_dtype: str,
                backend_device: object | None = None) -> tuple[float | None, str]:
     """Dense peak FLOP/s of one device for MFU, and where the number came from. Never a guess:
     an explicit --peak-tflops, a named --device, a recognised GPU, or nothing."""
     if peak_tflops is not None:
         return peak_tflops * 1e12, "--peak-tflops"
+    found = known_device(device, backend_device)
+    if found is None:
+        return None, "unknown (give --peak-tflops or --device for MFU)"
     if device is not None:
-        spec = device_spec(device)
-        return spec.peak(compute_dtype), f"--device {spec.name}"
-    kind = getattr(backend_device, "device_kind", "")
-    if getattr(backend_device, "platform", "") == "gpu" and (found := detect_device(kind)):
-        return found.peak(compute_dtype), f"detected {found.name} ({kind})"
-    return None, "unknown (give --peak-tflops or --device for MFU)"
+        return found.peak(compute_dtype), f"--device {found.name}"
+    return found.peak(compute_dtype), f"detected {found.name} ({getattr(backend_device, 'device_kind', '')})"
