@@ -1,22 +1,23 @@
-"""Rank meshes and strategies for a model on a cluster, from the accounting alone.
+"""Rank meshes and strategies for a model on a cluster, from the accounting and the time model.
 
 For every way to split the devices into ``stage`` x ``data`` x ``fsdp`` x ``tensor`` (tensor
 within a host; a pipeline's stages outermost, so they are what crosses hosts first), ZeRO
 stage, sequence parallelism, remat policy and gradient accumulation (the other way to keep
-fewer activations than recomputing them), the planner predicts per-device
-memory (:func:`jaxshard.analysis.accounting.memory`) and step time = compute time + communication time
-(no overlap assumed: a conservative bound), each collective priced at the bandwidth of the
-link it crosses -- within a host, or across hosts for an axis whose groups span hosts (mesh
-axes nest outermost first, so the outermost axes cross hosts). Plans that do not fit are
-marked; among those that do, the fastest wins and, within 5% (finer than the time model can
-tell), the simpler one.
+fewer activations than recomputing them), the planner predicts per-device memory
+(:func:`jaxshard.analysis.accounting.memory`) and the step time of the time model
+(:mod:`jaxshard.analysis.timing`: compute, the pipeline bubble, and the communication the
+software does not hide, each collective priced at the bandwidth of the link it crosses --
+within a host, or across hosts for an axis whose groups span hosts; mesh axes nest outermost
+first, so the outermost axes cross hosts). Plans that do not fit are marked; among those that
+do, the fastest wins and, within 5% (finer than the time model can tell), the simpler one.
 
 A pipeline plan runs 1F1B with the most microbatches up to 4P that split the batch (at least
 P). Its model: each device holds 1/P of the layers and keeps at most 2P - 1 microbatches'
-activations; its compute is 1/P of the step's, stretched by the bubble, (M + P - 1) / M; its
-collectives are 1/P of the unpipelined step's -- FSDP's gathers and reduce-scatters once per
-microbatch, data replicas' reduction once per step, as the executor does them -- plus one
-microbatch's activations and their gradients sent across ``stage`` every tick.
+activations; its compute is a stage's, idle for the bubble, (P - 1) / M of it; its
+collectives are a stage's: 1/P of the layers' activation collectives, its own params'
+gathers and reductions (FSDP's once per microbatch, data replicas' once per step, as the
+executor does them), plus one microbatch's activations and their gradients sent across
+``stage`` every tick.
 """
 
 from __future__ import annotations
@@ -186,8 +187,11 @@ def evaluate(model: Stageable, mesh: dict[str, int], strategy: Strategy, remat: 
         one = accounting.memory(model, rules, batch_size // m, seq_len, flash=flash, **kw).activations
         mem = replace(mem, activations=one * kept // stages)
         accumulate = m if rules.gathers_params or strategy.zero > 1 else 1
-        transfers = [(t, 1 / stages) for t in accounting.communication(
-            model, rules, batch_size, seq_len, grad_accum=accumulate, **kw).transfers]
+        # The accounting counts every layer's activation collectives, of which a stage runs
+        # 1/P; its params' gradients and gathers are its own shard's already (as timing's).
+        transfers = [(t, 1.0 if set(t.axes) & {"data", "fsdp", "stage"} else 1 / stages)
+                     for t in accounting.communication(model, rules, batch_size, seq_len,
+                                                       grad_accum=accumulate, **kw).transfers]
         schedule = make_schedule("1f1b", stages, m)
         transfers += [(t, 1.0) for t in accounting.pipeline_transfers(
             model, rules, schedule, batch_size, seq_len, compute_dtype)]
