@@ -93,7 +93,7 @@ RUNS = [
         "torchtitan", "full", "5,762 tokens/s per GPU", 2 * 8192 / 5762, recompute=0.5,
         gap="its H100s run at a 500 W power limit; torchtitan puts their peak between the SXM's 989 and "
             "the NVL's 835 TFLOP/s (its footnote 2): priced at the SXM's rates, an upper bound (at the "
-            "NVL's, 0.82)"),
+            "NVL's, 0.81)"),
     Run("torchtitan docs/performance.md",
         llama("Llama 3 70B", 80, 8192, 64, 8, 28672, 128256, 8192), "a100-80gb", 64, {"fsdp": 64}, 64, 8192,
         "torchtitan", "full", "331 tokens/s per GPU", 8192 / 331),

@@ -110,7 +110,7 @@ SOFTWARE = {
 def eager_bytes(cfg: Any, tokens: int, tensor: int, c: int = 2) -> float:
     """HBM bytes one Llama layer's elementwise kernels move in a forward pass, per device, when
     each op is its own kernel (torchtitan's ``models/llama3/model.py`` run eagerly): per norm
-    (RMSNorm in float32: cast, square, mean, scale, cast back, weight) 18 bytes per element read
+    (RMSNorm in float32: cast, square, mean, scale, cast back, weight) 36 bytes per element read
     and written; rotary embeddings on q and k (cast to float32, complex multiply, cast back) 20;
     ``repeat_kv``'s copies of k and v to every query head; the attention output made contiguous;
     SwiGLU (SiLU, product) 10 per hidden element; the two residual adds 6. (The backward pass's
@@ -118,7 +118,7 @@ def eager_bytes(cfg: Any, tokens: int, tensor: int, c: int = 2) -> float:
     D, F, t = cfg.d_model, cfg.d_mlp, tensor
     q, kv = cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
     f32 = 4
-    norm = (c + 2 * f32) + 2 * f32 + f32 + (2 * f32) + (f32 + c) + 2 * c  # per element
+    norm = (c + f32) + 2 * f32 + f32 + 2 * f32 + (f32 + c) + 2 * c  # per element, read and written
     rope = (c + f32) + (f32 + f32) + (f32 + c)
     repeat = 2 * (c * kv + c * q) if kv != q else 0
     per_token = 2 * norm * D + rope * (q + kv) / t + repeat / t + 2 * c * q / t + 5 * c * F / t + 2 * 3 * c * D
