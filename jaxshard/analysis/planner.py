@@ -187,11 +187,8 @@ def evaluate(model: Stageable, mesh: dict[str, int], strategy: Strategy, remat: 
         one = accounting.memory(model, rules, batch_size // m, seq_len, flash=flash, **kw).activations
         mem = replace(mem, activations=one * kept // stages)
         accumulate = m if rules.gathers_params or strategy.zero > 1 else 1
-        # The accounting counts every layer's activation collectives, of which a stage runs
-        # 1/P; its params' gradients and gathers are its own shard's already (as timing's).
-        transfers = [(t, 1.0 if set(t.axes) & {"data", "fsdp", "stage"} else 1 / stages)
-                     for t in accounting.communication(model, rules, batch_size, seq_len,
-                                                       grad_accum=accumulate, **kw).transfers]
+        transfers = [(t, timing.stage_share(t, stages)) for t in accounting.communication(
+            model, rules, batch_size, seq_len, grad_accum=accumulate, **kw).transfers]
         schedule = make_schedule("1f1b", stages, m)
         transfers += [(t, 1.0) for t in accounting.pipeline_transfers(
             model, rules, schedule, batch_size, seq_len, compute_dtype)]

@@ -194,6 +194,13 @@ def group_bandwidth(t: Transfer, mesh: dict[str, int], device: Device) -> float:
     return min(device.intra, in_host * device.inter)
 
 
+def stage_share(t: Transfer, stages: int) -> float:
+    """The part of the accounting's collective ``t`` one pipeline stage runs: it counts every
+    layer's activation collectives, of which a stage runs 1/P; a stage's params' gathers and
+    gradient reductions (over data, fsdp) are its own shard's already."""
+    return 1.0 if set(t.axes) & {"data", "fsdp", "stage"} else 1 / stages
+
+
 def roofline(m: float, k: float, n: float, rate: float, hbm: float, c: int) -> float:
     """Seconds of an ``m x k`` by ``k x n`` matmul: its FLOPs at ``rate`` or its operands and
     result through HBM at ``hbm`` bytes/s, whichever takes longer (Williams et al. 2009)."""
@@ -289,13 +296,10 @@ def step_time(model: Stageable, rules: ShardingRules, device: Device,
     hidden: dict[str, float] = {}
     behind = {"data", "fsdp"} if software.overlap_data else set()
     for t in comm.transfers:
-        # The accounting counts every layer's activation collectives; a stage runs 1/P of the
-        # layers. Its parameters' gradients and gathers are its own shard's already.
-        share = 1 if set(t.axes) & {"data", "fsdp", "stage"} else stages
         sent = t.sent_bytes
         if software.reduce_bytes and t.kind != "all-gather" and set(t.axes) <= {"data", "fsdp"}:
             sent = sent * software.reduce_bytes / c  # the gradients, reduced in the software's dtype
-        seconds = sent / group_bandwidth(t, mesh, device) / share
+        seconds = sent / group_bandwidth(t, mesh, device) * stage_share(t, stages)
         name = "+".join(t.axes)
         where = hidden if set(t.axes) <= behind and not t.after_update else exposed
         where[name] = where.get(name, 0.0) + seconds
