@@ -330,10 +330,10 @@ def explain(model: Stageable, plans: list[Plan], device: Device, hosts: int, com
                      "gather whole (FSDP holds the layer in use and the next): split layers with "
                      "tensor parallelism within a host.")
     if hosts > 1:
-        lines.append(f"{hosts} hosts: links between hosts ({device.inter_host_gbs:g} GB/s per device) are "
-                     f"~{device.intra_host_gbs / device.inter_host_gbs:.0f}x slower than within one "
-                     f"({device.intra_host_gbs:g} GB/s): keep data parallelism on the axis that crosses "
-                     "hosts (it sends each gradient once per step) and FSDP/TP inside a host.")
+        lines.append(f"{hosts} hosts: links between hosts ({device.inter / GB:g} GB/s per device) are "
+                     f"~{device.intra / device.inter:.0f}x slower than within one "
+                     f"({device.intra / GB:g} GB/s, as NCCL's rings measure them): keep data parallelism on "
+                     "the axis that crosses hosts (it sends each gradient once per step) and FSDP/TP inside a host.")
     top = next((p for p in plans if p.fits), None)
     if top is None:
         lines.append("No plan fits: more devices, more memory, a smaller batch per device or a "
