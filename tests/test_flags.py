@@ -77,7 +77,7 @@ COMMON = {
     "--stage-layers": Case(("1,1",)),
     "--balance": Case(("flops",)),
     "--d-model": Case(("32",)),
-    "--n-heads": Case(("16",), drop=("--model",), context=("--model", "llama-1b")),
+    "--n-heads": Case(("4",)),
     "--n-kv-heads": Case(("4",)),
     "--d-head": Case(("16",)),
     "--d-mlp": Case(("128",)),
