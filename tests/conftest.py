@@ -30,8 +30,14 @@ def _xla_accepts(flag: str) -> bool:
     return probe.returncode == 0
 
 
+# XLA:CPU ends the process when a collective's participants -- the fake devices' threads -- do
+# not all arrive within its termination timeout ("Termination timeout ... exceeded. Exiting to
+# ensure a consistent program state"); on 2 cores shared with another worker's compile a device
+# thread can be that late, and a worker dies with "Fatal Python error: Aborted". Tests wait longer.
+PATIENT = ("--xla_cpu_collective_call_terminate_timeout_seconds=600",)
+
 _flags = os.environ.get("XLA_FLAGS", "")
-for _flag in FAST_COMPILE:
+for _flag in FAST_COMPILE + PATIENT:
     if _flag.split("=")[0] not in _flags and (_flag == FAST_COMPILE[0] or _xla_accepts(_flag)):
         _flags = f"{_flags} {_flag}".strip()
 os.environ["XLA_FLAGS"] = _flags
