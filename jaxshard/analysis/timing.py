@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from jaxshard.analysis import accounting
-from jaxshard.analysis.devices import GB, KNOWN_DEVICES, Device
+from jaxshard.analysis.devices import KNOWN_DEVICES, Device
 from jaxshard.analysis.traffic import Transfer
 from jaxshard.axes import Dim
 from jaxshard.errors import ConfigError
