@@ -293,6 +293,8 @@ def test_plan_ranks_explains_and_confirms_by_compiling():
     out = result.stdout
     assert "strategy" in out and "GB/device" in out and re.search(r"Chosen: \S+ on \S+", out), out
     assert "Confirmed by compiling" in out and "every collective kind within 5%" in out
+    cost = re.search(r"compiled in ([\d.]+) s, peak memory of this process ([\d.]+) GiB", out)
+    assert cost and float(cost[1]) > 0 and float(cost[2]) > 0.1, out  # (jax alone holds more)
 
 
 def test_plan_confirms_a_pipeline_by_compiling_it():

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import resource
+import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -380,16 +382,20 @@ def confirm(model: Stageable, p: Plan, batch_size: int, seq_len: int) -> str:
     pipelined = dict(pipeline_schedule="1f1b", microbatches=p.microbatches) if p.microbatches else {}
     step = StepConfig(compute_dtype=compute_dtype, grad_accum=p.grad_accum, **pipelined)
     program = build_program(model, rules, OptimConfig(), step)
+    start = time.perf_counter()
     compiled = program.lower_step(batch_size, seq_len).compile()
+    # What the confirmation itself cost: its compile time and this process's peak memory.
+    cost = (f"compiled in {time.perf_counter() - start:.1f} s, peak memory of this process "
+            f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
     if p.microbatches:
-        return _confirm_pipeline(model, p, program, compiled, batch_size, seq_len, compute_dtype)
+        return _confirm_pipeline(model, p, program, compiled, batch_size, seq_len, compute_dtype) + f"\n  {cost}"
     v = inspect.verify(model, program, compiled, batch_size, seq_len, step=step)
     head = (f"Confirmed by compiling {p.name} on --mesh {p.mesh_flag} ({rules.mesh.devices.size} fake "
             f"CPU devices, float32): argument bytes per device predicted {v.memory[2][1]:,}, "
             f"XLA {v.memory[2][2]:,}")
     rows = [f"  {k:<16} predicted {pr:>16,} B   compiled {m:>16,} B" for k, pr, m in v.by_kind]
     verdict = [f"  FLAG: {f}" for f in v.flags] or ["  every collective kind within 5% of the prediction"]
-    return "\n".join([head, *rows, *verdict])
+    return "\n".join([head, *rows, *verdict, f"  {cost}"])
 
 
 def _confirm_pipeline(model: Stageable, p: Plan, program: Program, compiled: Any, batch_size: int, seq_len: int,
