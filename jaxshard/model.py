@@ -42,7 +42,9 @@ class LanguageModel(Protocol):
 
     Params are a nested dict; the layers' params are stacked on a leading ``layers`` dim under
     one of :attr:`stacks` (a pipeline splits :attr:`stack`); the rest are the outer params
-    (embedding, final norm, head)."""
+    (embedding, final norm, head). The training step casts the outer params to the compute
+    dtype; :meth:`loss` casts each layer's to its input's dtype inside the layer loop, so no
+    compute-dtype copy of the whole stack is ever made."""
 
     cfg: Any  # the family's config (models.config.ModelConfig): shapes, dropout, MoE settings
     remat: Any  # the layer scan's recompute policy (jaxshard.remat.Remat)

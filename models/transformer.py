@@ -23,6 +23,7 @@ from flax import nnx
 from jaxshard import remat as remat_lib
 from jaxshard.axes import Dim
 from jaxshard.errors import ConfigError
+from jaxshard.pytree import cast_floats
 from jaxshard.model import MOE_METRICS, Loss, Params
 from jaxshard.parallel.vocab import cross_entropy, table_copies
 from jaxshard.rules import constrain, for_compute
@@ -130,8 +131,9 @@ class TransformerLM:
 
     def block(self, layer_params: Params, x_BLD: jax.Array, *, key: jax.Array | None = None,
               cache: KVCache | None = None):
-        """One layer, given that layer's (unstacked) params. With that layer's ``cache``
-        (decoding, :meth:`extend`): (output, the updated cache)."""
+        """One layer, given that layer's (unstacked) params, cast to the dtype of its input.
+        With that layer's ``cache`` (decoding, :meth:`extend`): (output, the updated cache)."""
+        layer_params = cast_floats(layer_params, x_BLD.dtype)
         block = nnx.merge(self._block_def, for_compute(layer_params, self.block_axes))
         if cache is None:
             return block(x_BLD, self._rope(x_BLD.shape[1]), key)
@@ -186,7 +188,9 @@ class TransformerLM:
 
     def moe_block(self, layer_params: Params, x_BLD: jax.Array, *,
                   key: jax.Array | None = None) -> tuple[jax.Array, Any]:
-        """One MoE layer, given its (unstacked) params: (output, its ``models.moe.Routing``)."""
+        """One MoE layer, given its (unstacked) params, cast to the dtype of its input:
+        (output, its ``models.moe.Routing``)."""
+        layer_params = cast_floats(layer_params, x_BLD.dtype)
         block = nnx.merge(self._moe_def, for_compute(layer_params, self.moe_block_axes))
         return block(x_BLD, self._rope(x_BLD.shape[1]), key)
 

@@ -95,19 +95,21 @@ def memory(model: LanguageModel, rules: ShardingRules, batch_size: int, seq_len:
     tokens = local_tokens(rules, batch_size, seq_len)
     layers = model.cfg.n_layers
     layer_weights = sum(c * shard_elems(p.shape, p.compute, sizes) for p in infos if p.in_layers)
-    layer_rest = sum(c * shard_elems(p.shape, p.params, sizes) for p in infos if p.in_layers)
+    layer_stored = sum(pb * shard_elems(p.shape, p.params, sizes) for p in infos if p.in_layers)
     outer_weights = sum(c * shard_elems(p.shape, p.compute, sizes) for p in infos if not p.in_layers)
-    # Under ZeRO-3/FSDP the backward pass keeps every layer's gathered weights only without
-    # reshard-after-forward; with it (the default) it keeps them as stored and gathers a layer
-    # again when it needs it. Otherwise the weights as the forward used them (compute-dtype
-    # copies) without remat, as stored with it.
+    # Each layer's weights are cast (and, under ZeRO-3/FSDP, gathered) inside the layer loop,
+    # one layer at a time. The backward pass keeps every layer's compute-layout copies only
+    # where nothing recomputes them: under FSDP without reshard-after-forward, otherwise
+    # without remat; else it keeps the params as stored (no copy) and casts or gathers a layer
+    # again when it needs it. The outer params (embedding, head) are cast once for the step.
     gathers = rules.gathers_params
     keep = not rules.strategy.reshard_after_forward if gathers else remat.kind is Kind.NONE
-    saved = outer_weights + (layer_weights if keep else layer_rest)
+    saved = outer_weights + (layer_weights if keep else layer_stored)
     copies = gathers or c != F32
+    extra = outer_weights + (layer_weights if keep else 0) if copies else 0
     acts = activation_bytes(model.cfg, rules, batch_size // grad_accum, seq_len, c, remat, flash)
     return Memory(params=params, grads=grads, opt_state=opt + scale, batch=2 * 4 * tokens,
-                  activations=acts, weights_saved=saved, weights_extra=saved if copies else 0,
+                  activations=acts, weights_saved=saved, weights_extra=extra,
                   gathered_layer=layer_weights // layers if gathers else 0, host=host)
 
 

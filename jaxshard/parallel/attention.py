@@ -17,8 +17,10 @@ kv_heads, H]`` keys/values per device. The partitioner alone would all-gather ke
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +29,27 @@ from jaxshard.axes import Dim
 from jaxshard.rules import active, spec_axes
 
 _NEG = float(jnp.finfo(jnp.float32).min)
+
+# The dense path's kernel: "auto" (cuDNN's fused kernel on GPUs, the materialised softmax
+# elsewhere) or "blockwise" (flash attention's algorithm in plain JAX, any backend). Set by
+# :func:`kernel` around tracing.
+_KERNEL = ["auto"]
+KERNELS = ("auto", "blockwise")
+BLOCK = 512  # keys per block of the blockwise kernel
+
+
+@contextlib.contextmanager
+def kernel(name: str) -> Iterator[None]:
+    """Trace the dense path's attention with kernel ``name`` (see :data:`KERNELS`). The plan's
+    confirmation compiles with "blockwise" on CPU so that the program keeps what a GPU's flash
+    kernel keeps (no ``L x L`` probabilities) instead of the materialised softmax's."""
+    if name not in KERNELS:
+        raise ValueError(f"attention kernel {name!r}: one of {', '.join(KERNELS)}")
+    _KERNEL.append(name)
+    try:
+        yield
+    finally:
+        _KERNEL.pop()
 
 
 def causal_attention(q_BLKGH: jax.Array, k_BLKH: jax.Array, v_BLKH: jax.Array) -> jax.Array:
@@ -50,6 +73,8 @@ def _scores(q_BLKGH, k_BMKH, q_pos, k_pos):
 
 
 def _dense(q_BLKGH, k_BLKH, v_BLKH):
+    if _KERNEL[-1] == "blockwise":
+        return blockwise(q_BLKGH, k_BLKH, v_BLKH)
     if jax.default_backend() == "gpu":
         return fused(q_BLKGH, k_BLKH, v_BLKH)
     s_BKGLM = jnp.einsum("blkgh,bmkh->bkglm", q_BLKGH, k_BLKH,
@@ -83,6 +108,84 @@ def _probabilities_bwd(dtype, p, dp):
 
 
 _causal_probabilities.defvjp(_probabilities_fwd, _probabilities_bwd)
+
+
+def blockwise(q_BLKGH: jax.Array, k_BLKH: jax.Array, v_BLKH: jax.Array, block: int = BLOCK) -> jax.Array:
+    """Causal attention by flash attention's algorithm (Dao et al. 2022; FlashAttention-2's
+    backward pass) in plain JAX: a scan over blocks of ``block`` keys with the online softmax.
+    Autodiff keeps q, k, v, the output and each row's float32 log-sum-exp; the backward pass
+    recomputes each block's probabilities from them. So it holds what a GPU's flash kernel
+    holds (no ``L x L`` scores), plus one block's ``[B, heads, L, block]`` scores in flight."""
+    return _flash(q_BLKGH, k_BLKH, v_BLKH, min(block, k_BLKH.shape[1]))
+
+
+def _blocks(x_BLKH, T):
+    B, L, K, H = x_BLKH.shape
+    if L % T:
+        raise ValueError(f"sequence {L} is not a multiple of the attention block {T}")
+    return x_BLKH.reshape(B, L // T, T, K, H).swapaxes(0, 1)  # [L/T, B, T, K, H]
+
+
+def _block_scores(q_BLKGH, k_BTKH, j, T):
+    """Scaled, causally masked float32 scores of all queries against key block ``j``."""
+    L = q_BLKGH.shape[1]
+    return _scores(q_BLKGH, k_BTKH, jnp.arange(L), j * T + jnp.arange(T))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _flash(q_BLKGH, k_BLKH, v_BLKH, T):
+    return _flash_fwd(q_BLKGH, k_BLKH, v_BLKH, T)[0]
+
+
+def _flash_fwd(q_BLKGH, k_BLKH, v_BLKH, T):
+    B, L, K, G, H = q_BLKGH.shape
+
+    def step(carry, blk):
+        m_BKGL, l_BKGL, o_BKGLH = carry
+        j, k_BTKH, v_BTKH = blk
+        s_BKGLT = _block_scores(q_BLKGH, k_BTKH, j, T)
+        m_new = jnp.maximum(m_BKGL, s_BKGLT.max(-1))
+        p = jnp.exp(s_BKGLT - m_new[..., None])
+        scale = jnp.exp(m_BKGL - m_new)
+        pv = jnp.einsum("bkglt,btkh->bkglh", p.astype(v_BTKH.dtype), v_BTKH, preferred_element_type=jnp.float32)
+        return (m_new, l_BKGL * scale + p.sum(-1), o_BKGLH * scale[..., None] + pv), None
+
+    init = (jnp.full((B, K, G, L), _NEG, jnp.float32), jnp.zeros((B, K, G, L), jnp.float32),
+            jnp.zeros((B, K, G, L, H), jnp.float32))
+    # Block 0 holds key 0, which every query sees: each row's max is finite after it, so the
+    # fully masked blocks that follow add exp(_NEG - m) = 0.
+    (m, l, o), _ = jax.lax.scan(step, init, (jnp.arange(L // T), _blocks(k_BLKH, T), _blocks(v_BLKH, T)))
+    o_BLKGH = (o / l[..., None]).transpose(0, 3, 1, 2, 4).astype(q_BLKGH.dtype)
+    lse_BKGL = m + jnp.log(l)
+    return o_BLKGH, (q_BLKGH, k_BLKH, v_BLKH, o_BLKGH, lse_BKGL)
+
+
+def _flash_bwd(T, res, do_BLKGH):
+    q_BLKGH, k_BLKH, v_BLKH, o_BLKGH, lse_BKGL = res
+    scale = 1.0 / math.sqrt(q_BLKGH.shape[-1])
+    do = do_BLKGH.astype(jnp.float32)
+    d_BKGL = jnp.einsum("blkgh,blkgh->bkgl", do, o_BLKGH.astype(jnp.float32))
+
+    def step(dq_BLKGH, blk):
+        j, k_BTKH, v_BTKH = blk
+        p = jnp.exp(_block_scores(q_BLKGH, k_BTKH, j, T) - lse_BKGL[..., None])  # [B, K, G, L, T]
+        dv = jnp.einsum("bkglt,blkgh->btkh", p, do)
+        dp = jnp.einsum("blkgh,btkh->bkglt", do, v_BTKH.astype(jnp.float32))
+        ds = p * (dp - d_BKGL[..., None]) * scale
+        dq_BLKGH = dq_BLKGH + jnp.einsum("bkglt,btkh->blkgh", ds, k_BTKH.astype(jnp.float32))
+        dk = jnp.einsum("bkglt,blkgh->btkh", ds, q_BLKGH.astype(jnp.float32))
+        return dq_BLKGH, (dk.astype(k_BTKH.dtype), dv.astype(v_BTKH.dtype))
+
+    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(q_BLKGH.shape, jnp.float32),
+                                (jnp.arange(k_BLKH.shape[1] // T), _blocks(k_BLKH, T), _blocks(v_BLKH, T)))
+
+    def unblock(x):  # [L/T, B, T, K, H] -> [B, L, K, H]
+        return x.swapaxes(0, 1).reshape(k_BLKH.shape)
+
+    return dq.astype(q_BLKGH.dtype), unblock(dk), unblock(dv)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def fused(q_BLKGH: jax.Array, k_BLKH: jax.Array, v_BLKH: jax.Array,

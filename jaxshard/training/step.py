@@ -400,7 +400,10 @@ def build_program(model: Stageable, rules: ShardingRules, optim_cfg: optim.Optim
 
     def loss_sums(params, batch, key, under=rules):
         with use_rules(under):
-            return model.loss(cast_floats(params, dtype), batch["inputs"], batch["targets"], key=key)
+            # The layers' stacks stay as stored: the model casts one layer at a time.
+            outer = cast_floats({k: v for k, v in params.items() if k not in model.stacks}, dtype)
+            return model.loss(outer | {k: v for k, v in params.items() if k in model.stacks},
+                              batch["inputs"], batch["targets"], key=key)
 
     def scaled_loss(params, batch, key, factor, under=rules):
         sums = loss_sums(params, batch, key, under)
