@@ -62,6 +62,18 @@ def test_expert_parallel_matches_one_device(name, mesh, factor):
     assert w.addressable_shards[0].data.shape[1] == w.shape[1] // program.rules.sizes["expert"]
 
 
+@pytest.mark.parametrize("mesh", ["fsdp=2,expert=4", "fsdp=2,expert=2,tensor=2"])
+def test_bfloat16_experts_gathered_over_fsdp_match_one_device(mesh):
+    """bfloat16 with the expert weights gathered over fsdp inside the experts' shard_map: XLA:CPU
+    aborted compiling the gather's transpose (a bfloat16 reduce-scatter) until the gather was
+    made in float32 on CPU. Losses equal the one-device bfloat16 run's within its rounding."""
+    model = moe_model("moe-tiny", "no-drop")
+    ref, _, _ = train(model, "data=1", dtype="bfloat16")
+    losses, _, _ = train(model, mesh, dtype="bfloat16")
+    np.testing.assert_allclose(losses, ref, rtol=1e-2)
+    assert losses[-1] < losses[0]
+
+
 @pytest.mark.parametrize("mesh", ["expert=8", "fsdp=2,expert=2,tensor=2"])
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_the_other_gate_of_each_family_matches_one_device(name, mesh):

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
@@ -79,11 +80,21 @@ def run_experts(fn: Callable[..., jax.Array], buf_BECD: jax.Array, weights: Sequ
     def exchange(x):  # [b, n, E/n, C, D]: block j of dim 1 to device j; back again the same way
         return jax.lax.all_to_all(x, experts, 1, 1, tiled=True)
 
+    # XLA:CPU aborts promoting a bf16 all-reduce or reduce-scatter made in this shard_map (the
+    # reduction region Shardy leaves has a copy at its root, which its AllReducePromotion
+    # cannot rebuild). It runs 2-byte collectives in float32 anyway, so on CPU the gather (whose
+    # transpose is a reduce-scatter) and tensor's sums are made in float32; elsewhere as is.
+    def wide(collective, x):
+        if jax.default_backend() != "cpu" or x.dtype == jnp.float32:
+            return collective(x)
+        return collective(x.astype(jnp.float32)).astype(x.dtype)
+
     def gather(w, rest, used):
         for dim, (r, u) in enumerate(zip(rest, used)):
             extra = tuple(a for a in _names(r) if a not in _names(u))
             if extra:
-                w = checkpoint_name(jax.lax.all_gather(w, extra, axis=dim, tiled=True), GATHERED)
+                w = checkpoint_name(wide(lambda x: jax.lax.all_gather(x, extra, axis=dim, tiled=True), w),
+                                    GATHERED)
         return w
 
     def local(buf, *ws):
@@ -91,8 +102,8 @@ def run_experts(fn: Callable[..., jax.Array], buf_BECD: jax.Array, weights: Sequ
         b, E, C, D = buf.shape
         mine = checkpoint_name(exchange(buf.reshape(b, n, E // n, C, D)), EXCHANGED)  # [b, n (source), E/n (mine), C, D]
         if tensor:  # one all-reduce of the projections' summed input gradients (backward)
-            mine = jax.lax.pcast(mine, tuple(tensor), to="varying")
-        out = fn(mine, *ws, reduce=lambda y: jax.lax.psum(y, tuple(tensor)) if tensor else y)
+            mine = wide(lambda x: jax.lax.pcast(x, tuple(tensor), to="varying"), mine)
+        out = fn(mine, *ws, reduce=lambda y: wide(lambda x: jax.lax.psum(x, tuple(tensor)), y) if tensor else y)
         return checkpoint_name(exchange(out), EXCHANGED).reshape(b, E, C, out.shape[-1])
 
     def only_manual(spec: P) -> P:
