@@ -293,6 +293,11 @@ def test_plan_ranks_explains_and_confirms_by_compiling():
     out = result.stdout
     assert "strategy" in out and "GB/device" in out and re.search(r"Chosen: \S+ on \S+", out), out
     assert "Confirmed by compiling" in out and "every collective kind within 5%" in out
+    # Compiled in the plan's bfloat16 and in float32, each with its temporaries against the prediction.
+    temps = re.findall(r"fake CPU devices, (\w+)\).*\n  temporaries per device predicted ([\d,]+) B, XLA ([\d,]+) B",
+                       out)
+    assert [t[0] for t in temps] == ["bfloat16", "float32"], out
+    assert all(int(p.replace(",", "")) > 0 and int(x.replace(",", "")) > 0 for _, p, x in temps)
     cost = re.search(r"compiled in ([\d.]+) s, peak memory of this process ([\d.]+) GiB", out)
     assert cost and float(cost[1]) > 0 and float(cost[2]) > 0.1, out  # (jax alone holds more)
 

@@ -140,6 +140,28 @@ def test_blockwise_attention_equals_the_dense_one(kv_heads, groups, block):
         assert float(jnp.linalg.norm(g.astype(jnp.float32) - w) / jnp.linalg.norm(w)) < 2e-2
 
 
+def test_blockwise_attention_under_remat_makes_each_blocks_mask_in_the_loop():
+    """Under remat in a layer scan, as training runs it, no block's causal mask is computed
+    ahead of the key loop and kept stacked (``[L/T, B, K, G, L, T]`` booleans: the L x L mask a
+    flash kernel avoids), which JAX's partial evaluation does to anything that depends only
+    on the block index."""
+    import re
+
+    from jaxshard.parallel.attention import blockwise
+
+    B, L, T = 1, 64, 16
+    x = jnp.asarray(RNG.normal(size=(B, L, 1, 2, 8)), jnp.float32)
+    layer = jax.checkpoint(lambda x: blockwise(x, x[:, :, :, 0, :], x[:, :, :, 1, :], T))
+
+    def loss(x):
+        y, _ = jax.lax.scan(lambda c, _: (layer(c), None), x, None, length=2)
+        return (y ** 2).sum()
+
+    text = str(jax.make_jaxpr(jax.grad(loss))(x))
+    assert re.findall(r"bool\[1,1,2,64,16\]", text)  # one block's mask, in the loop
+    assert not re.findall(rf"bool\[{L // T},", text), "a stacked mask"
+
+
 def test_attention_kernel_is_chosen_by_name_and_keeps_no_scores():
     """Under ``kernel("blockwise")`` the dense path keeps q, k, v, the output and one float32
     statistic per query row -- not the ``L x L`` probabilities it keeps otherwise; an unknown

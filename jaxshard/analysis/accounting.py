@@ -52,6 +52,10 @@ class Memory:
     weights_extra: int  # the part of weights_saved that is not the params themselves
     gathered_layer: int  # one layer's weights in compute layout (FSDP holds this transiently)
     host: int = 0  # the part of params and opt_state kept in host memory (--offload)
+    # The outer params' (embedding, head) gradient in compute layout: under ZeRO-3/FSDP it is
+    # whole until its reduce-scatter, during the head's backward pass (the embedding's
+    # scatter-add target lives as long).
+    outer_grads: int = 0
 
     @property
     def argument(self) -> int:
@@ -62,11 +66,18 @@ class Memory:
         return self.activations + self.weights_saved
 
     @property
+    def temp(self) -> int:
+        """What is not an argument of the step: gradients, activations, extra weight copies,
+        and the larger of what the layer loop holds in flight (two gathered layers: the one in
+        use and the next being fetched) and what the head's backward pass does (the outer
+        params' whole gradient)."""
+        return (self.grads + self.activations + self.weights_extra
+                + max(2 * self.gathered_layer, self.outer_grads))
+
+    @property
     def peak(self) -> int:
-        """A planning estimate: state, gradients, activations and extra weight copies, and two
-        gathered layers (the one in use and the next being fetched)."""
-        return (self.params + self.opt_state - self.host + self.grads + self.activations
-                + self.weights_extra + 2 * self.gathered_layer + self.batch)
+        """A planning estimate: the state at rest, the batch and :attr:`temp`."""
+        return self.params + self.opt_state - self.host + self.batch + self.temp
 
 
 OPT_COUNTERS = 8  # Adam's and the schedule's int32 step counts
@@ -110,7 +121,8 @@ def memory(model: LanguageModel, rules: ShardingRules, batch_size: int, seq_len:
     acts = activation_bytes(model.cfg, rules, batch_size // grad_accum, seq_len, c, remat, flash)
     return Memory(params=params, grads=grads, opt_state=opt + scale, batch=2 * 4 * tokens,
                   activations=acts, weights_saved=saved, weights_extra=extra,
-                  gathered_layer=layer_weights // layers if gathers else 0, host=host)
+                  gathered_layer=layer_weights // layers if gathers else 0, host=host,
+                  outer_grads=outer_weights if gathers else 0)
 
 
 @dataclass(frozen=True)

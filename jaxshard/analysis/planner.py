@@ -62,6 +62,8 @@ class Plan:
     microbatches: int | None = None  # a pipeline's (1F1B), with a stage axis
     grad_accum: int = 1
     time: timing.StepTime | None = None  # the time model's parts
+    compute_dtype: str = "bfloat16"
+    flash: bool = False  # attention by a flash kernel (memory counted without probabilities)
 
     @property
     def step_s(self) -> float:
@@ -177,17 +179,12 @@ def evaluate(model: Stageable, mesh: dict[str, int], strategy: Strategy, remat: 
     rules = ShardingRules(abstract_mesh(mesh), strategy)
     kw = dict(compute_dtype=compute_dtype, remat=remat)
     flash = software.attention != "materialized"  # keeps no probabilities
-    mem = accounting.memory(model, rules, batch_size, seq_len, grad_accum=grad_accum, flash=flash, **kw)
+    mem = plan_memory(model, rules, batch_size, seq_len, compute_dtype, remat, flash, microbatches, grad_accum)
     if microbatches is None:
         transfers = [(t, 1.0) for t in accounting.communication(
             model, rules, batch_size, seq_len, grad_accum=grad_accum, **kw).transfers]
     else:
         stages, m = mesh["stage"], microbatches
-        # Params and optimizer state: the rules split the layers over stage already. Saved
-        # activations: one microbatch's through 1/P of the layers, for each kept microbatch.
-        kept = min(m, 2 * stages - 1)
-        one = accounting.memory(model, rules, batch_size // m, seq_len, flash=flash, **kw).activations
-        mem = replace(mem, activations=one * kept // stages)
         accumulate = m if rules.gathers_params or strategy.zero > 1 else 1
         transfers = [(t, timing.stage_share(t, stages)) for t in accounting.communication(
             model, rules, batch_size, seq_len, grad_accum=accumulate, **kw).transfers]
@@ -202,7 +199,23 @@ def evaluate(model: Stageable, mesh: dict[str, int], strategy: Strategy, remat: 
     return Plan(mesh=mesh, strategy=strategy, remat=remat, name=rules.name, memory=mem,
                 fits=mem.peak <= usable * device.memory, compute_s=time.compute + time.bubble,
                 comm_s=sum(time.exposed.values()), inter_host_bytes=inter, host_axes=spanning,
-                microbatches=microbatches, grad_accum=grad_accum, time=time)
+                microbatches=microbatches, grad_accum=grad_accum, time=time, compute_dtype=compute_dtype,
+                flash=flash)
+
+
+def plan_memory(model: Stageable, rules: ShardingRules, batch_size: int, seq_len: int, compute_dtype: str,
+                remat: Remat, flash: bool, microbatches: int | None = None, grad_accum: int = 1) -> accounting.Memory:
+    """A plan's memory per device: the accounting's, or under a pipeline of ``microbatches``
+    (1F1B) the rules' split of the layers over stage for the state and, as activations, one
+    microbatch's through 1/P of the layers for each microbatch kept in flight."""
+    kw = dict(compute_dtype=compute_dtype, remat=remat, flash=flash)
+    mem = accounting.memory(model, rules, batch_size, seq_len, grad_accum=grad_accum, **kw)
+    if microbatches is None:
+        return mem
+    stages = rules.sizes.get("stage", 1)
+    kept = min(microbatches, 2 * stages - 1)
+    one = accounting.memory(model, rules, batch_size // microbatches, seq_len, **kw).activations
+    return replace(mem, activations=one * kept // stages)
 
 
 def given(model: Stageable, mesh: dict[str, int], strategy: Strategy, device: Device, batch_size: int,
@@ -250,7 +263,7 @@ def prediction(model: Stageable, plan: Plan, device: Device, batch_size: int, se
         "model_tflops_per_device": {k: v * tokens / 1e12
                                     for k, v in timing.model_flops_per_token(model.cfg, seq_len).items()},
         "memory": {"params": m.params, "grads": m.grads, "optimizer": m.opt_state, "activations": m.activations,
-                   "temporaries": m.weights_extra + 2 * m.gathered_layer + m.batch, "peak": m.peak,
+                   "temporaries": m.temp - m.grads - m.activations + m.batch, "peak": m.peak,
                    "device": device.memory, "fits": plan.fits},
         "time": time.as_dict(),
     }
@@ -366,13 +379,23 @@ def format_plans(plans: list[Plan], device: Device) -> str:
 
 
 def confirm(model: Stageable, p: Plan, batch_size: int, seq_len: int) -> str:
-    """Compile ``p``'s training step for ``model`` on as many (fake CPU) devices and compare.
+    """Compile ``p``'s training step for ``model`` on as many (fake CPU) devices and compare with
+    the prediction: arguments, temporaries and, without a pipeline, every collective. Params
+    are float32 (the default). A plan priced with a flash kernel compiles with the blockwise
+    one (:func:`jaxshard.parallel.attention.blockwise`), which keeps what a flash kernel keeps.
 
-    In float32: XLA:CPU computes bfloat16 all-reduces in float32, so a bf16 step compiled on
-    CPU would move twice the bytes a GPU would; float32 compares like with like."""
-    compute_dtype = "float32"
+    In the plan's compute dtype, and, when that is a 2-byte one, in float32 as well: XLA:CPU
+    runs bfloat16 and float16 arithmetic and collectives in float32 (its float normalization),
+    so the 2-byte compile shows what the program's structure keeps (a whole-stack cast would
+    show there) with CPU-sized buffers, and only the float32 compile compares like with like."""
+    dtypes = dict.fromkeys((p.compute_dtype, "float32"))
+    return "\n".join(_confirm_in(model, replace(p, compute_dtype=d), batch_size, seq_len) for d in dtypes)
+
+
+def _confirm_in(model: Stageable, p: Plan, batch_size: int, seq_len: int) -> str:
     from jaxshard.analysis import inspect
     from jaxshard.mesh import MeshSpec, build_mesh
+    from jaxshard.parallel import attention
     from jaxshard.training.optim import OptimConfig
     from jaxshard.training.step import StepConfig, build_program
 
@@ -380,26 +403,36 @@ def confirm(model: Stageable, p: Plan, batch_size: int, seq_len: int) -> str:
     rules = ShardingRules(build_mesh(spec), p.strategy)
     model = type(model)(model.cfg, remat=p.remat)
     pipelined = dict(pipeline_schedule="1f1b", microbatches=p.microbatches) if p.microbatches else {}
-    step = StepConfig(compute_dtype=compute_dtype, grad_accum=p.grad_accum, **pipelined)
+    step = StepConfig(compute_dtype=p.compute_dtype, grad_accum=p.grad_accum, **pipelined)
     program = build_program(model, rules, OptimConfig(), step)
     start = time.perf_counter()
-    compiled = program.lower_step(batch_size, seq_len).compile()
+    with attention.kernel("blockwise" if p.flash else "auto"):
+        compiled = program.lower_step(batch_size, seq_len).compile()
     # What the confirmation itself cost: its compile time and this process's peak memory.
     cost = (f"compiled in {time.perf_counter() - start:.1f} s, peak memory of this process "
             f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+    predicted = plan_memory(model, rules, batch_size, seq_len, p.compute_dtype, p.remat, p.flash,
+                            p.microbatches, p.grad_accum)
+    xla = inspect.xla_memory(compiled)
+    temp = (f"  temporaries per device predicted {predicted.temp:,} B, XLA {xla['temp']:,} B "
+            f"(x{xla['temp'] / predicted.temp:.2f})")
+    what = f"{rules.mesh.devices.size} fake CPU devices, {p.compute_dtype}"
     if p.microbatches:
-        return _confirm_pipeline(model, p, program, compiled, batch_size, seq_len, compute_dtype) + f"\n  {cost}"
+        return "\n".join([_confirm_pipeline(model, p, program, compiled, batch_size, seq_len, what), temp,
+                          f"  {cost}"])
     v = inspect.verify(model, program, compiled, batch_size, seq_len, step=step)
-    head = (f"Confirmed by compiling {p.name} on --mesh {p.mesh_flag} ({rules.mesh.devices.size} fake "
-            f"CPU devices, float32): argument bytes per device predicted {v.memory[2][1]:,}, "
-            f"XLA {v.memory[2][2]:,}")
+    head = (f"Confirmed by compiling {p.name} on --mesh {p.mesh_flag} ({what}): argument bytes per device "
+            f"predicted {v.memory[2][1]:,}, XLA {v.memory[2][2]:,}")
+    if p.compute_dtype != "float32":
+        return "\n".join([head, temp, "  collectives: compared in float32 (XLA:CPU sends 2-byte ones as "
+                                      "float32)", f"  {cost}"])
     rows = [f"  {k:<16} predicted {pr:>16,} B   compiled {m:>16,} B" for k, pr, m in v.by_kind]
     verdict = [f"  FLAG: {f}" for f in v.flags] or ["  every collective kind within 5% of the prediction"]
-    return "\n".join([head, *rows, *verdict, f"  {cost}"])
+    return "\n".join([head, temp, *rows, *verdict, f"  {cost}"])
 
 
 def _confirm_pipeline(model: Stageable, p: Plan, program: Program, compiled: Any, batch_size: int, seq_len: int,
-                      compute_dtype: str) -> str:
+                      what: str) -> str:
     """What the accounting predicts of a pipelined step, against the compiled one: the state
     each device holds and the stages' sends (the rest of a pipelined step is not predicted
     collective by collective yet)."""
@@ -407,13 +440,15 @@ def _confirm_pipeline(model: Stageable, p: Plan, program: Program, compiled: Any
 
     rules = program.rules
     predicted = accounting.memory(staged(model, program.schedule.layout), rules, batch_size, seq_len,
-                                  compute_dtype=compute_dtype, remat=p.remat)
+                                  compute_dtype=p.compute_dtype, remat=p.remat)
     xla = inspect.xla_memory(compiled)
     sends = sum(c.bytes * c.executions for c in inspect.compiled_collectives(compiled, rules.mesh)
                 if c.kind == "collective-permute" and "stage" in c.axes)
     expected = sum(t.total for t in accounting.pipeline_transfers(model, rules, program.schedule, batch_size,
-                                                                  seq_len, compute_dtype))
-    return (f"Confirmed by compiling {p.name} on --mesh {p.mesh_flag} {p.flags} ({rules.mesh.devices.size} fake "
-            f"CPU devices, float32): argument bytes per device predicted {predicted.argument:,}, XLA "
-            f"{xla['argument']:,}; stage-to-stage sends predicted {expected:,} B, compiled {sends:,} B "
-            "(the other collectives of a pipelined step are not predicted one by one yet)")
+                                                                  seq_len, p.compute_dtype))
+    head = (f"Confirmed by compiling {p.name} on --mesh {p.mesh_flag} {p.flags} ({what}): argument bytes "
+            f"per device predicted {predicted.argument:,}, XLA {xla['argument']:,}")
+    if p.compute_dtype != "float32":
+        return head + " (sends compared in float32: XLA:CPU sends 2-byte ones as float32)"
+    return (f"{head}; stage-to-stage sends predicted {expected:,} B, compiled {sends:,} B (the other "
+            "collectives of a pipelined step are not predicted one by one yet)")

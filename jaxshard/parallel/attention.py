@@ -127,8 +127,15 @@ def _blocks(x_BLKH, T):
 
 
 def _block_scores(q_BLKGH, k_BTKH, j, T):
-    """Scaled, causally masked float32 scores of all queries against key block ``j``."""
+    """Scaled, causally masked float32 scores of all queries against key block ``j``.
+
+    The block's mask depends on nothing but ``j``, so under remat JAX's partial evaluation
+    would compute every block's mask ahead of the loop and stack them, ``[L/T, B, K, G, L, T]``
+    booleans kept for the backward pass (1 GB per layer for Llama 3 70B's 8192 tokens): the
+    L x L mask this kernel exists to avoid. Adding a zero read from the keys (always 0; XLA
+    folds it away) makes the mask depend on the data, so it is made inside the loop."""
     L = q_BLKGH.shape[1]
+    j = j + jnp.where(jnp.isfinite(k_BTKH[0, 0, 0, 0]), 0, 0)
     return _scores(q_BLKGH, k_BTKH, jnp.arange(L), j * T + jnp.arange(T))
 
 
@@ -141,20 +148,20 @@ def _flash_fwd(q_BLKGH, k_BLKH, v_BLKH, T):
     B, L, K, G, H = q_BLKGH.shape
 
     def step(carry, blk):
-        m_BKGL, l_BKGL, o_BKGLH = carry
-        j, k_BTKH, v_BTKH = blk
+        j, m_BKGL, l_BKGL, o_BKGLH = carry
+        k_BTKH, v_BTKH = blk
         s_BKGLT = _block_scores(q_BLKGH, k_BTKH, j, T)
         m_new = jnp.maximum(m_BKGL, s_BKGLT.max(-1))
         p = jnp.exp(s_BKGLT - m_new[..., None])
         scale = jnp.exp(m_BKGL - m_new)
         pv = jnp.einsum("bkglt,btkh->bkglh", p.astype(v_BTKH.dtype), v_BTKH, preferred_element_type=jnp.float32)
-        return (m_new, l_BKGL * scale + p.sum(-1), o_BKGLH * scale[..., None] + pv), None
+        return (j + 1, m_new, l_BKGL * scale + p.sum(-1), o_BKGLH * scale[..., None] + pv), None
 
-    init = (jnp.full((B, K, G, L), _NEG, jnp.float32), jnp.zeros((B, K, G, L), jnp.float32),
+    init = (jnp.int32(0), jnp.full((B, K, G, L), _NEG, jnp.float32), jnp.zeros((B, K, G, L), jnp.float32),
             jnp.zeros((B, K, G, L, H), jnp.float32))
     # Block 0 holds key 0, which every query sees: each row's max is finite after it, so the
     # fully masked blocks that follow add exp(_NEG - m) = 0.
-    (m, l, o), _ = jax.lax.scan(step, init, (jnp.arange(L // T), _blocks(k_BLKH, T), _blocks(v_BLKH, T)))
+    (_, m, l, o), _ = jax.lax.scan(step, init, (_blocks(k_BLKH, T), _blocks(v_BLKH, T)))
     o_BLKGH = (o / l[..., None]).transpose(0, 3, 1, 2, 4).astype(q_BLKGH.dtype)
     lse_BKGL = m + jnp.log(l)
     return o_BLKGH, (q_BLKGH, k_BLKH, v_BLKH, o_BLKGH, lse_BKGL)
@@ -166,18 +173,19 @@ def _flash_bwd(T, res, do_BLKGH):
     do = do_BLKGH.astype(jnp.float32)
     d_BKGL = jnp.einsum("blkgh,blkgh->bkgl", do, o_BLKGH.astype(jnp.float32))
 
-    def step(dq_BLKGH, blk):
-        j, k_BTKH, v_BTKH = blk
+    def step(carry, blk):
+        j, dq_BLKGH = carry
+        k_BTKH, v_BTKH = blk
         p = jnp.exp(_block_scores(q_BLKGH, k_BTKH, j, T) - lse_BKGL[..., None])  # [B, K, G, L, T]
         dv = jnp.einsum("bkglt,blkgh->btkh", p, do)
         dp = jnp.einsum("blkgh,btkh->bkglt", do, v_BTKH.astype(jnp.float32))
         ds = p * (dp - d_BKGL[..., None]) * scale
         dq_BLKGH = dq_BLKGH + jnp.einsum("bkglt,btkh->blkgh", ds, k_BTKH.astype(jnp.float32))
         dk = jnp.einsum("bkglt,blkgh->btkh", ds, q_BLKGH.astype(jnp.float32))
-        return dq_BLKGH, (dk.astype(k_BTKH.dtype), dv.astype(v_BTKH.dtype))
+        return (j + 1, dq_BLKGH), (dk.astype(k_BTKH.dtype), dv.astype(v_BTKH.dtype))
 
-    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(q_BLKGH.shape, jnp.float32),
-                                (jnp.arange(k_BLKH.shape[1] // T), _blocks(k_BLKH, T), _blocks(v_BLKH, T)))
+    (_, dq), (dk, dv) = jax.lax.scan(step, (jnp.int32(0), jnp.zeros(q_BLKGH.shape, jnp.float32)),
+                                     (_blocks(k_BLKH, T), _blocks(v_BLKH, T)))
 
     def unblock(x):  # [L/T, B, T, K, H] -> [B, L, K, H]
         return x.swapaxes(0, 1).reshape(k_BLKH.shape)

@@ -1,0 +1,103 @@
+"""Compile real-size plans on fake CPU devices and compare their memory with the prediction.
+
+    python scripts/bench_confirm.py                 # every case, a table, runs/bench_confirm.json
+    python scripts/bench_confirm.py --cases 8b      # one
+
+Each case runs ``experiments/plan.py --mesh ... --confirm-limit N`` in its own process (the
+fake device count is fixed when JAX starts): the step compiled in the plan's dtype (bfloat16)
+and in float32, each with its temporaries against the accounting's, and the collectives of the
+float32 compile against the prediction. XLA:CPU runs bfloat16 in float32, so the bfloat16
+compile holds float32-sized buffers; the float32 compile is the like-for-like check. Also
+reported: each compile's time and the process's peak memory (the goal: under 5 minutes and
+8 GB on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# name: (devices, plan.py flags)
+CASES = {
+    "8b": (64, "--model llama-8b --mesh data=8,fsdp=8 --batch 64 --seq-len 8192 --remat full"),
+    "70b-tensor": (64, "--model llama-70b --mesh fsdp=8,tensor=8 --sequence-parallel --batch 16 --seq-len 8192 "
+                       "--remat full"),
+    "70b-stage": (64, "--model llama-70b --mesh stage=8,fsdp=8 --microbatches 8 --batch 64 --seq-len 8192 "
+                      "--remat full"),
+    "405b": (512, "--model llama-405b --mesh fsdp=64,tensor=8 --sequence-parallel --batch 64 --seq-len 8192 "
+                  "--remat full"),
+    "mixtral": (64, "--model mixtral-8x7b --mesh fsdp=8,expert=8 --batch 64 --seq-len 4096 --remat full"),
+}
+
+TEMP = re.compile(r"Confirmed by compiling .*\(\d+ fake CPU devices, (\w+)\).*\n"
+                  r"  temporaries per device predicted ([\d,]+) B, XLA ([\d,]+) B")
+COST = re.compile(r"compiled in ([\d.]+) s, peak memory of this process ([\d.]+) GiB")
+
+
+def run(name: str, timeout: int) -> dict:
+    devices, flags = CASES[name]
+    cmd = [sys.executable, str(ROOT / "experiments" / "plan.py"), "--devices", str(devices), "--device", "h100",
+           "--confirm-limit", str(devices), *flags.split()]
+    start = time.perf_counter()
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"case": name, "flags": flags, "error": f"no result in {timeout} s"}
+    text = out.stdout + out.stderr
+    temps = TEMP.findall(text)
+    costs = COST.findall(text)
+    if out.returncode not in (0, 1) or not temps:
+        return {"case": name, "flags": flags, "error": text.strip().splitlines()[-1] if text.strip() else "no output"}
+    row = {"case": name, "devices": devices, "flags": flags, "wall_s": time.perf_counter() - start,
+           "collectives_match": "every collective kind within 5%" in text or "stage-to-stage" in text,
+           "output": text}
+    for (dtype, pred, xla), (secs, gib) in zip(temps, costs):
+        row[dtype] = {"temp_predicted": int(pred.replace(",", "")), "temp_xla": int(xla.replace(",", "")),
+                      "compile_s": float(secs), "peak_rss_gib": float(gib)}
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| case | devices | temp GB, predicted / XLA (f32) | ratio | bf16 compile's temp GB | compile s | "
+             "peak RSS GiB |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['case']} | | {r['error']} | | | | |")
+            continue
+        f, b = r.get("float32", {}), r.get("bfloat16", {})
+        lines.append(f"| {r['case']} | {r['devices']} | {f['temp_predicted'] / 1e9:.1f} / {f['temp_xla'] / 1e9:.1f} | "
+                     f"{f['temp_xla'] / f['temp_predicted']:.2f} | {b.get('temp_xla', 0) / 1e9:.1f} | "
+                     f"{b.get('compile_s', 0):.0f} + {f['compile_s']:.0f} | "
+                     f"{max(b.get('peak_rss_gib', 0), f['peak_rss_gib']):.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cases", default=",".join(CASES), help=", ".join(CASES))
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per case")
+    p.add_argument("--json", default=str(ROOT / "runs" / "bench_confirm.json"))
+    a = p.parse_args(argv)
+    names = a.cases.split(",")
+    if unknown := [n for n in names if n not in CASES]:
+        p.error(f"unknown case(s) {', '.join(unknown)}: one of {', '.join(CASES)}")
+    rows = []
+    for name in names:
+        print(f"{name}: compiling on {CASES[name][0]} fake CPU devices ...", file=sys.stderr, flush=True)
+        rows.append(run(name, a.timeout))
+    print(table(rows))
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
+    print(f"wrote {a.json}")
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
