@@ -2,23 +2,30 @@
 
     python scripts/bench_confirm.py                 # every case, a table, runs/bench_confirm.json
     python scripts/bench_confirm.py --cases 8b      # one
+    python scripts/bench_confirm.py --cases 8b --explain   # and what XLA holds at its peak
 
 Each case runs ``experiments/plan.py --mesh ... --confirm-limit N`` in its own process (the
 fake device count is fixed when JAX starts): the step compiled in the plan's dtype (bfloat16)
 and in float32, each with its temporaries against the accounting's, and the collectives of the
 float32 compile against the prediction. XLA:CPU runs bfloat16 in float32, so the bfloat16
 compile holds float32-sized buffers; the float32 compile is the like-for-like check. Also
-reported: each compile's time and the process's peak memory (the goal: under 5 minutes and
-8 GB on 2 cores).
+reported: each compile's time, cold (each case gets an empty compilation cache), and the
+process's peak memory (the goal: under 5 minutes and 8 GB on 2 cores).
+
+``--explain`` has XLA dump the float32 compile's buffer assignment and lists the buffers live
+at its peak, largest first, with the operation that made each: where the prediction and XLA
+part, by name.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,30 +45,75 @@ CASES = {
 
 TEMP = re.compile(r"Confirmed by compiling .*\(\d+ fake CPU devices, (\w+)\).*\n"
                   r"  temporaries per device predicted ([\d,]+) B, XLA ([\d,]+) B")
+SENDS = re.compile(r"stage-to-stage sends predicted ([\d,]+) B, compiled ([\d,]+) B")
 COST = re.compile(r"compiled in ([\d.]+) s, peak memory of this process ([\d.]+) GiB")
 
 
-def run(name: str, timeout: int) -> dict:
+def run(name: str, timeout: int, explain: int = 0) -> dict:
     devices, flags = CASES[name]
     cmd = [sys.executable, str(ROOT / "experiments" / "plan.py"), "--devices", str(devices), "--device", "h100",
            "--confirm-limit", str(devices), *flags.split()]
     start = time.perf_counter()
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return {"case": name, "flags": flags, "error": f"no result in {timeout} s"}
+    with tempfile.TemporaryDirectory() as scratch:
+        env = dict(os.environ, JAXSHARD_CACHE=scratch)  # cold compiles
+        if explain:
+            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={scratch}/dump"
+                                " --xla_dump_hlo_module_re=jit_step").strip()
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+        except subprocess.TimeoutExpired:
+            return {"case": name, "flags": flags, "error": f"no result in {timeout} s"}
+        peak = peak_buffers(Path(scratch) / "dump", explain) if explain else None
     text = out.stdout + out.stderr
     temps = TEMP.findall(text)
     costs = COST.findall(text)
     if out.returncode not in (0, 1) or not temps:
         return {"case": name, "flags": flags, "error": text.strip().splitlines()[-1] if text.strip() else "no output"}
     row = {"case": name, "devices": devices, "flags": flags, "wall_s": time.perf_counter() - start,
-           "collectives_match": "every collective kind within 5%" in text or "stage-to-stage" in text,
+           "collectives_match": "every collective kind within 5%" in text or any(
+               abs(int(a.replace(",", "")) - int(b.replace(",", ""))) <= 0.05 * int(b.replace(",", ""))
+               for a, b in SENDS.findall(text)),
            "output": text}
     for (dtype, pred, xla), (secs, gib) in zip(temps, costs):
         row[dtype] = {"temp_predicted": int(pred.replace(",", "")), "temp_xla": int(xla.replace(",", "")),
                       "compile_s": float(secs), "peak_rss_gib": float(gib)}
+    if peak is not None:
+        row["peak_buffers"] = peak
     return row
+
+
+def peak_buffers(dump: Path, top: int) -> list[dict]:
+    """The ``top`` largest temporary buffers live at the peak of the last compiled step in
+    ``dump`` (the float32 compile), from XLA's buffer assignment and live ranges: size, shape
+    and the JAX operation that made each (its op_name)."""
+    def last(suffix: str) -> str:
+        return sorted(dump.glob(f"*jit_step*{suffix}"))[-1].read_text()
+
+    assignment, live = last("after_optimizations-buffer-assignment.txt"), last("after_optimizations-live-range.txt")
+    hlo = last("after_optimizations.txt")
+    ranges = {(m[1], m[2]): (int(m[3]), int(m[4]))
+              for m in re.finditer(r"^    (\S+)\{([\d,]*)\}:(\d+)-(\d+)$", live, re.M)}
+    values = []  # (name, size, shape) of every value in a temporary allocation
+    for alloc in re.split(r"^allocation ", assignment, flags=re.M)[1:]:
+        if re.search(r"parameter|constant", alloc.split("\n")[0]):
+            continue
+        for m in re.finditer(r"value: <\d+ (\S+?)(?:\{([\d,]*)\})? @\d+> \(size=(\d+),offset=\d+\): (\S+)", alloc):
+            if (m[1], m[2] or "") in ranges:
+                values.append((m[1], m[2] or "", int(m[3]), m[4]))
+    end = max(r[1] for r in ranges.values()) + 1
+    usage = [0] * end
+    for name, index, size, _ in values:
+        lo, hi = ranges[(name, index)]
+        for t in range(lo, hi + 1):
+            usage[t] += size
+    at = max(range(end), key=usage.__getitem__)
+    live_then = sorted(((size, name, shape) for name, index, size, shape in values
+                        if ranges[(name, index)][0] <= at <= ranges[(name, index)][1]), reverse=True)
+    out = []
+    for size, name, shape in live_then[:top]:
+        made = re.search(rf"%{re.escape(name)} = .*?op_name=\"([^\"]*)\"", hlo)
+        out.append({"bytes": size, "shape": shape, "buffer": name, "op": made[1] if made else ""})
+    return out
 
 
 def table(rows: list[dict]) -> str:
@@ -84,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", default=",".join(CASES), help=", ".join(CASES))
     p.add_argument("--timeout", type=int, default=1800, help="seconds per case")
     p.add_argument("--json", default=str(ROOT / "runs" / "bench_confirm.json"))
+    p.add_argument("--explain", type=int, nargs="?", const=15, default=0, metavar="N",
+                   help="list the N largest buffers live at the float32 compile's peak (default 15)")
     a = p.parse_args(argv)
     names = a.cases.split(",")
     if unknown := [n for n in names if n not in CASES]:
@@ -91,8 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in names:
         print(f"{name}: compiling on {CASES[name][0]} fake CPU devices ...", file=sys.stderr, flush=True)
-        rows.append(run(name, a.timeout))
+        rows.append(run(name, a.timeout, a.explain))
     print(table(rows))
+    for r in rows:
+        if r.get("peak_buffers"):
+            print(f"\n{r['case']}: the largest buffers live at the float32 compile's peak")
+            for b in r["peak_buffers"]:
+                print(f"  {b['bytes'] / 1e9:7.2f} GB  {b['shape']:<34} {b['op']}")
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
     print(f"wrote {a.json}")

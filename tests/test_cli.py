@@ -319,6 +319,23 @@ def test_plan_confirms_a_pipeline_by_compiling_it():
     assert abs(arg_p - arg_x) <= 0.05 * arg_x and abs(sent_p - sent_x) <= 0.05 * sent_x
 
 
+def test_real_size_plans_compile_with_the_predicted_temporaries(tmp_path):
+    """Llama 3 8B on data=8,fsdp=8 (64 fake devices) and a 405B Llama on fsdp=64,tensor=8 with SP
+    (512), at sequence 8192 with full recompute, as scripts/bench_confirm.py compiles them: in
+    float32 XLA's temporaries within 10% of the accounting's and every collective as predicted;
+    in bfloat16 XLA:CPU holds float32-sized buffers (its float normalization), so that compile's
+    temp is about the float32 one's. (Mixtral and 70B's other layouts miss: docs/memory.md.)"""
+    out = tmp_path / "confirm.json"
+    result = run_script("../scripts/bench_confirm.py", "--cases", "8b,405b", "--json", str(out), timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for row in json.loads(out.read_text()):
+        f32, bf16 = row["float32"], row["bfloat16"]
+        assert abs(f32["temp_xla"] / f32["temp_predicted"] - 1) <= 0.10, row["case"]
+        assert row["collectives_match"], row["output"]
+        assert bf16["temp_xla"] >= 0.9 * f32["temp_xla"], row["case"]
+        assert bf16["peak_rss_gib"] < 8 and bf16["compile_s"] < 300
+
+
 def test_tools_reject_bad_input_with_one_line():
     assert_one_line_error(run_script("inspect.py", "--seq-len", "512", "--cpu-devices", "1"),
                           "--seq-len 512 exceeds model tiny's max_seq_len 256")

@@ -56,6 +56,7 @@ class Memory:
     # whole until its reduce-scatter, during the head's backward pass (the embedding's
     # scatter-add target lives as long).
     outer_grads: int = 0
+    recompute: int = 0  # what a layer's backward pass makes again under remat (accounting.recompute_bytes)
 
     @property
     def argument(self) -> int:
@@ -69,10 +70,11 @@ class Memory:
     def temp(self) -> int:
         """What is not an argument of the step: gradients, activations, extra weight copies,
         and the larger of what the layer loop holds in flight (two gathered layers: the one in
-        use and the next being fetched) and what the head's backward pass does (the outer
-        params' whole gradient)."""
+        use and the next being fetched; and under remat the activations a layer's backward
+        pass makes again) and what the head's backward pass does (the outer params' whole
+        gradient)."""
         return (self.grads + self.activations + self.weights_extra
-                + max(2 * self.gathered_layer, self.outer_grads))
+                + max(2 * self.gathered_layer + self.recompute, self.outer_grads))
 
     @property
     def peak(self) -> int:
@@ -119,10 +121,11 @@ def memory(model: LanguageModel, rules: ShardingRules, batch_size: int, seq_len:
     copies = gathers or c != F32
     extra = outer_weights + (layer_weights if keep else 0) if copies else 0
     acts = activation_bytes(model.cfg, rules, batch_size // grad_accum, seq_len, c, remat, flash)
+    again = recompute_bytes(model.cfg, rules, batch_size // grad_accum, seq_len, c, remat, flash)
     return Memory(params=params, grads=grads, opt_state=opt + scale, batch=2 * 4 * tokens,
                   activations=acts, weights_saved=saved, weights_extra=extra,
                   gathered_layer=layer_weights // layers if gathers else 0, host=host,
-                  outer_grads=outer_weights if gathers else 0)
+                  outer_grads=outer_weights if gathers else 0, recompute=again)
 
 
 @dataclass(frozen=True)
@@ -178,13 +181,38 @@ def activation_bytes(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: i
     t = rules.size(rules.activation_mesh_axes(Dim.ACT_HEADS))
     sp = rules.size(rules.activation_mesh_axes(Dim.RESIDUAL_LENGTH)) // seq_split(rules)
     tokens = local_tokens(rules, batch_size, seq_len)
+    per_token_layer, moe = _layer_elements(cfg, rules, seq_len, c, Remat.parse(remat), flash)
+    logits = F32 * tokens * cfg.padded_vocab / t
+    return int(c * (per_token_layer * cfg.n_layers + cfg.n_moe_layers * moe) * tokens + logits
+               + 2 * cfg.d_model * tokens * c / sp)
+
+
+def recompute_bytes(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, c: int,
+                    remat: Remat, flash: bool = False) -> int:
+    """What a layer's backward pass makes again under ``remat`` and holds while it runs: the
+    layer's activations as no remat keeps them, less what the policy kept -- of the largest
+    layer (an MoE layer where the model has one). Zero without remat."""
+    remat = Remat.parse(remat)
+    if remat.kind is Kind.NONE:
+        return 0
+    none, none_moe = _layer_elements(cfg, rules, seq_len, c, Remat.NONE, flash)
+    kept, kept_moe = _layer_elements(cfg, rules, seq_len, c, remat, flash)
+    largest = (none + none_moe) - (kept + kept_moe) if cfg.n_moe_layers else none - kept
+    return int(c * max(largest, 0.0) * local_tokens(rules, batch_size, seq_len))
+
+
+def _layer_elements(cfg: Any, rules: ShardingRules, seq_len: int, c: int, remat: Remat,
+                    flash: bool) -> tuple[float, float]:
+    """:func:`activation_bytes`' elements per token of a dense layer, and what an MoE layer
+    keeps beyond it."""
+    t = rules.size(rules.activation_mesh_axes(Dim.ACT_HEADS))
+    sp = rules.size(rules.activation_mesh_axes(Dim.RESIDUAL_LENGTH)) // seq_split(rules)
     D, N, K, H, F, L = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_mlp, seq_len
     kv_t = t if K % t == 0 else 1
     projections = 2 * N * H / t + 2 * K * H / kv_t
     mlp_in = cfg.mlp_in
     named = {"qkv": N * H / t + 2 * K * H / kv_t, "attn_out": N * H / t, "attn_proj": D / sp,
              "mlp_in": mlp_in * F / t, "mlp_hidden": F / t}
-    remat = Remat.parse(remat)
     # A flash kernel keeps each row's float32 softmax statistic instead of the probabilities.
     scores = N * F32 / c / t if flash else N * L / t
     match remat.kind:
@@ -200,12 +228,10 @@ def activation_bytes(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: i
             per_token_layer = 4 * D / sp + projections + (mlp_in + 1) * F / t
         case _:
             per_token_layer = 4 * D / sp + projections + scores + (mlp_in + 1) * F / t
-    n_moe = cfg.n_moe_layers
     moe = 0.0
-    if n_moe:  # an MoE layer's feed-forward in place of the dense one
-        moe = n_moe * (_moe_ffn_saved(cfg, rules, remat, L, t, sp) - _dense_ffn_saved(remat, F, mlp_in, t))
-    logits = F32 * tokens * cfg.padded_vocab / t
-    return int(c * (per_token_layer * cfg.n_layers + moe) * tokens + logits + 2 * D * tokens * c / sp)
+    if cfg.n_moe_layers:  # an MoE layer's feed-forward in place of the dense one
+        moe = _moe_ffn_saved(cfg, rules, remat, L, t, sp) - _dense_ffn_saved(remat, F, mlp_in, t)
+    return per_token_layer, moe
 
 
 def _dense_ffn_saved(remat: Remat, F: int, mlp_in: int, t: int) -> float:

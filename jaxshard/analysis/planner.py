@@ -214,8 +214,8 @@ def plan_memory(model: Stageable, rules: ShardingRules, batch_size: int, seq_len
         return mem
     stages = rules.sizes.get("stage", 1)
     kept = min(microbatches, 2 * stages - 1)
-    one = accounting.memory(model, rules, batch_size // microbatches, seq_len, **kw).activations
-    return replace(mem, activations=one * kept // stages)
+    one = accounting.memory(model, rules, batch_size // microbatches, seq_len, **kw)
+    return replace(mem, activations=one.activations * kept // stages, recompute=one.recompute)
 
 
 def given(model: Stageable, mesh: dict[str, int], strategy: Strategy, device: Device, batch_size: int,
