@@ -320,13 +320,15 @@ def test_plan_confirms_a_pipeline_by_compiling_it():
 
 
 def test_real_size_plans_compile_with_the_predicted_temporaries(tmp_path):
-    """Llama 3 8B on data=8,fsdp=8 (64 fake devices) and a 405B Llama on fsdp=64,tensor=8 with SP
-    (512), at sequence 8192 with full recompute, as scripts/bench_confirm.py compiles them: in
-    float32 XLA's temporaries within 10% of the accounting's and every collective as predicted;
-    in bfloat16 XLA:CPU holds float32-sized buffers (its float normalization), so that compile's
-    temp is about the float32 one's. (Mixtral and 70B's other layouts miss: docs/memory.md.)"""
+    """Llama 3 8B on data=8,fsdp=8 (64 fake devices), 70B on stage=8,fsdp=8 (64) and a 405B Llama
+    on fsdp=64,tensor=8 with SP (512), at sequence 8192 with full recompute, as
+    scripts/bench_confirm.py compiles them: in float32 XLA's temporaries within 10% of the
+    accounting's and every collective (a pipeline's stage sends) as predicted; in bfloat16
+    XLA:CPU holds float32-sized buffers (its float normalization), so that compile's temp is
+    about the float32 one's. (Mixtral and 70B with tensor=8 miss: docs/memory.md.)"""
     out = tmp_path / "confirm.json"
-    result = run_script("../scripts/bench_confirm.py", "--cases", "8b,405b", "--json", str(out), timeout=900)
+    result = run_script("../scripts/bench_confirm.py", "--cases", "8b,70b-stage,405b", "--json", str(out),
+                        timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     for row in json.loads(out.read_text()):
         f32, bf16 = row["float32"], row["bfloat16"]

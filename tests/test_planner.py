@@ -144,10 +144,11 @@ def test_pipeline_plans_hold_a_stage_of_the_layers_and_few_microbatches():
     # Half the layers' params and Adam moments per device (the embedding and head stay whole).
     assert 0.5 * flat.memory.opt_state < piped.memory.opt_state < 0.6 * flat.memory.opt_state
     # 1F1B keeps 3 of the 8 microbatches (2P - 1), each through half the layers, of a batch
-    # that data=2 splits in two instead of four.
+    # that data=2 splits in two instead of four (and their stage inputs; the last stage one
+    # microbatch's logits, not three halves of them).
     one = planner.accounting.memory(model, planner.ShardingRules(planner.abstract_mesh(piped.mesh)),
                                     32 // 8, 2048, compute_dtype="bfloat16", flash=True).activations
-    assert piped.memory.activations == one * 3 // 2
+    assert piped.memory.activations == pytest.approx(one * 3 / 2, rel=0.05)
     # The bubble: (P - 1) / M of a stage's work idles (M + P - 1 ticks for M microbatches'
     # work); a stage runs half the layers.
     assert piped.time.bubble == pytest.approx(piped.time.compute * 1 / 8)

@@ -278,21 +278,23 @@ def pipeline_memory(model: Stageable, rules: ShardingRules, schedule: Any, batch
     empty slots stores more slots than layers), and as activations what a stage keeps for each
     of the ``schedule.slots`` chunk-microbatches it holds at once -- the residuals of ``depth``
     layers of one microbatch and the chunk's input -- plus one microbatch's logits and
-    per-token statistics, which the last stage holds in its backward slot."""
+    per-token statistics, which the last stage holds in its backward slot. A recomputed
+    layer's activations (``recompute``) are one microbatch's."""
     layout = schedule.layout
     mem = memory(staged(model, layout), rules, batch_size, seq_len, **kwargs)
     micro = batch_size // schedule.microbatches
     c = dtype_bytes(kwargs.get("compute_dtype", "float32"))
+    remat, flash = kwargs.get("remat", Remat.NONE), kwargs.get("flash", False)
 
     def saved(n_layers: int) -> int:
-        return activation_bytes(model.cfg.replace(n_layers=n_layers), rules, micro, seq_len, c,
-                                kwargs.get("remat", Remat.NONE))
+        return activation_bytes(model.cfg.replace(n_layers=n_layers), rules, micro, seq_len, c, remat, flash)
 
     per_layer = saved(2) - saved(1)
     sp = rules.size(rules.activation_mesh_axes(Dim.RESIDUAL_LENGTH)) // seq_split(rules)
     stage_input = c * local_tokens(rules, micro, seq_len) * model.cfg.d_model // sp
     return replace(mem, activations=schedule.slots * (layout.depth * per_layer + stage_input)
-                   + saved(1) - per_layer)
+                   + saved(1) - per_layer,
+                   recompute=recompute_bytes(model.cfg, rules, micro, seq_len, c, remat, flash))
 
 
 def step_options(step: StepConfig, model: LanguageModel, program: Program) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from jaxshard.analysis.devices import GB, Device
 from jaxshard.errors import ConfigError
 from jaxshard.mesh import abstract_mesh
 from jaxshard.model import Stageable
-from jaxshard.parallel.pipeline import make_schedule
+from jaxshard.parallel.pipeline import StageLayout, make_schedule
 from jaxshard.parallel.staged import staged
 from jaxshard.remat import Remat
 from jaxshard.rules import ShardingRules, Strategy
@@ -179,7 +179,8 @@ def evaluate(model: Stageable, mesh: dict[str, int], strategy: Strategy, remat: 
     rules = ShardingRules(abstract_mesh(mesh), strategy)
     kw = dict(compute_dtype=compute_dtype, remat=remat)
     flash = software.attention != "materialized"  # keeps no probabilities
-    mem = plan_memory(model, rules, batch_size, seq_len, compute_dtype, remat, flash, microbatches, grad_accum)
+    mem = plan_memory(model, rules, batch_size, seq_len, compute_dtype, remat, flash, microbatches, grad_accum,
+                      virtual_stages)
     if microbatches is None:
         transfers = [(t, 1.0) for t in accounting.communication(
             model, rules, batch_size, seq_len, grad_accum=grad_accum, **kw).transfers]
@@ -204,18 +205,20 @@ def evaluate(model: Stageable, mesh: dict[str, int], strategy: Strategy, remat: 
 
 
 def plan_memory(model: Stageable, rules: ShardingRules, batch_size: int, seq_len: int, compute_dtype: str,
-                remat: Remat, flash: bool, microbatches: int | None = None, grad_accum: int = 1) -> accounting.Memory:
+                remat: Remat, flash: bool, microbatches: int | None = None, grad_accum: int = 1,
+                virtual_stages: int = 1) -> accounting.Memory:
     """A plan's memory per device: the accounting's, or under a pipeline of ``microbatches``
-    (1F1B) the rules' split of the layers over stage for the state and, as activations, one
-    microbatch's through 1/P of the layers for each microbatch kept in flight."""
+    (1F1B, interleaved with ``virtual_stages``) :func:`accounting.pipeline_memory` of that
+    schedule: the stored stack split over stage, and the residuals and stage inputs of the
+    microbatches a stage holds at once."""
     kw = dict(compute_dtype=compute_dtype, remat=remat, flash=flash)
-    mem = accounting.memory(model, rules, batch_size, seq_len, grad_accum=grad_accum, **kw)
     if microbatches is None:
-        return mem
-    stages = rules.sizes.get("stage", 1)
-    kept = min(microbatches, 2 * stages - 1)
-    one = accounting.memory(model, rules, batch_size // microbatches, seq_len, **kw)
-    return replace(mem, activations=one.activations * kept // stages, recompute=one.recompute)
+        return accounting.memory(model, rules, batch_size, seq_len, grad_accum=grad_accum, **kw)
+    stages = rules.sizes["stage"]
+    layout = StageLayout.make(model.cfg.n_layers, stages, virtual_stages)
+    schedule = make_schedule("interleaved" if virtual_stages > 1 else "1f1b", stages, microbatches,
+                             virtual_stages, layout)
+    return accounting.pipeline_memory(model, rules, schedule, batch_size, seq_len, **kw)
 
 
 def given(model: Stageable, mesh: dict[str, int], strategy: Strategy, device: Device, batch_size: int,
