@@ -56,7 +56,7 @@ class Memory:
     # whole until its reduce-scatter, during the head's backward pass (the embedding's
     # scatter-add target lives as long).
     outer_grads: int = 0
-    recompute: int = 0  # what a layer's backward pass makes again under remat (accounting.recompute_bytes)
+    recompute: int = 0  # what a layer's backward pass holds beyond the saved activations (recompute_bytes)
 
     @property
     def argument(self) -> int:
@@ -70,9 +70,9 @@ class Memory:
     def temp(self) -> int:
         """What is not an argument of the step: gradients, activations, extra weight copies,
         and the larger of what the layer loop holds in flight (two gathered layers: the one in
-        use and the next being fetched; and under remat the activations a layer's backward
-        pass makes again) and what the head's backward pass does (the outer params' whole
-        gradient)."""
+        use and the next being fetched; and what a layer's backward pass holds beyond the saved
+        activations, :func:`recompute_bytes`) and what the head's backward pass does (the outer
+        params' whole gradient)."""
         return (self.grads + self.activations + self.weights_extra
                 + max(2 * self.gathered_layer + self.recompute, self.outer_grads))
 
@@ -189,16 +189,24 @@ def activation_bytes(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: i
 
 def recompute_bytes(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, c: int,
                     remat: Remat, flash: bool = False) -> int:
-    """What a layer's backward pass makes again under ``remat`` and holds while it runs: the
-    layer's activations as no remat keeps them, less what the policy kept -- of the largest
-    layer (an MoE layer where the model has one). Zero without remat."""
+    """What a layer's backward pass holds beyond the saved activations, of the largest layer (an
+    MoE layer where the model has one): under remat the activations it makes again (as no remat
+    keeps them, less what the policy kept); under any policy the cotangents of its MLP's hidden
+    inputs (``mlp_in`` F per token, or per expert slot), each an operand of two matmuls (the
+    weight gradient and the input gradient), so made whole."""
     remat = Remat.parse(remat)
-    if remat.kind is Kind.NONE:
-        return 0
     none, none_moe = _layer_elements(cfg, rules, seq_len, c, Remat.NONE, flash)
     kept, kept_moe = _layer_elements(cfg, rules, seq_len, c, remat, flash)
-    largest = (none + none_moe) - (kept + kept_moe) if cfg.n_moe_layers else none - kept
-    return int(c * max(largest, 0.0) * local_tokens(rules, batch_size, seq_len))
+    t = rules.size(rules.activation_mesh_axes(Dim.ACT_HEADS))
+    hidden = cfg.mlp_in * cfg.d_mlp / t
+    if cfg.n_moe_layers:
+        cap = run_capacity(cfg, rules, seq_len)
+        slots = cfg.moe_experts * cap / seq_len if cap else cfg.moe_top_k
+        hidden = max(hidden, slots * cfg.mlp_in * (cfg.moe_d_mlp or cfg.d_mlp) / t)
+        again = (none + none_moe) - (kept + kept_moe)
+    else:
+        again = none - kept
+    return int(c * (max(again, 0.0) + hidden) * local_tokens(rules, batch_size, seq_len))
 
 
 def _layer_elements(cfg: Any, rules: ShardingRules, seq_len: int, c: int, remat: Remat,
