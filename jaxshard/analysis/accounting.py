@@ -57,6 +57,7 @@ class Memory:
     # scatter-add target lives as long).
     outer_grads: int = 0
     recompute: int = 0  # what a layer's backward pass holds beyond the saved activations (recompute_bytes)
+    logits: int = 0  # the part of activations the head's backward pass frees (the float32 logits')
 
     @property
     def argument(self) -> int:
@@ -68,13 +69,14 @@ class Memory:
 
     @property
     def temp(self) -> int:
-        """What is not an argument of the step: gradients, activations, extra weight copies,
-        and the larger of what the layer loop holds in flight (two gathered layers: the one in
-        use and the next being fetched; and what a layer's backward pass holds beyond the saved
-        activations, :func:`recompute_bytes`) and what the head's backward pass does (the outer
-        params' whole gradient)."""
-        return (self.grads + self.activations + self.weights_extra
-                + max(2 * self.gathered_layer + self.recompute, self.outer_grads))
+        """What is not an argument of the step: gradients, the layers' saved activations, extra
+        weight copies, and the larger of what the head's backward pass holds (the logits' saved
+        exponentials and the outer params' whole gradient) and what the layers' backward pass
+        does once the head's is done (two gathered layers: the one in use and the next being
+        fetched; and what a layer's backward pass holds beyond the saved activations,
+        :func:`recompute_bytes`)."""
+        return (self.grads + self.activations - self.logits + self.weights_extra
+                + max(2 * self.gathered_layer + self.recompute, self.logits + self.outer_grads))
 
     @property
     def peak(self) -> int:
@@ -125,7 +127,8 @@ def memory(model: LanguageModel, rules: ShardingRules, batch_size: int, seq_len:
     return Memory(params=params, grads=grads, opt_state=opt + scale, batch=2 * 4 * tokens,
                   activations=acts, weights_saved=saved, weights_extra=extra,
                   gathered_layer=layer_weights // layers if gathers else 0, host=host,
-                  outer_grads=outer_weights if gathers else 0, recompute=again)
+                  outer_grads=outer_weights if gathers else 0, recompute=again,
+                  logits=logits_bytes(model.cfg, rules, batch_size // grad_accum, seq_len))
 
 
 @dataclass(frozen=True)
@@ -176,15 +179,20 @@ def activation_bytes(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: i
 
     With ``flash`` (a flash kernel) each row's float32 softmax statistic in place of the N L
     probabilities. Plus the final norm's input and output, and the float32 logits'
-    exponentials ``[tokens, V / tensor]``.
+    exponentials ``[tokens, V / tensor]`` (:func:`logits_bytes`).
     """
-    t = rules.size(rules.activation_mesh_axes(Dim.ACT_HEADS))
     sp = rules.size(rules.activation_mesh_axes(Dim.RESIDUAL_LENGTH)) // seq_split(rules)
     tokens = local_tokens(rules, batch_size, seq_len)
     per_token_layer, moe = _layer_elements(cfg, rules, seq_len, c, Remat.parse(remat), flash)
-    logits = F32 * tokens * cfg.padded_vocab / t
-    return int(c * (per_token_layer * cfg.n_layers + cfg.n_moe_layers * moe) * tokens + logits
-               + 2 * cfg.d_model * tokens * c / sp)
+    return int(c * (per_token_layer * cfg.n_layers + cfg.n_moe_layers * moe) * tokens
+               + logits_bytes(cfg, rules, batch_size, seq_len) + 2 * cfg.d_model * tokens * c / sp)
+
+
+def logits_bytes(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int) -> int:
+    """The float32 logits' exponentials the loss keeps for its backward pass, ``[tokens, V /
+    tensor]`` per device."""
+    t = rules.size(rules.activation_mesh_axes(Dim.ACT_HEADS))
+    return int(F32 * local_tokens(rules, batch_size, seq_len) * cfg.padded_vocab / t)
 
 
 def recompute_bytes(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, c: int,
@@ -302,7 +310,8 @@ def pipeline_memory(model: Stageable, rules: ShardingRules, schedule: Any, batch
     stage_input = c * local_tokens(rules, micro, seq_len) * model.cfg.d_model // sp
     return replace(mem, activations=schedule.slots * (layout.depth * per_layer + stage_input)
                    + saved(1) - per_layer,
-                   recompute=recompute_bytes(model.cfg, rules, micro, seq_len, c, remat, flash))
+                   recompute=recompute_bytes(model.cfg, rules, micro, seq_len, c, remat, flash),
+                   logits=logits_bytes(model.cfg, rules, micro, seq_len))
 
 
 def step_options(step: StepConfig, model: LanguageModel, program: Program) -> dict[str, Any]:
