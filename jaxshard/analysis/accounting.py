@@ -208,9 +208,7 @@ def recompute_bytes(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: in
     t = rules.size(rules.activation_mesh_axes(Dim.ACT_HEADS))
     hidden = cfg.mlp_in * cfg.d_mlp / t
     if cfg.n_moe_layers:
-        cap = run_capacity(cfg, rules, seq_len)
-        slots = cfg.moe_experts * cap / seq_len if cap else cfg.moe_top_k
-        hidden = max(hidden, slots * cfg.mlp_in * (cfg.moe_d_mlp or cfg.d_mlp) / t)
+        hidden = max(hidden, expert_slots(cfg, rules, seq_len) * cfg.mlp_in * (cfg.moe_d_mlp or cfg.d_mlp) / t)
         again = (none + none_moe) - (kept + kept_moe)
     else:
         again = none - kept
@@ -262,6 +260,13 @@ def _dense_ffn_saved(remat: Remat, F: int, mlp_in: int, t: int) -> float:
     return 0.0
 
 
+def expert_slots(cfg: Any, rules: ShardingRules, seq_len: int) -> float:
+    """Expert slots an MoE layer runs per token: E C / S under a capacity (every slot, filled or
+    not), k dropless."""
+    cap = run_capacity(cfg, rules, seq_len)
+    return cfg.moe_experts * cap / seq_len if cap else cfg.moe_top_k
+
+
 def _moe_ffn_saved(cfg: Any, rules: ShardingRules, remat: Remat, L: int, t: int, sp: int) -> float:
     """An MoE layer's feed-forward, per token, as autodiff keeps it (counted from
     ``print_saved_residuals`` on moe-tiny): per expert slot a token fills -- r = E C / S under a
@@ -274,7 +279,7 @@ def _moe_ffn_saved(cfg: Any, rules: ShardingRules, remat: Remat, L: int, t: int,
     Fe = cfg.moe_d_mlp or cfg.d_mlp
     mlp_in = cfg.mlp_in
     cap = run_capacity(cfg, rules, L)
-    slots = E * cap / L if cap else cfg.moe_top_k
+    slots = expert_slots(cfg, rules, L)
     shared = _dense_ffn_saved(remat, cfg.moe_shared_experts * Fe, mlp_in, t) if cfg.moe_shared_experts else 0.0
     match remat.kind:
         case Kind.NONE | Kind.SELECTIVE:
@@ -374,9 +379,8 @@ def flops(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
         E, k = cfg.moe_experts, cfg.moe_top_k
         expert = mlp_mats * D * (cfg.moe_d_mlp or F)
         always = D * E + cfg.moe_shared_experts * expert  # router and shared experts
-        cap = run_capacity(cfg, rules, L)
         layer_params += n_moe * (always + k * expert)
-        hw_layer_params += n_moe * (always + (E * cap / L if cap else k) * expert)
+        hw_layer_params += n_moe * (always + expert_slots(cfg, rules, L) * expert)
         moe_text = f", of which {n_moe} MoE layers count the router and {k} of {E} experts"
     head = D * cfg.padded_vocab
     attention = 2 * 2 * L * N * H  # q k^T and p v, per token per layer, full square
