@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from jaxshard.analysis import accounting, bubble, devices, hlo, inspect, timing
+from jaxshard.axes import Dim
 from jaxshard.data import corpus as data_lib
 from jaxshard.data import tokenizer as tokenizer_lib
 from jaxshard.errors import ConfigError, DataError, TrainingError
@@ -451,6 +452,11 @@ def _report(cfg: RunConfig, model: Stageable, rules, compiled, held, records, va
     # (Under a pipeline, what the schedule's slots run -- FSDP's gathers, TP's reductions -- is
     # not predicted.)
     predicted_memory, comm = accounting.predict(model, rules, B, L, schedule, **kwargs)
+    if jax.default_backend() == "gpu" and not rules.activation_mesh_axes(Dim.LENGTH):
+        # Attention by cuDNN's flash kernel (attention.fused): no probabilities kept.
+        flash = dict({k: v for k, v in kwargs.items() if k != "reducer"}, flash=True)
+        predicted_memory = (accounting.pipeline_memory(model, rules, schedule, B, L, **flash) if schedule
+                            else accounting.memory(model, rules, B, L, **flash))
     report = {
         "model": model.cfg.name,
         "mesh": axis_sizes(rules.mesh),
@@ -477,6 +483,8 @@ def _report(cfg: RunConfig, model: Stageable, rules, compiled, held, records, va
         "skipped_steps": int(records[-1].get("skipped_steps", 0)),
         "per_device_bytes": held,
         "xla_memory": inspect.xla_memory(compiled),
+        # What the allocator held at most on this process's first device (GPUs; None on CPU).
+        "peak_bytes_in_use": (jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use"),
         "collectives": hlo.summary([c for c in found if not ((schedule or cfg.sync_every) and c.conditional)]),
         # Local SGD: what its synchronising steps run (a conditional's branch), per such step.
         "collectives_when_synchronising": cfg.sync_every and hlo.summary([c for c in found if c.conditional]),
@@ -485,6 +493,7 @@ def _report(cfg: RunConfig, model: Stageable, rules, compiled, held, records, va
         "collectives_in_slots": schedule and hlo.summary([c for c in found if c.conditional]),
         "predicted": {
             "argument_bytes": predicted_memory.argument, "activation_bytes": predicted_memory.activations,
+            "temp_bytes": predicted_memory.temp,
             "collectives": [{"kind": k, "bytes": b} for k, b in sorted(comm.by_kind().items())],
             "collectives_scope": "outside the pipeline's slots" if schedule else "the whole step"}
         if cfg.sync_every is None else {  # local SGD: its own program (jaxshard/training/local_sgd.py)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,7 +93,8 @@ def enable_compile_cache(path: str | os.PathLike) -> None:
 # overlaps collectives with compute, and the pipelining of the layer scan's collectives (the
 # next layer's FSDP all-gather and the previous layer's gradient reduce-scatter run while a
 # layer computes) with the scan double-buffered for it -- MaxText's and JAX-Toolbox's settings
-# for FSDP on GPUs. Not measured here (no GPU was at hand); on CPU none of these apply.
+# for FSDP on GPUs. Compiled on one H100 (docs/gpus.md); their overlap needs several GPUs and is
+# not measured yet. On CPU none of these apply.
 XLA_OPTIONS: dict[str, dict[str, bool | int]] = {
     "gpu": {
         "xla_gpu_enable_latency_hiding_scheduler": True,
@@ -105,7 +108,27 @@ XLA_OPTIONS: dict[str, dict[str, bool | int]] = {
 
 
 def xla_options(backend: str | None = None) -> dict[str, bool | int]:
-    """The XLA options jaxshard compiles its steps with on ``backend`` (default: JAX's)."""
+    """The XLA options jaxshard compiles its steps with on ``backend`` (default: JAX's): those
+    of :data:`XLA_OPTIONS` that this jaxlib knows. XLA retires options (jaxlib 0.11 has no
+    ``xla_gpu_enable_pipelined_*``), and an unknown one fails every compile, so each is tried
+    once on a trivial program; one it lacks is left out with a warning naming it."""
     import jax
 
-    return dict(XLA_OPTIONS.get(backend or jax.default_backend(), {}))
+    wanted = XLA_OPTIONS.get(backend or jax.default_backend(), {})
+    return {name: value for name, value in wanted.items() if _known_option(name, value)}
+
+
+@functools.cache
+def _known_option(name: str, value: bool | int) -> bool:
+    import jax
+    import jax.numpy as jnp
+
+    try:
+        jax.jit(lambda x: x + 1, compiler_options={name: value}).lower(jnp.zeros(())).compile()
+    except Exception as e:  # XlaRuntimeError: INVALID_ARGUMENT
+        if "No such compile option" not in str(e):
+            raise
+        warnings.warn(f"this jaxlib ({jax.__version__}) has no XLA option {name}: compiling without it",
+                      stacklevel=3)
+        return False
+    return True

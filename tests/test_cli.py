@@ -341,6 +341,30 @@ def test_real_size_plans_compile_with_the_predicted_temporaries(tmp_path):
         assert bf16["peak_rss_gib"] < 8 and bf16["compile_s"] < 300
 
 
+def test_gpu_bench_takes_its_figures_from_the_run_it_times(tmp_path, monkeypatch):
+    """scripts/bench_gpu.py on CPU, shrunk: the rates part times real matmuls and a triad; a
+    training case reads the step time, the time model's prediction and both memories from
+    train.py's report (a report that lost one fails here); bad names are one line."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_gpu
+
+    r = bench_gpu.rates({"sq": (128, 128, 128)}, 2**16)
+    assert r["matmuls"]["sq"]["tflops"] > 0 and r["hbm_triad_gbs"] > 0
+    monkeypatch.setitem(bench_gpu.TRAIN, "tiny", "--model llama-tiny --seq-len 32 --batch-size 2 --remat full "
+                                                 "--device h100 --cpu-devices 1")
+    monkeypatch.setenv("JAXSHARD_CACHE", str(tmp_path / "cache"))
+    row = bench_gpu.train("tiny", 300, tmp_path)
+    assert "error" not in row, row.get("tail")
+    assert row["step_s"] > 0 and row["step_s_predicted"] > 0 and row["argument"] == row["argument_predicted"]
+    assert row["temp"] > 0 and row["temp_predicted"] > 0 and row["peak_bytes_in_use"] is None  # CPU: no allocator
+    assert "| tiny |" in bench_gpu.tables({"train": [row]})
+    for argv, message in ((["--parts", "nope"], "unknown part(s) nope"),
+                          (["--train", "70b"], "unknown training case(s) 70b")):
+        done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), *argv], capture_output=True,
+                              text=True, timeout=60, cwd=ROOT)
+        assert done.returncode == 2 and message in done.stderr.strip().splitlines()[-1]
+
+
 def test_tools_reject_bad_input_with_one_line():
     assert_one_line_error(run_script("inspect.py", "--seq-len", "512", "--cpu-devices", "1"),
                           "--seq-len 512 exceeds model tiny's max_seq_len 256")

@@ -8,6 +8,7 @@ import pytest
 
 from jaxshard.axes import Dim
 from jaxshard.mesh import build_mesh
+from jaxshard.parallel import attention
 from jaxshard.parallel.attention import causal_attention
 from jaxshard.parallel.vocab import cross_entropy, embed_lookup
 from jaxshard.rules import ShardingRules, Strategy, constrain, use_rules
@@ -184,17 +185,32 @@ def test_attention_kernel_is_chosen_by_name_and_keeps_no_scores():
         attention.blockwise(q, k, v, 3)
 
 
-def test_backend_xla_options_exist_in_this_jaxlib():
-    """The GPU step's options are names this jaxlib knows (a renamed one would fail to compile
-    on the GPU only); on CPU the step compiles with none."""
+def test_gpu_attention_is_cudnn_or_blockwise_never_the_materialised_softmax_where_avoidable():
+    """jax.nn.dot_product_attention with no implementation named is XLA's materialised softmax
+    (its L x L probabilities kept per layer ran out of an H100 at sequence 8192): on GPUs the
+    dense path names cuDNN for 2-byte floats and takes the blockwise kernel otherwise."""
+    assert attention.gpu_kernel(jnp.bfloat16, 64, 8192) == "cudnn"
+    assert attention.gpu_kernel(jnp.float16, 128, 100) == "cudnn"
+    assert attention.gpu_kernel(jnp.float32, 64, 8192) == "blockwise"
+    assert attention.gpu_kernel(jnp.bfloat16, 160, 2048) == "blockwise"
+    assert attention.gpu_kernel(jnp.float32, 64, 1000) == "xla"  # no block divides it
+
+
+def test_backend_xla_options_exist_in_this_jaxlib(monkeypatch):
+    """The GPU step's options are names this jaxlib knows: one it lacks (XLA retires them; a
+    renamed one would fail every compile on the GPU only) is left out with a warning naming it,
+    the others kept; on CPU the step compiles with none."""
     from jaxshard import runtime
 
     gpu = runtime.xla_options("gpu")
     assert gpu["xla_gpu_enable_latency_hiding_scheduler"] is True
     assert runtime.xla_options("cpu") == {}
-    assert float(jax.jit(lambda x: x * 2, compiler_options=gpu)(jnp.ones(())) ) == 2.0
+    assert float(jax.jit(lambda x: x * 2, compiler_options=gpu)(jnp.ones(()))) == 2.0
     with pytest.raises(Exception, match="No such compile option"):
         jax.jit(lambda x: x * 2, compiler_options={"xla_gpu_no_such_option": True})(jnp.ones(()))
+    monkeypatch.setitem(runtime.XLA_OPTIONS, "gpu", dict(runtime.XLA_OPTIONS["gpu"], xla_gpu_no_such_option=True))
+    with pytest.warns(UserWarning, match="has no XLA option xla_gpu_no_such_option"):
+        assert runtime.xla_options("gpu") == gpu
 
 
 def test_global_norm_of_sharded_leaves_is_one_scalar_reduction():
