@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         from jaxshard.rules import ShardingRules
         from jaxshard.training.step import balance_stages, build_program, check_batch
 
-        model = build_model(cfg, unroll=not args.no_unroll)
+        model = build_model(cfg)  # the program training runs: the layer scan rolled
         rules = ShardingRules(build_mesh(cfg.mesh, dcn=cfg.dcn_mesh), cfg.strategy)
         step = cfg.step
         if step.balance:

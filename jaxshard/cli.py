@@ -180,9 +180,6 @@ def inspect_parser() -> argparse.ArgumentParser:
                      "holds and sends with the strategy's accounting.")
     g = p.add_argument_group("inspection")
     g.add_argument("--strict", action="store_true", help="exit with status 1 if anything is flagged")
-    g.add_argument("--no-unroll", action="store_true",
-                   help="keep the layer scan rolled (faster to compile; XLA's FLOP count then "
-                        "covers one layer of each loop)")
     return p
 
 
@@ -231,8 +228,7 @@ def reference() -> str:
              "config that reads it (the last column); a `--config FILE.toml` takes the same settings "
              "as keys (the flag's name with underscores: `batch_size = 32`), at the top level or in "
              "tables of any name. `experiments/inspect.py` takes the same flags, refuses those of a "
-             "training run (data, outputs, checkpoints, processes), and adds `--strict` and "
-             "`--no-unroll`. What a run does around its step (the flags it refuses, the report, the "
+             "training run (data, outputs, checkpoints, processes), and adds `--strict`. What a run does around its step (the flags it refuses, the report, the "
              "data order, bad input): [The training run](training-run.md).", ""]
     flags = entries()
     for i, e in enumerate(flags):

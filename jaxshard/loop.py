@@ -194,6 +194,14 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
                                            jax.devices()[0])
     n_dev = jax.device_count()
     _log(f"model FLOPs per step {flops.model:.3e} ({flops.formula}); MFU peak: {peak_source}")
+    # The compiled step's matmuls against the useful ones (XLA:CPU's dots; a pipeline's branches
+    # and a GPU's library calls are not counted).
+    waste = None
+    if schedule is None and jax.default_backend() == "cpu" and cfg.sync_every is None:
+        waste = flops.waste(hlo.dot_flops(compiled.as_text()))
+        _log(f"matmul FLOPs per device: compiled {waste['compiled']:.3e} = x{waste['ratio']:.2f} the useful "
+             f"{waste['useful']:.3e} (recompute {waste['recompute']:.2e}, masked attention and empty expert "
+             f"slots {waste['masked_or_padding']:.2e}: x{waste['unexplained']:.2f} what they explain)")
 
     def throughput(dt: float) -> dict[str, float]:
         out = {"tokens_per_s": B * L / dt, "tflops_per_device": flops.model / n_dev / dt / 1e12}
@@ -333,6 +341,7 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
         _log(measured.line())
     report = _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compile_s,
                      throughput, flops, peak_source, program, measured)
+    report["matmul_flops_per_device"] = waste  # accounting.Flops.waste; None where not counted
     report["predicted"]["time_model"] = predicted = _time_model(cfg, model, rules, schedule, flops)
     if predicted:
         _log(f"time model ({predicted['device']}): {predicted['step_time_s']:.4f} s per step, MFU "

@@ -5,8 +5,8 @@
 
 For every configuration: compile the step, warm up, time --steps steps (median / min / max),
 and record tokens/s, per-device memory (live params and optimizer state, XLA's argument and
-temp bytes) and the compiled collectives (bytes per device per step) next to the accounting's
-prediction. Writes results.json, results.md (a table) and two plots: memory and communication
+temp bytes), the compiled collectives (bytes per device per step) next to the accounting's
+prediction, and the compiled matmul FLOPs against the useful ones (the waste figure). Writes results.json, results.md (a table) and two plots: memory and communication
 per device by strategy, and step time against device count.
 """
 
@@ -118,6 +118,9 @@ def bench_one(model, mesh_spec: str, zero: int, sp: bool, batch: int, seq: int, 
         "reductions": [c.bytes for c in found if c.kind in ("all-reduce", "reduce-scatter")
                        and any(math.prod(s) > 1 for s in c.shapes) for _ in range(c.executions)],
         "collective_bytes_predicted": sum(predicted.values()),
+        # The compiled step's matmuls against the useful ones (accounting.Flops.waste).
+        "matmul_flops_per_device": accounting.flops(model.cfg, rules, batch, seq, remat=model.remat).waste(
+            hlo.dot_flops(compiled.as_text())),
         "final_loss": float(metrics["loss"]),
     }
 
@@ -136,8 +139,8 @@ def write_markdown(out: str, stem: str, meta: dict, what: str, md: str) -> None:
 def table(results: list[dict]) -> str:
     head = ("| model | strategy | mesh | step ms (median / min / max) | tokens/s | params + opt "
             "KiB/device | XLA temp KiB | collective buffers KiB/step (compiled / predicted) | "
-            "sent KiB/step (ring) |")
-    lines = [head, "|" + "---|" * 9]
+            "sent KiB/step (ring) | matmul FLOPs / useful |")
+    lines = [head, "|" + "---|" * 10]
     for r in results:
         s, b = r["step_s"], r["per_device_bytes"]
         sent = sum(c["sent_bytes"] for c in r["collectives"])
@@ -146,8 +149,14 @@ def table(results: list[dict]) -> str:
             f"{s['min'] * 1e3:.1f} / {s['max'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} | "
             f"{(b['params'] + b['opt_state']) / 1024:,.0f} | {(b['xla_temp'] or 0) / 1024:,.0f} | "
             f"{r['collective_bytes'] / 1024:,.0f} / {r['collective_bytes_predicted'] / 1024:,.0f} | "
-            f"{sent / 1024:,.0f} |")
+            f"{sent / 1024:,.0f} | {waste_cell(r)} |")
     return "\n".join(lines)
+
+
+def waste_cell(r: dict) -> str:
+    """The waste ratio, and what the useful work, recompute and kernels leave unexplained."""
+    w = r.get("matmul_flops_per_device")
+    return "-" if w is None else f"x{w['ratio']:.2f} (x{w['unexplained']:.2f} unexplained)"
 
 
 def plots(results: list[dict], scaling: list[dict], out: str) -> list[str]:

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         import jax
         from tqdm import tqdm
 
-        from bench import bench_one, rules_for, write_markdown
+        from bench import bench_one, rules_for, waste_cell, write_markdown
 
         from jaxshard.analysis import accounting
 
@@ -109,20 +109,21 @@ def main(argv: list[str] | None = None) -> int:
                 "tokens_per_s": a.batch_size * a.seq_len / statistics.median(medians),
                 "params_opt_bytes_per_device": rs[0]["per_device_bytes"]["params"] + rs[0]["per_device_bytes"]["opt_state"],
                 "all_to_all_bytes": sum(c["bytes"] for c in a2a), "all_to_all_bytes_predicted": predicted,
-                "final_loss": rs[-1]["final_loss"]})
+                "matmul_flops_per_device": rs[0]["matmul_flops_per_device"], "final_loss": rs[-1]["final_loss"]})
         meta = {"backend": jax.default_backend(), "devices": jax.device_count(), "cpu_count": os.cpu_count(),
                 "jax": jax.__version__, "model": a.model, "batch_size": a.batch_size, "seq_len": a.seq_len,
                 "timed_steps": a.steps, "rounds": a.rounds, "wall_s": time.perf_counter() - t0}
         with open(os.path.join(a.out, "moe.json"), "w") as f:
             json.dump({"meta": meta, "runs": results}, f, indent=1)
         lines = ["| run | mesh | params (active) | step ms (median; rounds) | tokens/s | params + opt "
-                 "KiB/device | all-to-all KiB/step (compiled / predicted) |", "|" + "---|" * 7]
+                 "KiB/device | all-to-all KiB/step (compiled / predicted) | matmul FLOPs / useful |",
+                 "|" + "---|" * 8]
         for r in results:
             rounds_ms = ", ".join(f"{m * 1e3:.0f}" for m in r["step_s_rounds"])
             lines.append(f"| {r['run']} | `{r['mesh']}` | {r['params']:,} ({r['active_params']:,}) | "
                          f"{r['step_s_median'] * 1e3:.0f}; {rounds_ms} | {r['tokens_per_s']:,.0f} | "
                          f"{r['params_opt_bytes_per_device'] / 1024:,.0f} | {r['all_to_all_bytes'] / 1024:,.0f} / "
-                         f"{r['all_to_all_bytes_predicted'] / 1024:,.0f} |")
+                         f"{r['all_to_all_bytes_predicted'] / 1024:,.0f} | {waste_cell(r)} |")
         write_markdown(a.out, "moe", meta, f"{a.model}, global batch {a.batch_size} x {a.seq_len}",
                        "\n".join(lines))
     return 0

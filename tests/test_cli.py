@@ -269,8 +269,12 @@ def test_inspect_compiles_and_verifies_without_training():
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     for text in ("strategy hsdp+zero1", "argument (XLA)", "all-gather       fsdp",
-                 "blocks/ffn/w_in", "layers:- embed:fsdp mlp:-", "No unexplained collectives"):
+                 "blocks/ffn/w_in", "layers:- embed:fsdp mlp:-", "No unexplained collectives",
+                 "compiled (every dot; loops by trip count)"):
         assert text in out, text
+    # The rolled layer scan, as training compiles it, with every layer's matmuls counted.
+    waste = re.search(r"compiled / useful x([\d.]+); compiled / expected x([\d.]+)", out)
+    assert waste and 1 <= float(waste[1]) < 1.2 and abs(float(waste[2]) - 1) <= 0.1, out
 
 
 def test_inspect_verifies_a_pipelined_step():

@@ -28,7 +28,7 @@ FLAGS = {
     "--max-seq-len", "--measure-bubble", "--mesh", "--metrics", "--microbatches", "--min-lr-ratio",
     "--model", "--moe-aux-coef", "--moe-capacity-factor", "--moe-d-mlp", "--moe-every", "--moe-experts",
     "--moe-shared-experts", "--moe-top-k", "--moe-z-coef", "--n-heads", "--n-kv-heads", "--n-layers",
-    "--no-progress", "--no-unroll", "--num-processes", "--offload", "--param-dtype", "--peak-tflops",
+    "--no-progress", "--num-processes", "--offload", "--param-dtype", "--peak-tflops",
     "--pipeline-schedule", "--platform", "--process-id", "--profile-dir", "--profile-steps", "--remat",
     "--report", "--reshard-after-forward", "--resume", "--rope-theta", "--sample-prompt",
     "--sample-tokens", "--save-every", "--seed", "--seq-len", "--sequence-parallel", "--stage-layers",

@@ -119,11 +119,10 @@ INSPECT = {
     "--save-every": Case(("1",)),  # (--checkpoint-dir is refused first)
     "--keep": Case(("1",)),
     "--seed": Case(("1",), context=("--dropout", "0.1")),  # the seed draws dropout masks
-    "--no-unroll": Case(context=("--n-layers", "2")),  # (a scan of one layer is the same unrolled)
-    # A step the verifier flags (unrolled, XLA keeps gathered expert weights the accounting
-    # expects gathered again): --strict turns the flag into exit status 1.
+    # A step the verifier flags (XLA keeps gathered expert weights the accounting expects
+    # gathered again): --strict turns the flag into exit status 1.
     "--strict": Case((), context=("--model", "moe-tiny", "--mesh", "fsdp=4,expert=2", "--remat", "none"),
-                     drop=("--no-unroll", "--mesh")),
+                     drop=("--mesh",)),
 }
 
 COMMANDS = {
@@ -132,7 +131,7 @@ COMMANDS = {
     # The training run's step (the same program, so the compilation cache serves both walks).
     "inspect": dict(main=lambda: _experiment("inspect").main, parser=cli.inspect_parser,
                     base=[*RUNTIME, "--mesh", "data=8", "--steps", "2", "--batch-size", "16", "--seq-len", "16",
-                          "--warmup-steps", "0", "--n-layers", "1", "--no-unroll"], cases=INSPECT),
+                          "--warmup-steps", "0", "--n-layers", "1"], cases=INSPECT),
     "plan": dict(main=lambda: _experiment("plan").main, parser=lambda: _experiment("plan").parser(),
                  base=["--model", "tiny", "--devices", "8", "--device", "h100", "--confirm-limit", "0"],
                  cases={"--model": Case(("tiny-llama",)), "--devices": Case(("4",)),

@@ -124,7 +124,7 @@ def test_inspect_verifies_the_buckets_and_a_run_reports_them(tmp_path):
     common = ["--model", "tiny", "--mesh", "data=8", "--cpu-devices", "8", "--strategy", "explicit",
               "--bucket-mb", "0.1", "--batch-size", "16", "--seq-len", "32"]
     r = subprocess.run([sys.executable, str(ROOT / "experiments" / "inspect.py"), *common, "--strict",
-                        "--no-unroll", "--platform", "cpu", "--compile-cache", CACHE],
+                        "--platform", "cpu", "--compile-cache", CACHE],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "the same sizes" in r.stdout

@@ -358,6 +358,20 @@ class Flops:
     model: float  # 6 N_matmul + causal attention, whole step, all devices
     hardware: float  # what runs: full attention squares and remat recompute, all devices
     formula: str
+    recompute: float = 0.0  # of ``hardware``: the matmuls the remat policy runs again
+    devices: int = 1  # the devices the work splits over (a pipeline's stages included)
+
+    def waste(self, compiled: float) -> dict[str, float]:
+        """The matmul FLOPs one device's compiled step runs (``compiled``: hlo.dot_flops)
+        against the useful ones (``model`` over the devices), split into what is expected
+        beyond the useful -- the remat policy's recompute, and the rest of ``hardware``: the
+        masked half of a causal attention computed whole, expert slots computed empty -- and
+        what nothing explains."""
+        useful, expected = self.model / self.devices, self.hardware / self.devices
+        recompute = self.recompute / self.devices
+        return {"compiled": compiled, "useful": useful, "recompute": recompute,
+                "masked_or_padding": expected - useful - recompute, "expected": expected,
+                "ratio": compiled / useful, "unexplained": compiled / expected}
 
 
 ADAMW_FLOPS = 20  # per parameter element per step: clip, moments, bias correction, decay, update
@@ -417,4 +431,5 @@ def flops(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
     return Flops(matmul_per_token=matmul, attention_per_token=cfg.n_layers * attention,
                  elementwise_per_token=elementwise, tokens=tokens,
                  per_device=(hardware + 3 * tokens * elementwise) / devices + optimizer,
-                 model=model_flops, hardware=hardware, formula=formula)
+                 model=model_flops, hardware=hardware, formula=formula, recompute=tokens * recompute,
+                 devices=devices)

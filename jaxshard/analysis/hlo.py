@@ -115,15 +115,27 @@ def parse_groups(attrs: str, n_partitions: int) -> Groups:
     return (tuple(range(n_partitions)),)
 
 
-def parse(hlo_text: str) -> list[Collective]:
-    """Every collective in the per-device HLO, combined ones split into their elements."""
+@dataclass
+class _Module:
+    """One pass over a module's HLO text: every instruction, where it is, what it calls."""
+
+    n_partitions: int
+    shapes: dict[str, list[tuple[str, tuple[int, ...]]]]  # value -> its arrays
+    body: dict[str, list]  # computation -> its instructions (regex matches)
+    users: dict[str, list]  # value -> the instructions that take it
+    where: dict[str, str]  # instruction -> its computation
+    runs: dict[str, int]  # computation -> runs per run of the entry (loops by trip count)
+    in_branch: set[str]  # computations run by a branch of a conditional
+
+
+def _read(hlo_text: str) -> _Module:
     n_partitions = int(m[1]) if (m := re.search(r"num_partitions=(\d+)", hlo_text)) else 1
     shapes: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
-    instrs, users = [], defaultdict(list)
-    body: dict[str, list] = defaultdict(list)  # computation -> its instructions
+    users = defaultdict(list)
+    body: dict[str, list] = defaultdict(list)
     calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
     where: dict[str, str] = {}
-    branches: set[str] = set()  # computations that are branches of a conditional
+    branches: set[str] = set()
     computation = entry = ""
     for line in hlo_text.splitlines():
         if h := _HEADER.match(line):
@@ -149,11 +161,36 @@ def parse(hlo_text: str) -> list[Collective]:
         body[computation].append(m)
         for operand in re.findall(r"%([\w.\-]+)", m["operands"]):
             users[operand].append(m)
-        if m["op"].removesuffix("-start") in KINDS:
-            instrs.append(m)
+    return _Module(n_partitions, shapes, body, users, where, _executions(entry, calls),
+                   _reachable(branches, calls))
 
-    runs = _executions(entry, calls)
-    in_branch = _reachable(branches, calls)
+
+def dot_flops(hlo_text: str) -> float:
+    """The matmul FLOPs one run of a compiled module executes on one device: every ``dot``
+    (fused ones too), 2 x its output's elements x its contracted size, times the runs of the
+    computation it is in -- a loop body once per iteration (``known_trip_count``), which XLA's
+    own cost analysis counts once. Counts what XLA:CPU compiles; a GPU's library calls
+    (cuBLAS, cuDNN custom calls) are not ``dot``s and are not counted."""
+    mod = _read(hlo_text)
+    total = 0.0
+    for computation, instrs in mod.body.items():
+        for m in instrs:
+            if m["op"] != "dot":
+                continue
+            lhs = re.findall(r"%([\w.\-]+)", m["operands"])[0]
+            lhs_shape = mod.shapes[lhs][0][1]
+            contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", m["attrs"])
+            k = math.prod(lhs_shape[int(d)] for d in contracted[1].split(",") if d) if contracted else 1
+            total += 2 * math.prod(mod.shapes[m["name"]][0][1]) * k * mod.runs.get(computation, 0)
+    return total
+
+
+def parse(hlo_text: str) -> list[Collective]:
+    """Every collective in the per-device HLO, combined ones split into their elements."""
+    mod = _read(hlo_text)
+    n_partitions, shapes, users, body, where = mod.n_partitions, mod.shapes, mod.users, mod.body, mod.where
+    instrs = [m for ms in body.values() for m in ms if m["op"].removesuffix("-start") in KINDS]
+    runs, in_branch = mod.runs, mod.in_branch
     found = []
     for m in instrs:
         op = m["op"].removesuffix("-start")

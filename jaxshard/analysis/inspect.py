@@ -174,12 +174,13 @@ class Verification:
     memory: list[tuple[str, int, int | None]]  # (what, predicted, measured)
     collectives: list[tuple[str, tuple[str, ...], int, int]]  # (kind, axes, predicted, compiled)
     by_kind: list[tuple[str, int, int]]  # (kind, predicted, compiled)
-    flops: tuple[float, float | None]  # (predicted per device, XLA cost analysis)
     params: list[accounting.ParamInfo]
     sizes: dict[str, int]
     allowances: list[str]
     flags: list[str] = field(default_factory=list)
-    unrolled: bool = False
+    # The compiled step's matmul FLOPs against the useful ones (accounting.Flops.waste); None
+    # where they are not counted (a pipeline's tick branches, a GPU's library calls).
+    waste: dict[str, float] | None = None
     # A pipelined step's collectives inside the schedule's slots: (kind, axes, bytes if every
     # tick ran them -- an upper bound; they run as often as a stage has work), not compared.
     in_slots: list[tuple[str, tuple[str, ...], int]] = field(default_factory=list)
@@ -209,8 +210,12 @@ def verify(model: Stageable, program: Program, compiled: jax.stages.Compiled, ba
                 in_slots[(c.kind, c.axes)] += c.bytes * c.executions
         found = [c for c in found if not c.conditional]
     xla = xla_memory(compiled)
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
+    flags: list[str] = []
+    counted = schedule is None and jax.default_backend() == "cpu"
+    waste = fl.waste(hlo.dot_flops(compiled.as_text())) if counted else None
+    if waste and waste["unexplained"] > 1 + TOLERANCE:
+        flags.append(f"matmul FLOPs: the compiled step runs {waste['compiled']:,.0f} per device, "
+                     f"{waste['unexplained']:.2f}x what the useful work, recompute and kernels explain")
 
     measured: dict[tuple[str, tuple[str, ...]], int] = defaultdict(int)
     for c in found:
@@ -218,7 +223,6 @@ def verify(model: Stageable, program: Program, compiled: jax.stages.Compiled, ba
     predicted = comm.by_kind_and_axes()
     total = sum(predicted.values()) + sum(measured.values())
     slack = max(4096, 0.01 * total)
-    flags = []
     for (kind, axes), b in sorted(measured.items()):
         near = [a for k, a in predicted if k == kind and (set(a) <= set(axes) or set(axes) <= set(a))]
         if not near and b > slack:
@@ -255,12 +259,25 @@ def verify(model: Stageable, program: Program, compiled: jax.stages.Compiled, ba
                 ("temp (XLA)", None, xla.get("temp"))],
         collectives=[(k, a, predicted.get((k, a), 0), measured.get((k, a), 0))
                      for k, a in sorted(set(predicted) | set(measured))],
-        by_kind=by_kind, flops=(fl.per_device, cost.get("flops") if cost else None),
+        by_kind=by_kind,
         params=accounting.param_infos(model if schedule is None else staged(model, schedule.layout), rules),
         sizes=rules.sizes,
-        allowances=comm.allowances, flags=flags, unrolled=model.unroll,
+        allowances=comm.allowances, flags=flags, waste=waste,
         pipelined=schedule is not None, in_slots=[(k, a, b) for (k, a), b in sorted(in_slots.items())],
         buckets=buckets)
+
+
+def format_waste(waste: dict[str, float] | None, why_not: str = "") -> list[str]:
+    """The matmul FLOPs per device: compiled, useful, and what explains the difference."""
+    if waste is None:
+        return [f"Matmul FLOPs per device: not counted ({why_not})"]
+    rows = [("compiled (every dot; loops by trip count)", waste["compiled"]),
+            ("useful (6N + causal attention)", waste["useful"]),
+            ("+ remat recompute", waste["recompute"]),
+            ("+ masked attention computed, empty expert slots", waste["masked_or_padding"]),
+            ("= expected", waste["expected"])]
+    return (["Matmul FLOPs per device per step"] + [f"  {what:<50} {x:>18,.0f}" for what, x in rows]
+            + [f"  waste: compiled / useful x{waste['ratio']:.3f}; compiled / expected x{waste['unexplained']:.3f}"])
 
 
 def bucket_check(program: Program, found: list[hlo.Collective]) -> tuple[list[int], list[int]] | None:
@@ -301,12 +318,9 @@ def format_verification(v: Verification) -> str:
     for kind, p, m in v.by_kind:
         ratio = f"{m / p:.3f}" if p else "-"
         lines.append(f"  {kind:<33} {p:>14,} {m:>15,}   x{ratio}")
-    pf, xf = v.flops
-    note = "" if v.unrolled else " (XLA counts a loop body once: run without --no-unroll to compare)"
-    if v.pipelined:
-        note = " (XLA counts the schedule's tick loop body once)"
     lines.append("")
-    lines.append(f"FLOPs per device per step: predicted {pf:,.0f}, XLA {xf or 0:,.0f}{note}")
+    lines += format_waste(v.waste, "the schedule's tick branches run as its tables say, which the HLO "
+                                   "does not record" if v.pipelined else "a GPU's matmuls are library calls")
     lines.append("")
     lines.append("Parameters: logical dims -> mesh axes at rest -> bytes per device (params / grads / Adam)")
     for p in v.params:
