@@ -16,6 +16,7 @@ from flax import nnx
 
 from jaxshard import rows
 from jaxshard.axes import RESIDUAL_BLD, Dim
+from jaxshard.parallel import attention
 from jaxshard.parallel.attention import causal_attention
 from jaxshard.parallel.tensor import column_parallel
 from jaxshard.parallel.vectors import scale, shift
@@ -308,8 +309,11 @@ class Embedder(nnx.Module):
             x_BLD = x_BLD + jnp.take(self.positions[...], positions_L, axis=0)
         elif hasattr(self, "positions"):
             # positions_L is 0..L-1: a slice, whose gradient is a dense pad (a scatter-add's
-            # would make XLA move the activation gradient around to scatter it).
-            x_BLD = shift(x_BLD, self.positions[...][: positions_L.shape[0]])
+            # would make XLA move the activation gradient around to scatter it); in a ring's
+            # balanced order, that slice's rows in the order of the tokens.
+            rows = self.positions[...][: positions_L.shape[0]]
+            order = attention.current_order(positions_L.shape[0])
+            x_BLD = shift(x_BLD, rows if order is None else rows[order])
         return constrain(x_BLD, RESIDUAL_BLD)
 
     def decode(self, x_BLD: jax.Array, table: jax.Array | None = None) -> jax.Array:

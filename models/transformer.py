@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxshard import remat as remat_lib
@@ -25,6 +26,7 @@ from jaxshard.axes import Dim
 from jaxshard.errors import ConfigError
 from jaxshard.pytree import cast_floats
 from jaxshard.model import MOE_METRICS, Loss, Params
+from jaxshard.parallel import attention
 from jaxshard.parallel.vocab import cross_entropy, table_copies
 from jaxshard.rules import constrain, for_compute
 from models.config import ModelConfig, Positions
@@ -237,19 +239,31 @@ class TransformerLM:
         # and its two gradients are summed before they are reduced.
         embedder = self._embedder(params)
         table = table_copies(embedder.tokens[...], embedder.tied)
-        x_BLD = dropout(embedder.encode(inputs_BL, jnp.arange(inputs_BL.shape[1]), table),
-                        self.cfg.dropout, k_embed)
-        stats = ()
-        if self.moe_layers:
-            x_BLD, stats = self.moe_stack(params, x_BLD, key=k_blocks)
-        else:
-            x_BLD = self.blocks(params, x_BLD, key=k_blocks)
+        order = self.balanced_order(inputs_BL.shape[1])
+        if order is not None:  # a ring's balanced layout: the loss is a sum over tokens, in any order
+            inputs_BL, targets_BL = inputs_BL[:, order], targets_BL[:, order]
+        with attention.balanced(order):
+            x_BLD = dropout(embedder.encode(inputs_BL, attention.positions(inputs_BL.shape[1]), table),
+                            self.cfg.dropout, k_embed)
+            stats = ()
+            if self.moe_layers:
+                x_BLD, stats = self.moe_stack(params, x_BLD, key=k_blocks)
+            else:
+                x_BLD = self.blocks(params, x_BLD, key=k_blocks)
         logits_BLV = embedder.decode(x_BLD, table)
         nll_BL = cross_entropy(logits_BLV, targets_BL, self.cfg.vocab_size)
         nll, tokens = nll_BL.sum(), jnp.asarray(nll_BL.size, jnp.float32)
         moe = {name: tokens * jnp.mean(s) for name, s in zip(MOE_METRICS, stats)}
         total = nll + self.aux_loss(moe["moe_load_balance"], moe["moe_z_loss"]) if moe else nll
         return Loss(total, tokens, nll, moe)
+
+    def balanced_order(self, L: int) -> np.ndarray | None:
+        """The token order of a load-balanced ring (:func:`attention.balanced_order`) under the
+        active rules, or None: no ring, a sequence that does not split into 2S halves, or
+        dropout and experts with a capacity, whose masks and drops follow the sequence's
+        order (so the ring keeps it, and masks its future chunks)."""
+        S = attention.ring_size()
+        return attention.balanced_order(L, S) if attention.balances(self.cfg, S, L) else None
 
     def aux_loss(self, load_balance: jax.Array, z_loss: jax.Array) -> jax.Array:
         """The auxiliary losses' part of the differentiated loss (of token-weighted sums)."""
@@ -265,5 +279,5 @@ class TransformerLM:
         if self.cfg.positions is not Positions.ROPE:
             return None
         if isinstance(positions, int):
-            positions = jnp.arange(positions)
+            positions = attention.positions(positions)
         return rope_tables(positions, self.cfg.d_head, self.cfg.rope_theta, self.cfg.rope_scaling)

@@ -29,6 +29,7 @@ from jaxshard.analysis.traffic import Communication, Transfer, communication  # 
 from jaxshard.analysis.traffic.pipeline import pipeline_communication, pipeline_transfers  # noqa: F401
 from jaxshard.axes import Dim
 from jaxshard.model import LanguageModel, Stageable
+from jaxshard.parallel import attention as attention_lib
 from jaxshard.parallel.staged import staged
 from jaxshard.remat import Kind, Remat
 from jaxshard.rules import ShardingRules, StateKind
@@ -397,7 +398,12 @@ def flops(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
         hw_layer_params += n_moe * (always + expert_slots(cfg, rules, L) * expert)
         moe_text = f", of which {n_moe} MoE layers count the router and {k} of {E} experts"
     head = D * cfg.padded_vocab
-    attention = 2 * 2 * L * N * H  # q k^T and p v, per token per layer, full square
+    square = 2 * 2 * L * N * H  # q k^T and p v, per token per layer, the full square
+    ring = rules.size(rules.activation_mesh_axes(Dim.LENGTH))
+    # As computed: the full square (the future masked), but a balanced ring's share of it.
+    attention = square
+    if attention_lib.balances(cfg, ring, L):
+        attention = int(square * attention_lib.balanced_work(ring, L))
     matmul = 2 * (layer_params + head)
     fwd = 2 * (hw_layer_params + head) + cfg.n_layers * attention
     tokens = batch_size * seq_len
@@ -412,7 +418,7 @@ def flops(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
             recompute = cfg.n_layers * attention
         case _:
             recompute = 2 * hw_layer_params + cfg.n_layers * attention
-    model_flops = tokens * (3 * matmul + 3 * cfg.n_layers * attention // 2)
+    model_flops = tokens * (3 * matmul + 3 * cfg.n_layers * square // 2)
     # (Pipeline stages split the layers: each device computes 1/P of them, the bubble aside.)
     devices = rules.size(rules.batch_axes) * rules.size(rules.activation_mesh_axes(Dim.LENGTH)) * \
         rules.size(rules.activation_mesh_axes(Dim.ACT_HEADS)) * rules.size(rules.param_mesh_axes(Dim.LAYERS))
@@ -428,7 +434,7 @@ def flops(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
     if model is not None:
         optimizer = ADAMW_FLOPS * sum(shard_elems(p.shape, p.opt_state, rules.sizes)
                                       for p in param_infos(model, rules))
-    return Flops(matmul_per_token=matmul, attention_per_token=cfg.n_layers * attention,
+    return Flops(matmul_per_token=matmul, attention_per_token=cfg.n_layers * square,
                  elementwise_per_token=elementwise, tokens=tokens,
                  per_device=(hardware + 3 * tokens * elementwise) / devices + optimizer,
                  model=model_flops, hardware=hardware, formula=formula, recompute=tokens * recompute,

@@ -4,9 +4,16 @@ With the sequence sharded over ``sequence`` (size S), each device holds one chun
 queries, keys and values. The ring runs S steps: each device attends its queries to the kv
 chunk it holds, folds the result into a running (max, sum, output) -- the online softmax of
 flash attention -- and passes the kv chunk to its neighbour with ``ppermute``, so transfers
-can overlap the next step's compute. Chunks wholly in a query chunk's future are masked, not
-skipped: every step costs the same on every device (simple, and balanced for the SPMD
-program; a zig-zag layout would avoid the waste).
+can overlap the next step's compute.
+
+Balanced (the model's tokens in :func:`balanced_order`, torchtitan's head-tail and MaxText's
+load-balanced layout): the sequence is cut into 2S halves of C/2 and device d holds halves d
+and 2S - 1 - d. Of the four half-pairs a step could compute, a query half never needs a later
+key half, so each step computes two (the own step three, two of them causal diagonals) and
+skips the rest: (2S + 1) / 4S of the full square per device, the same on every device, against
+the contiguous layout's full square with the future masked. Otherwise (a sequence that does
+not split into 2S halves, dropout, experts with a capacity: their masks and drops follow the
+sequence's order) the contiguous layout, whose future chunks are masked, not skipped.
 
 Memory per device: the forward holds one query chunk, two kv chunks (the one in use and the
 one arriving) and the running statistics, O(C) instead of O(L) for gathered keys/values.
@@ -24,6 +31,7 @@ from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxshard.axes import Dim
 from jaxshard.rules import active, spec_axes
@@ -36,6 +44,76 @@ _NEG = float(jnp.finfo(jnp.float32).min)
 _KERNEL = ["auto"]
 KERNELS = ("auto", "blockwise")
 BLOCK = 512  # keys per block of the blockwise kernel
+
+
+# The order of the tokens being traced when it is :func:`balanced_order` (None: the sequence's
+# own), set by the model around its forward pass with :func:`balanced`.
+_ORDER: list[np.ndarray | None] = [None]
+
+
+def ring_size() -> int:
+    """S, the devices the active rules split the sequence over (1 without a ring)."""
+    rules = active()
+    return rules.size(rules.activation_mesh_axes(Dim.LENGTH)) if rules is not None else 1
+
+
+def balances(cfg, S: int, L: int) -> bool:
+    """Whether a ring of S devices runs model ``cfg``'s sequence of ``L`` in the balanced
+    layout: it splits into 2S halves, and nothing follows the sequence's order (dropout
+    masks, the drops of experts with a capacity)."""
+    capacity = cfg.n_moe_layers and cfg.moe_capacity_factor > 0
+    return S > 1 and L % (2 * S) == 0 and not cfg.dropout and not capacity
+
+
+DIAGONAL_DEPTH = 2  # times a causal diagonal block is halved to skip its masked corner
+
+
+def diagonal_depth(n: int) -> int:
+    """How often a causal diagonal block of ``n`` queries is halved (at most
+    :data:`DIAGONAL_DEPTH`, while its halves are whole)."""
+    depth = 0
+    while depth < DIAGONAL_DEPTH and n % 2 ** (depth + 1) == 0:
+        depth += 1
+    return depth
+
+
+def balanced_work(S: int, L: int) -> float:
+    """The fraction of the full square of scores a device of a balanced ring computes: of the
+    4S half-pairs its chunk has, 2S - 1 whole ones and two causal diagonals, each of which
+    computes 1/2 + 2^-(r+1) of its block (halved r times, :func:`diagonal_depth`)."""
+    diagonal = 0.5 + 2.0 ** -(diagonal_depth(L // (2 * S)) + 1)
+    return (2 * S - 1 + 2 * diagonal) / (4 * S)
+
+
+def balanced_order(L: int, S: int) -> np.ndarray:
+    """The token order in which a contiguous split over S devices gives device d the halves d
+    and 2S - 1 - d of the sequence (L / 2S tokens each)."""
+    h = L // (2 * S)
+    return np.concatenate([np.r_[d * h:(d + 1) * h, (2 * S - 1 - d) * h:(2 * S - d) * h] for d in range(S)])
+
+
+@contextlib.contextmanager
+def balanced(order: np.ndarray | None) -> Iterator[None]:
+    """Trace the model with its tokens in ``order`` (:func:`balanced_order`; None: their own):
+    the ring skips the half-pairs the causal mask removes, and :func:`positions` gives each
+    token its place in the sequence."""
+    _ORDER.append(order)
+    try:
+        yield
+    finally:
+        _ORDER.pop()
+
+
+def current_order(L: int) -> np.ndarray | None:
+    """The order of the ``L`` tokens being traced, if it is not the sequence's own."""
+    order = _ORDER[-1]
+    return None if order is None or len(order) != L else order
+
+
+def positions(L: int) -> jax.Array:
+    """Where in the sequence each of the ``L`` tokens being traced stands."""
+    order = current_order(L)
+    return jnp.arange(L) if order is None else jnp.asarray(order)
 
 
 @contextlib.contextmanager
@@ -61,7 +139,8 @@ def causal_attention(q_BLKGH: jax.Array, k_BLKH: jax.Array, v_BLKH: jax.Array) -
     # Manual over the batch axes as well as the ring's; heads stay with the partitioner.
     spec = rules.activation_spec((Dim.BATCH, Dim.LENGTH), q_BLKGH.shape[:2])
     manual = spec_axes(spec)
-    return jax.shard_map(lambda q, k, v: _ring(q, k, v, axes, tuple(manual)), mesh=rules.context_mesh,
+    ring = _ring if _ORDER[-1] is None else _balanced_ring
+    return jax.shard_map(lambda q, k, v: ring(q, k, v, axes, tuple(manual)), mesh=rules.context_mesh,
                          in_specs=(spec, spec, spec), out_specs=spec,
                          axis_names=manual)(q_BLKGH, k_BLKH, v_BLKH)
 
@@ -255,3 +334,67 @@ def _ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual):
         m_BKGC = m_new
     o_BKGCH = o_BKGCH / l_BKGC[..., None]
     return o_BKGCH.transpose(0, 3, 1, 2, 4).astype(q_BCKGH.dtype)
+
+
+def _fold(state, q_BQKGH, k_BMKH, v_BMKH, causal: bool, depth: int = 0):
+    """Fold the attention of queries ``q`` to keys ``k`` (values ``v``) into the running
+    (max, sum, output) of the online softmax; ``causal``: q and k are the same positions, and
+    the block is halved ``depth`` times so that the corner the mask removes is skipped (the
+    earlier query half never meets the later key half)."""
+    if causal and depth:
+        n = q_BQKGH.shape[1] // 2
+        first, second = (jax.tree.map(lambda x: x[..., :n] if x.ndim == 4 else x[..., :n, :], state),
+                         jax.tree.map(lambda x: x[..., n:] if x.ndim == 4 else x[..., n:, :], state))
+        first = _fold(first, q_BQKGH[:, :n], k_BMKH[:, :n], v_BMKH[:, :n], True, depth - 1)
+        second = _fold(second, q_BQKGH[:, n:], k_BMKH[:, :n], v_BMKH[:, :n], False)
+        second = _fold(second, q_BQKGH[:, n:], k_BMKH[:, n:], v_BMKH[:, n:], True, depth - 1)
+        return tuple(jnp.concatenate([a, b], axis=3) for a, b in zip(first, second))
+    m_BKGQ, l_BKGQ, o_BKGQH = state
+    s_BKGQM = jnp.einsum("blkgh,bmkh->bkglm", q_BQKGH, k_BMKH,
+                         preferred_element_type=jnp.float32) / math.sqrt(q_BQKGH.shape[-1])
+    if causal:
+        n = q_BQKGH.shape[1]
+        s_BKGQM = jnp.where(jnp.arange(n)[:, None] >= jnp.arange(n), s_BKGQM, _NEG)
+    m_new = jnp.maximum(m_BKGQ, s_BKGQM.max(-1))
+    p = jnp.exp(s_BKGQM - m_new[..., None])
+    scale = jnp.exp(m_BKGQ - m_new)
+    pv = jnp.einsum("bkglm,bmkh->bkglh", p.astype(v_BMKH.dtype), v_BMKH, preferred_element_type=jnp.float32)
+    return m_new, l_BKGQ * scale + p.sum(-1), o_BKGQH * scale[..., None] + pv
+
+
+def _balanced_ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual):
+    """The ring over chunks that each hold the halves d and 2S - 1 - d (module docstring):
+    the own step computes its two causal diagonals and the later half against the earlier;
+    step i computes the later query half against the arriving earlier key half, and either the
+    earlier query half against it (the sender is earlier, src < d) or the later query half
+    against the sender's later key half (src > d). Which one is chosen by value (``where``),
+    so every device runs the same program, two half-pairs a step."""
+    S = math.prod(jax.lax.axis_size(a) for a in axes)
+    B, C, K, G, H = q_BCKGH.shape
+    h = C // 2
+    me = jax.lax.axis_index(axes)
+    to_next = [(i, (i + 1) % S) for i in range(S)]
+    q_lo, q_hi = q_BCKGH[:, :h], q_BCKGH[:, h:]
+
+    def fresh():
+        return jax.tree.map(lambda x: jax.lax.pcast(x, manual, to="varying"),
+                            (jnp.full((B, K, G, h), _NEG, jnp.float32), jnp.zeros((B, K, G, h), jnp.float32),
+                             jnp.zeros((B, K, G, h, H), jnp.float32)))
+
+    lo, hi = fresh(), fresh()
+    k, v = k_BCKH, v_BCKH
+    depth = diagonal_depth(h)
+    lo = _fold(lo, q_lo, k[:, :h], v[:, :h], causal=True, depth=depth)
+    hi = _fold(hi, q_hi, k[:, :h], v[:, :h], causal=False)
+    hi = _fold(hi, q_hi, k[:, h:], v[:, h:], causal=True, depth=depth)
+    for i in range(1, S):
+        k, v = jax.lax.ppermute((k, v), axes, to_next)
+        earlier = (me - i) % S < me  # the sender's halves: src and 2S - 1 - src
+        hi = _fold(hi, q_hi, k[:, :h], v[:, :h], causal=False)
+        pick = functools.partial(jnp.where, earlier)
+        state = jax.tree.map(pick, lo, hi)
+        state = _fold(state, pick(q_lo, q_hi), pick(k[:, :h], k[:, h:]), pick(v[:, :h], v[:, h:]), causal=False)
+        lo = jax.tree.map(pick, state, lo)
+        hi = jax.tree.map(pick, hi, state)
+    out = [o / l[..., None] for _, l, o in (lo, hi)]
+    return jnp.concatenate(out, axis=3).transpose(0, 3, 1, 2, 4).astype(q_BCKGH.dtype)

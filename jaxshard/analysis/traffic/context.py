@@ -4,13 +4,16 @@
 With the sequence split into S chunks, each attention passes its key and value chunks S - 1
 hops around the ring, and the backward pass sends their gradients back the same way. Any
 remat policy recomputes the ring (selective's attention core is the ring). Where ``tensor``
-splits the kv heads, each device passes only its heads.
+splits the kv heads, each device passes only its heads. In the balanced layout
+(``attention.balances``) the token ids and targets are gathered once per microbatch to put
+them in that order.
 """
 
 from __future__ import annotations
 
 from jaxshard.analysis.traffic.ledger import Ledger
 from jaxshard.axes import Dim
+from jaxshard.parallel import attention
 
 
 def ring(ledger: Ledger) -> None:
@@ -25,3 +28,6 @@ def ring(ledger: Ledger) -> None:
     ledger.add("collective-permute", seq, kv_local // kv_t,
                ledger.grad_accum * cfg.n_layers * 2 * (S - 1) * (ring_fwd + 1),
                "CP: pass key and value chunks around the ring (forward and backward)")
+    if attention.balances(cfg, S, ledger.seq_len):
+        ledger.add("all-gather", seq, ledger.rows * ledger.seq_len * 4, 2 * ledger.grad_accum,
+                   "CP, balanced: gather the token ids and targets to put them in the balanced order")
