@@ -23,6 +23,7 @@ from jaxshard.data import tokenizer as tokenizer_lib
 from jaxshard.errors import ConfigError, DataError, TrainingError
 from jaxshard.mesh import axis_sizes, build_mesh
 from jaxshard.model import LanguageModel, Stageable
+from jaxshard.parallel import attention
 from jaxshard.rules import ShardingRules
 from jaxshard.run import RunConfig
 from jaxshard.training import local_sgd
@@ -461,8 +462,10 @@ def _report(cfg: RunConfig, model: Stageable, rules, compiled, held, records, va
     # (Under a pipeline, what the schedule's slots run -- FSDP's gathers, TP's reductions -- is
     # not predicted.)
     predicted_memory, comm = accounting.predict(model, rules, B, L, schedule, **kwargs)
-    if jax.default_backend() == "gpu" and not rules.activation_mesh_axes(Dim.LENGTH):
-        # Attention by cuDNN's flash kernel (attention.fused): no probabilities kept.
+    kernel = attention.gpu_kernel(cfg.step.compute_dtype, model.cfg.d_head, L, attention.gpu_capability()) \
+        if jax.default_backend() == "gpu" else "xla"
+    if kernel != "xla" and not rules.activation_mesh_axes(Dim.LENGTH):
+        # Attention by cuDNN's or the blockwise flash kernel (attention.gpu_kernel): no probabilities kept.
         flash = dict({k: v for k, v in kwargs.items() if k != "reducer"}, flash=True)
         predicted_memory = (accounting.pipeline_memory(model, rules, schedule, B, L, **flash) if schedule
                             else accounting.memory(model, rules, B, L, **flash))

@@ -93,8 +93,9 @@ def enable_compile_cache(path: str | os.PathLike) -> None:
 # overlaps collectives with compute, and the pipelining of the layer scan's collectives (the
 # next layer's FSDP all-gather and the previous layer's gradient reduce-scatter run while a
 # layer computes) with the scan double-buffered for it -- MaxText's and JAX-Toolbox's settings
-# for FSDP on GPUs. Compiled on one H100 (docs/gpus.md); their overlap needs several GPUs and is
-# not measured yet. On CPU none of these apply.
+# for FSDP on GPUs. Compiled on one H100 (docs/gpus.md), where jaxlib 0.11 lacks the three
+# pipelining options (:func:`xla_options` leaves them out); their overlap needs several GPUs and
+# is not measured yet. On CPU none of these apply.
 XLA_OPTIONS: dict[str, dict[str, bool | int]] = {
     "gpu": {
         "xla_gpu_enable_latency_hiding_scheduler": True,

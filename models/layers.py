@@ -7,6 +7,7 @@ F d_mlp, V vocab.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -199,7 +200,8 @@ class Attention(nnx.Module):
         K = k_BLKH.shape[2]
         q_BLKGH = q_BLNH.reshape(B, L, K, N // K, H)
         if cache is None:
-            o_BLKGH = attention_core(causal_attention)(q_BLKGH, k_BLKH, v_BLKH)
+            core = functools.partial(causal_attention, **attention.traced_choices())
+            o_BLKGH = attention_core(core)(q_BLKGH, k_BLKH, v_BLKH)
         else:
             cache = cache.write(k_BLKH, v_BLKH)
             o_BLKGH = cache.attend(q_BLKGH)

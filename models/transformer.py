@@ -260,8 +260,8 @@ class TransformerLM:
     def balanced_order(self, L: int) -> np.ndarray | None:
         """The token order of a load-balanced ring (:func:`attention.balanced_order`) under the
         active rules, or None: no ring, a sequence that does not split into 2S halves, or
-        dropout and experts with a capacity, whose masks and drops follow the sequence's
-        order (so the ring keeps it, and masks its future chunks)."""
+        dropout, whose masks follow the sequence's order (so the ring keeps it, and masks its
+        future chunks)."""
         S = attention.ring_size()
         return attention.balanced_order(L, S) if attention.balances(self.cfg, S, L) else None
 

@@ -194,6 +194,8 @@ def test_gpu_attention_is_cudnn_or_blockwise_never_the_materialised_softmax_wher
     assert attention.gpu_kernel(jnp.float32, 64, 8192) == "blockwise"
     assert attention.gpu_kernel(jnp.bfloat16, 160, 2048) == "blockwise"
     assert attention.gpu_kernel(jnp.float32, 64, 1000) == "xla"  # no block divides it
+    assert attention.gpu_kernel(jnp.float16, 64, 8192, capability=7.0) == "blockwise"  # cuDNN's needs Ampere
+    assert attention.gpu_kernel(jnp.bfloat16, 64, 8192, capability=9.0) == "cudnn"
 
 
 def test_backend_xla_options_exist_in_this_jaxlib(monkeypatch):

@@ -121,6 +121,14 @@ def test_sequence_parallel_turns_block_all_reduces_into_reduce_scatter_all_gathe
         assert sum(c.executions for c in sp if c.kind == kind) >= 2 * 2 * model.cfg.n_layers
 
 
+@pytest.mark.parametrize("model_name", ["tiny", "tiny-llama"])
+def test_balanced_ring_under_selective_recompute_matches_one_device(model_name):
+    """--remat selective recomputes the ring in a backward pass traced after the model's
+    forward has returned: it must run the balanced ring the forward ran (the contiguous one,
+    read from the context then, gave wrong gradients)."""
+    assert_matches_reference(model_name, "sequence=4", remat="selective")
+
+
 def test_context_parallel_passes_kv_chunks_around_a_ring():
     model = TransformerLM(get_preset("tiny-llama"))
     found = compiled_collectives(model, "sequence=4")

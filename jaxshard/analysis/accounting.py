@@ -357,7 +357,7 @@ class Flops:
     tokens: int
     per_device: float  # forward + backward (+ recompute) + optimizer, what one device runs
     model: float  # 6 N_matmul + causal attention, whole step, all devices
-    hardware: float  # what runs: full attention squares and remat recompute, all devices
+    hardware: float  # what runs: attention as computed (the full square but for a balanced ring's share) and remat recompute, all devices
     formula: str
     recompute: float = 0.0  # of ``hardware``: the matmuls the remat policy runs again
     devices: int = 1  # the devices the work splits over (a pipeline's stages included)
@@ -424,12 +424,12 @@ def flops(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
         rules.size(rules.activation_mesh_axes(Dim.ACT_HEADS)) * rules.size(rules.param_mesh_axes(Dim.LAYERS))
     formula = (f"forward per token = 2 x ({layer_params:,} matmul params in {cfg.n_layers} layers"
                f"{moe_text} + {head:,} vocabulary projection) + {cfg.n_layers} x 4 x L x heads x d_head "
-               f"(attention, L = {L}); step = 3 x forward (backward = 2 x){' + recompute' if recompute else ''}; "
+               f"(attention, L = {L}{'; a balanced ring computes ' + format(attention / square, '.0%') + ' of it' if attention != square else ''}); step = 3 x forward (backward = 2 x){' + recompute' if recompute else ''}; "
                f"MFU counts causal attention at half")
     hardware = int(tokens * (3 * fwd + recompute))
     # Elementwise work (XLA counts it as FLOPs too): ~20 per residual element (two norms, adds),
     # ~5 per attention score (mask, max, subtract, sum, scale), ~10 per MLP hidden element.
-    elementwise = cfg.n_layers * (20 * D + 5 * N * L + 10 * F) + 10 * cfg.padded_vocab
+    elementwise = cfg.n_layers * (20 * D + 5 * N * L * attention // square + 10 * F) + 10 * cfg.padded_vocab
     optimizer = 0
     if model is not None:
         optimizer = ADAMW_FLOPS * sum(shard_elems(p.shape, p.opt_state, rules.sizes)

@@ -9,11 +9,12 @@ can overlap the next step's compute.
 Balanced (the model's tokens in :func:`balanced_order`, torchtitan's head-tail and MaxText's
 load-balanced layout): the sequence is cut into 2S halves of C/2 and device d holds halves d
 and 2S - 1 - d. Of the four half-pairs a step could compute, a query half never needs a later
-key half, so each step computes two (the own step three, two of them causal diagonals) and
-skips the rest: (2S + 1) / 4S of the full square per device, the same on every device, against
-the contiguous layout's full square with the future masked. Otherwise (a sequence that does
-not split into 2S halves, dropout, experts with a capacity: their masks and drops follow the
-sequence's order) the contiguous layout, whose future chunks are masked, not skipped.
+key half, so each step computes two (the own step three, two of them causal diagonals, each
+halved twice more to skip its masked corner) and skips the rest: (2S + 0.25) / 4S of the full
+square per device, the same on every device, against the contiguous layout's full square with
+the future masked. Otherwise (a sequence that does not split into 2S halves, or dropout, whose
+masks follow the sequence's order) the contiguous layout, whose future chunks are masked, not
+skipped.
 
 Memory per device: the forward holds one query chunk, two kv chunks (the one in use and the
 one arriving) and the running statistics, O(C) instead of O(L) for gathered keys/values.
@@ -59,10 +60,9 @@ def ring_size() -> int:
 
 def balances(cfg, S: int, L: int) -> bool:
     """Whether a ring of S devices runs model ``cfg``'s sequence of ``L`` in the balanced
-    layout: it splits into 2S halves, and nothing follows the sequence's order (dropout
-    masks, the drops of experts with a capacity)."""
-    capacity = cfg.n_moe_layers and cfg.moe_capacity_factor > 0
-    return S > 1 and L % (2 * S) == 0 and not cfg.dropout and not capacity
+    layout: it splits into 2S halves, and no dropout mask follows the sequence's order. (MoE
+    models, whose capacity drops would, are refused under a ring: ``training.step``.)"""
+    return S > 1 and L % (2 * S) == 0 and not cfg.dropout
 
 
 DIAGONAL_DEPTH = 2  # times a causal diagonal block is halved to skip its masked corner
@@ -130,16 +130,28 @@ def kernel(name: str) -> Iterator[None]:
         _KERNEL.pop()
 
 
-def causal_attention(q_BLKGH: jax.Array, k_BLKH: jax.Array, v_BLKH: jax.Array) -> jax.Array:
-    """Softmax(q k^T / sqrt(H), causal) v for grouped queries; returns ``[B, L, K, G, H]``."""
+def traced_choices() -> dict[str, object]:
+    """The choices :func:`causal_attention` reads from the context it is traced in (the
+    kernel, whether the tokens are in the balanced order), as arguments to bind it with: a
+    recompute traced later, in a backward pass outside that context (``--remat selective``'s
+    custom VJP), must make the same ones."""
+    return {"kernel": _KERNEL[-1], "balanced": _ORDER[-1] is not None}
+
+
+def causal_attention(q_BLKGH: jax.Array, k_BLKH: jax.Array, v_BLKH: jax.Array, *, kernel: str | None = None,
+                     balanced: bool | None = None) -> jax.Array:
+    """Softmax(q k^T / sqrt(H), causal) v for grouped queries; returns ``[B, L, K, G, H]``.
+    ``kernel`` and ``balanced``: as :func:`traced_choices` (default: the context's)."""
+    kernel = _KERNEL[-1] if kernel is None else kernel
+    balanced = _ORDER[-1] is not None if balanced is None else balanced
     rules = active()
     axes = rules.activation_mesh_axes(Dim.LENGTH) if rules is not None else ()
     if not axes:
-        return _dense(q_BLKGH, k_BLKH, v_BLKH)
+        return _dense(q_BLKGH, k_BLKH, v_BLKH, kernel)
     # Manual over the batch axes as well as the ring's; heads stay with the partitioner.
     spec = rules.activation_spec((Dim.BATCH, Dim.LENGTH), q_BLKGH.shape[:2])
     manual = spec_axes(spec)
-    ring = _ring if _ORDER[-1] is None else _balanced_ring
+    ring = _balanced_ring if balanced else _ring
     return jax.shard_map(lambda q, k, v: ring(q, k, v, axes, tuple(manual)), mesh=rules.context_mesh,
                          in_specs=(spec, spec, spec), out_specs=spec,
                          axis_names=manual)(q_BLKGH, k_BLKH, v_BLKH)
@@ -151,11 +163,11 @@ def _scores(q_BLKGH, k_BMKH, q_pos, k_pos):
     return jnp.where(q_pos[:, None] >= k_pos[None, :], s, _NEG)
 
 
-def _dense(q_BLKGH, k_BLKH, v_BLKH):
-    if _KERNEL[-1] == "blockwise":
+def _dense(q_BLKGH, k_BLKH, v_BLKH, kernel: str = "auto"):
+    if kernel == "blockwise":
         return blockwise(q_BLKGH, k_BLKH, v_BLKH)
     if jax.default_backend() == "gpu":
-        chosen = gpu_kernel(q_BLKGH.dtype, q_BLKGH.shape[-1], q_BLKGH.shape[1])
+        chosen = gpu_kernel(q_BLKGH.dtype, q_BLKGH.shape[-1], q_BLKGH.shape[1], gpu_capability())
         if chosen == "blockwise":
             return blockwise(q_BLKGH, k_BLKH, v_BLKH)
         return fused(q_BLKGH, k_BLKH, v_BLKH, chosen)
@@ -278,14 +290,24 @@ def _flash_bwd(T, res, do_BLKGH):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def gpu_kernel(dtype, head_dim: int, seq_len: int) -> str:
+def gpu_capability() -> float | None:
+    """The first device's CUDA compute capability (9.0 for an H100), if it reports one."""
+    cap = getattr(jax.devices()[0], "compute_capability", None)
+    try:
+        return float(cap)
+    except (TypeError, ValueError):
+        return None
+
+
+def gpu_kernel(dtype, head_dim: int, seq_len: int, capability: float | None = None) -> str:
     """The dense path's kernel on GPUs: "cudnn" (its flash attention) for 2-byte floats with a
-    head width cuDNN takes (a multiple of 8, at most 128); else "blockwise" where the sequence
-    splits into its blocks; else "xla", the materialised softmax. That last is what
+    head width cuDNN takes (a multiple of 8, at most 128) on Ampere or later (capability 8.0;
+    None: unknown, taken as new enough); else "blockwise" where the sequence splits into its
+    blocks; else "xla", the materialised softmax. That last is what
     ``jax.nn.dot_product_attention`` picks when not told otherwise, and its ``L x L``
     probabilities, kept per layer, ran a 1B Llama at sequence 8192 out of an 80 GB H100."""
     two_bytes = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    if two_bytes and head_dim % 8 == 0 and head_dim <= 128:
+    if two_bytes and head_dim % 8 == 0 and head_dim <= 128 and (capability is None or capability >= 8.0):
         return "cudnn"
     return "blockwise" if seq_len % min(BLOCK, seq_len) == 0 else "xla"
 
