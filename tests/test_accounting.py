@@ -109,7 +109,7 @@ WASTE = {
     "zero3+selective": ("llama-tiny", "data=8", "selective", dict(zero=3), 64),
     "hsdp": ("llama-tiny", "data=2,fsdp=4", "dots", {}, 64),
     "tp+sp": ("llama-tiny", "data=2,tensor=4", "none", dict(sequence_parallel=True), 64),
-    # Attention-heavy (width 64 at sequence 512): the ring computes every chunk pair whole.
+    # Attention-heavy (width 64 at sequence 512): the balanced ring's share of the square.
     "cp": ("llama-tiny:narrow", "data=2,sequence=4", "none", {}, 512),
     "ep": ("moe-tiny", "data=2,expert=4", "none", {}, 64),
     "ep-dropless": ("moe-tiny:dropless", "expert=8", "none", {}, 64),
@@ -140,13 +140,13 @@ def test_a_balanced_ring_computes_half_the_attention_of_a_contiguous_one(mesh):
     """Causal context parallelism in the balanced layout skips the half-pairs the mask removes:
     the compiled step's attention matmuls per device within 10% of half the contiguous ring's
     (which computes every chunk pair whole; dropout keeps that layout, and adds no matmuls).
-    Attention is most of this narrow model's matmuls at sequence 1024."""
+    Attention is most of this narrow model's matmuls at sequence 512."""
     cfg = get_preset("llama-tiny").replace(d_model=64, n_heads=4, n_kv_heads=4, d_mlp=128)
-    balanced = _matmul_waste(TransformerLM(cfg), mesh, 8, 1024)
-    contiguous = _matmul_waste(TransformerLM(cfg.replace(dropout=0.1)), mesh, 8, 1024)
+    balanced = _matmul_waste(TransformerLM(cfg), mesh, 8, 512)
+    contiguous = _matmul_waste(TransformerLM(cfg.replace(dropout=0.1)), mesh, 8, 512)
     S = math.prod(int(a.split("=")[1]) for a in mesh.split(",") if a.startswith("sequence"))
     devices = math.prod(int(a.split("=")[1]) for a in mesh.split(","))
-    attention = 3 * cfg.n_layers * 4 * 1024 * cfg.n_heads * cfg.d_head * 8 * 1024 / devices  # full square, fwd + bwd
+    attention = 3 * cfg.n_layers * 4 * 512 * cfg.n_heads * cfg.d_head * 8 * 512 / devices  # full square, fwd + bwd
     assert contiguous["compiled"] == pytest.approx(contiguous["expected"], rel=0.02)
     saved = contiguous["compiled"] - balanced["compiled"]
     assert (attention - saved) / attention == pytest.approx(0.5, rel=0.10), (S, saved / attention)

@@ -169,8 +169,10 @@ def dot_flops(hlo_text: str) -> float:
     """The matmul FLOPs one run of a compiled module executes on one device: every ``dot``
     (fused ones too), 2 x its output's elements x its contracted size, times the runs of the
     computation it is in -- a loop body once per iteration (``known_trip_count``), which XLA's
-    own cost analysis counts once. Counts what XLA:CPU compiles; a GPU's library calls
-    (cuBLAS, cuDNN custom calls) are not ``dot``s and are not counted."""
+    own cost analysis counts once. Every branch of a conditional counts once per run of it
+    (an upper bound where branches differ: a pipeline's ticks, which the callers leave out).
+    Counts what XLA:CPU compiles; a GPU's library calls (cuBLAS, cuDNN custom calls) are not
+    ``dot``s and are not counted."""
     mod = _read(hlo_text)
     total = 0.0
     for computation, instrs in mod.body.items():
