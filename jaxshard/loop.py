@@ -199,7 +199,8 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
     # and a GPU's library calls are not counted).
     waste = None
     if schedule is None and jax.default_backend() == "cpu" and cfg.sync_every is None:
-        waste = flops.waste(hlo.dot_flops(compiled.as_text()))
+        waste = accounting.matmul_waste(flops, compiled.as_text(), model.cfg, rules, B, L,
+                                        grad_accum=cfg.step.grad_accum)
         _log(f"matmul FLOPs per device: compiled {waste['compiled']:.3e} = x{waste['ratio']:.2f} the useful "
              f"{waste['useful']:.3e} (recompute {waste['recompute']:.2e}, masked attention and empty expert "
              f"slots {waste['masked_or_padding']:.2e}: x{waste['unexplained']:.2f} what they explain)")

@@ -20,8 +20,10 @@ from jaxshard.options import flag, option, section
 
 Params = dict[str, Any]
 
-# The routing statistics of a model with MoE layers, in the order a layer reports them.
-MOE_METRICS = ("moe_load_balance", "moe_z_loss", "moe_dropped")
+# The routing statistics of a model with MoE layers, in the order a layer reports them; the
+# last is the expert rows the step computed per routed choice (1 is exact; a capacity's empty
+# slots and a grouped matmul's tile padding are above it), read from the program.
+MOE_METRICS = ("moe_load_balance", "moe_z_loss", "moe_dropped", "moe_computed")
 
 
 class Loss(NamedTuple):

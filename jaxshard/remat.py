@@ -35,6 +35,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxshard.errors import ConfigError
 from jaxshard.parallel.experts import EXCHANGED
+from jaxshard.parallel.grouped import GROUPED
 from jaxshard.rules import GATHERED, active
 
 # The activations the model tags (checkpoint_name), for ``names:`` and ``offload:`` policies.
@@ -208,14 +209,17 @@ def _base_policy(remat: Remat):
     raise ValueError(f"unknown remat policy {remat!r}")
 
 
-def _keeping_exchanges(base):
-    """``base``, and keep the MoE all-to-alls' results (``parallel.experts.EXCHANGED``):
-    recomputing them would send them again."""
+def _keeping_exchanges(base, remat: Remat):
+    """``base``, and keep the MoE exchanges' results (``parallel.experts.EXCHANGED``):
+    recomputing them would send them again. The ``dots`` policies keep the grouped matmuls'
+    outputs too (``parallel.grouped.GROUPED``: matmuls, but in a loop of the op's own, which
+    ``checkpoint_dots`` does not see)."""
     if base is jax.checkpoint_policies.everything_saveable:
         return base
+    kept = (EXCHANGED, GROUPED) if remat.kind in (Kind.DOTS, Kind.DOTS_NO_BATCH) else (EXCHANGED,)
 
     def policy(prim, *avals, **params):
-        return (prim.name == "name" and params.get("name") == EXCHANGED) or base(prim, *avals, **params)
+        return (prim.name == "name" and params.get("name") in kept) or base(prim, *avals, **params)
 
     return policy
 
@@ -224,7 +228,7 @@ def _policy(remat: Remat, gathers: bool, keep_gathered: bool):
     """The ``jax.checkpoint`` policy, or None for no checkpoint at all."""
     base = _base_policy(remat)
     if remat.kind is not Kind.FULL:
-        base = _keeping_exchanges(base)
+        base = _keeping_exchanges(base, remat)
     if not gathers:
         return None if base is jax.checkpoint_policies.everything_saveable else base
     if keep_gathered and base is jax.checkpoint_policies.everything_saveable:

@@ -9,9 +9,10 @@
   first choice before any second choice, earlier tokens first. A choice past capacity is
   dropped: the token's residual passes through for it. ``dropped`` is the fraction of the k S
   choices dropped.
-* **Dropless** (c = 0): every choice is computed. The (token, choice) pairs are sorted by
-  expert and each expert's rows multiplied by its weights with ``jax.lax.ragged_dot``, the
-  grouped matmul (it runs on CPU too).
+* **Dropless** (c = 0): every choice is computed, and only those. The (token, choice) pairs
+  are sorted by expert and each expert's rows multiplied by its weights with a grouped matmul
+  (``jaxshard.parallel.grouped``); with the experts split over devices, by Megatron's
+  all-gather dispatcher (``jaxshard.parallel.experts.run_dropless``).
 * **Auxiliary losses** (Switch / GShard form): load balancing E sum_e f_e P_e, f_e the fraction
   of the k S choices routed to e (before dropping) and P_e the mean router probability of e, 1
   at perfect balance; router z-loss mean(logsumexp(logits)^2). Both are means over all the
@@ -20,6 +21,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -29,7 +31,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxshard.axes import Dim
-from jaxshard.parallel.experts import batch_mean, expert_axes, run_experts
+from jaxshard.parallel import grouped
+from jaxshard.parallel.experts import batch_mean, run_dropless, run_experts
 from jaxshard.rules import constrain
 from jaxshard.remat import elementwise
 from models.config import Mlp
@@ -47,11 +50,13 @@ class Routing:
     load_balance: jax.Array  # scalar: E sum_e f_e P_e
     z_loss: jax.Array  # scalar: mean logsumexp(logits)^2
     dropped: jax.Array  # scalar: fraction of choices dropped
+    computed: jax.Array | None = None  # scalar: expert rows computed per choice (set by the layer)
 
     @property
-    def stats(self) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """(load balance, z-loss, dropped fraction): what the layer scan carries out."""
-        return self.load_balance, self.z_loss, self.dropped
+    def stats(self) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """(load balance, z-loss, dropped fraction, expert rows computed per choice): what the
+        layer scan carries out."""
+        return self.load_balance, self.z_loss, self.dropped, self.computed
 
 
 def _top_k(p: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -115,18 +120,6 @@ def combine_capacity(y_GECD: jax.Array, slot: jax.Array, r: Routing) -> jax.Arra
     return jax.vmap(one)(y_GECD, slot, r.gates)
 
 
-def dropless_order(r: Routing, n_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(each choice's token index in expert-sorted order, the inverse permutation, the rows
-    per expert) over all ``G S k`` choices flattened."""
-    experts = r.experts.reshape(-1)
-    order = jnp.argsort(experts, stable=True)
-    k = r.experts.shape[-1]
-    token = order // k
-    inverse = jnp.argsort(order)
-    sizes = jnp.bincount(experts, length=n_experts).astype(jnp.int32)
-    return token, inverse, sizes
-
-
 class MoEFeedForward(nnx.Module):
     """E expert MLPs of the family's kind (GELU with biases, or SwiGLU), hidden size
     ``moe_d_mlp`` (default ``d_mlp``), a float32 router, and optionally shared experts that
@@ -181,34 +174,38 @@ class MoEFeedForward(nnx.Module):
 
         return fn
 
+    def _ragged(self, names: tuple[str, ...]):
+        """The experts on rows sorted by expert (``parallel.experts.run_dropless``): three
+        grouped matmuls (two with GELU), the up bias per row, the down bias times ``lead``."""
+
+        def fn(rows_RD, sizes, group_R, *weights, tile, lead):
+            w = dict(zip(names, weights))
+            up, computed = grouped.matmul(rows_RD, w["w_in"], sizes, tile=tile)
+            h = self._hidden(up, lambda: grouped.matmul(rows_RD, w["w_gate"], sizes, tile=tile)[0],
+                             w["b_in"][group_R] if "b_in" in w else None)
+            y, _ = grouped.matmul(h, w["w_out"], sizes, tile=tile)
+            return (y + lead * w["b_out"][group_R] if "b_out" in w else y), computed
+
+        return fn
+
     def __call__(self, x_BLD: jax.Array) -> tuple[jax.Array, Routing]:
         B, L, D = x_BLD.shape
         logits = jnp.einsum("bld,de->ble", x_BLD.astype(jnp.float32), self.router[...].astype(jnp.float32))
         cap = self.cfg.moe_capacity(L)
         r = route(logits, self.k, cap)
         weights = self._weights()
-        if cap or expert_axes():
-            # Dropless with the experts split over devices: a capacity of S, the most an expert
-            # can get of a sequence, so nothing drops (the all-to-all needs fixed sizes).
-            cap = cap or L
+        if cap:
             buf_BECD, slot = dispatch_capacity(x_BLD, r, self.n_experts, cap)
             buf_BECD = constrain(buf_BECD, (Dim.BATCH, None, None, None))
             y_BECD = run_experts(self._experts(tuple(weights)), buf_BECD, list(weights.values()),
                                  [self.weight_axes[n] for n in weights])
             y_BECD = constrain(y_BECD, (Dim.BATCH, None, None, None))
             y_BLD = combine_capacity(y_BECD, slot, r)
+            computed = jnp.float32(self.n_experts * cap / (self.k * L))
         else:
-            token, inverse, sizes = dropless_order(r, self.n_experts)
-            rows_TD = x_BLD.reshape(B * L, D)[token]
-            expert_T = jnp.sort(r.experts.reshape(-1))
-            h = self._hidden(jax.lax.ragged_dot(rows_TD, weights["w_in"], sizes),
-                             lambda: jax.lax.ragged_dot(rows_TD, weights["w_gate"], sizes),
-                             weights["b_in"][expert_T] if self.use_bias else None)
-            y_TD = jax.lax.ragged_dot(h, weights["w_out"], sizes)
-            if self.use_bias:
-                y_TD = y_TD + weights["b_out"][expert_T]
-            y_BLKD = y_TD[inverse].reshape(B, L, self.k, D)
-            y_BLD = jnp.einsum("blkd,blk->bld", y_BLKD, r.gates.astype(y_TD.dtype))
+            y_BLD, computed = run_dropless(self._ragged(tuple(weights)), x_BLD, r.experts, r.gates, self.n_experts,
+                                           list(weights.values()), [self.weight_axes[n] for n in weights])
+        r = dataclasses.replace(r, computed=computed)
         if self.shared is not None:
             y_BLD = y_BLD + self.shared(x_BLD)
         return y_BLD, r

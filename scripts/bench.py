@@ -119,8 +119,9 @@ def bench_one(model, mesh_spec: str, zero: int, sp: bool, batch: int, seq: int, 
                        and any(math.prod(s) > 1 for s in c.shapes) for _ in range(c.executions)],
         "collective_bytes_predicted": sum(predicted.values()),
         # The compiled step's matmuls against the useful ones (accounting.Flops.waste).
-        "matmul_flops_per_device": accounting.flops(model.cfg, rules, batch, seq, remat=model.remat).waste(
-            hlo.dot_flops(compiled.as_text())),
+        "matmul_flops_per_device": accounting.matmul_waste(
+            accounting.flops(model.cfg, rules, batch, seq, remat=model.remat), compiled.as_text(), model.cfg, rules,
+            batch, seq, computed=float(metrics["moe_computed"]) if "moe_computed" in metrics else None),
         "final_loss": float(metrics["loss"]),
     }
 

@@ -4,6 +4,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from harness import BATCH, SEQ, make_program
@@ -83,13 +84,19 @@ def test_predicted_flops_match_cost_analysis(model_name, mesh, remat):
     assert abs(measured - predicted) <= 0.10 * predicted, (measured, predicted)
 
 
-def _matmul_waste(model, mesh, batch, seq, **kw):
-    from jaxshard.analysis import hlo
-
+def _matmul_waste(model, mesh, batch, seq, run=False, **kw):
+    """The waste figure of the compiled step; ``run``: one step run on random tokens, its
+    data-dependent loops counted as they ran (``moe_computed``)."""
     program = make_program(model, mesh, **kw)
     compiled = program.lower_step(batch, seq).compile()
     fl = accounting.flops(model.cfg, program.rules, batch, seq, remat=model.remat)
-    return fl.waste(hlo.dot_flops(compiled.as_text()))
+    computed = None
+    if run:
+        tokens = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (batch, seq + 1), dtype=np.int32)
+        batch_in = jax.device_put({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, program.batch_sharding)
+        _, metrics = compiled(program.init(0), batch_in)
+        computed = float(metrics["moe_computed"])
+    return accounting.matmul_waste(fl, compiled.as_text(), model.cfg, program.rules, batch, seq, computed=computed)
 
 
 def test_dot_flops_count_a_rolled_layer_loop_by_its_trip_count():
@@ -113,6 +120,8 @@ WASTE = {
     "cp": ("llama-tiny:narrow", "data=2,sequence=4", "none", {}, 512),
     "ep": ("moe-tiny", "data=2,expert=4", "none", {}, 64),
     "ep-dropless": ("moe-tiny:dropless", "expert=8", "none", {}, 64),
+    "ep-dropless+tp": ("moe-tiny:dropless", "fsdp=2,expert=2,tensor=2", "dots", {}, 64),
+    "dropless": ("moe-tiny:dropless", "data=8", "full", {}, 64),
 }
 
 
@@ -129,10 +138,15 @@ def test_compiled_matmul_flops_are_what_useful_work_recompute_and_kernels_explai
         cfg = cfg.replace(d_model=64, n_heads=4, n_kv_heads=4, d_mlp=128)
     if variant == "dropless":
         cfg = cfg.replace(moe_capacity_factor=0.0)
-    w = _matmul_waste(TransformerLM(cfg, remat=remat), mesh, 8, seq, **kw)
+    w = _matmul_waste(TransformerLM(cfg, remat=remat), mesh, 8, seq, run=variant == "dropless", **kw)
     assert abs(w["unexplained"] - 1) <= 0.10, w
-    if name == "ep-dropless":  # capacity S per expert on an expert axis: E / k times the routed slots
-        assert w["ratio"] > 2, w
+    if variant == "dropless":  # only the routed rows, in tiles, counted as they ran: k S per sequence
+        sizes = dict((a, int(n)) for a, n in (part.split("=") for part in mesh.split(",")))
+        tokens = 8 * seq // math.prod(n for a, n in sizes.items() if a != "tensor")
+        # fwd + bwd (+ the forward again under full remat) of the expert MLP's matmuls, per row
+        expert = 2 * (cfg.mlp_in + 1) * cfg.d_model * cfg.moe_d_mlp // sizes.get("tensor", 1)
+        routed = cfg.n_moe_layers * cfg.moe_top_k * tokens * expert * (4 if remat == "full" else 3)
+        assert w["rows_measured"] and 1.0 <= w["data_dependent"] / routed <= 1.1, (w, routed)
 
 
 @pytest.mark.parametrize("mesh", ["sequence=2", "data=2,sequence=4", "sequence=8"])

@@ -23,13 +23,15 @@ from typing import TYPE_CHECKING, Any
 
 # The shapes' measure and the collectives (one module per strategy) live below; their names
 # are the accounting's too.
+from jaxshard.analysis import hlo
 from jaxshard.analysis.shards import (  # noqa: F401
-    F32, ParamInfo, dtype_bytes, local_tokens, param_infos, run_capacity, seq_split, shard_elems)
+    F32, ParamInfo, dtype_bytes, local_tokens, param_infos, seq_split, shard_elems)
 from jaxshard.analysis.traffic import Communication, Transfer, communication  # noqa: F401
 from jaxshard.analysis.traffic.pipeline import pipeline_communication, pipeline_transfers  # noqa: F401
 from jaxshard.axes import Dim
 from jaxshard.model import LanguageModel, Stageable
 from jaxshard.parallel import attention as attention_lib
+from jaxshard.parallel import grouped
 from jaxshard.parallel.staged import staged
 from jaxshard.remat import Kind, Remat
 from jaxshard.rules import ShardingRules, StateKind
@@ -209,7 +211,7 @@ def recompute_bytes(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: in
     t = rules.size(rules.activation_mesh_axes(Dim.ACT_HEADS))
     hidden = cfg.mlp_in * cfg.d_mlp / t
     if cfg.n_moe_layers:
-        hidden = max(hidden, expert_slots(cfg, rules, seq_len) * cfg.mlp_in * (cfg.moe_d_mlp or cfg.d_mlp) / t)
+        hidden = max(hidden, expert_rows(cfg, rules, seq_len) * cfg.mlp_in * (cfg.moe_d_mlp or cfg.d_mlp) / t)
         again = (none + none_moe) - (kept + kept_moe)
     else:
         again = none - kept
@@ -261,34 +263,45 @@ def _dense_ffn_saved(remat: Remat, F: int, mlp_in: int, t: int) -> float:
     return 0.0
 
 
-def expert_slots(cfg: Any, rules: ShardingRules, seq_len: int) -> float:
-    """Expert slots an MoE layer runs per token: E C / S under a capacity (every slot, filled or
-    not), k dropless."""
-    cap = run_capacity(cfg, rules, seq_len)
+def expert_slots(cfg: Any, seq_len: int) -> float:
+    """Expert slots an MoE layer computes per token: E C / S under a capacity (every slot,
+    filled or not), k dropless (the routed choices: a grouped matmul's tile padding aside,
+    which the step reports as ``moe_computed``)."""
+    cap = cfg.moe_capacity(seq_len)
     return cfg.moe_experts * cap / seq_len if cap else cfg.moe_top_k
+
+
+def expert_rows(cfg: Any, rules: ShardingRules, seq_len: int) -> float:
+    """Expert rows an MoE layer holds per token of a device: its slots, but dropless with the
+    experts split over n devices n k, the most its experts can receive (the all-gather
+    dispatcher's buffers have that static size; only the rows received are computed)."""
+    if cfg.moe_capacity(seq_len):
+        return expert_slots(cfg, seq_len)
+    return cfg.moe_top_k * rules.size(rules.param_mesh_axes(Dim.EXPERTS))
 
 
 def _moe_ffn_saved(cfg: Any, rules: ShardingRules, remat: Remat, L: int, t: int, sp: int) -> float:
     """An MoE layer's feed-forward, per token, as autodiff keeps it (counted from
     ``print_saved_residuals`` on moe-tiny): per expert slot a token fills -- r = E C / S under a
-    capacity (every slot, filled or not), k dropless (ragged rows) -- the expert MLP's
+    capacity (every slot, filled or not), k dropless (n k with the experts over n devices:
+    the dispatcher's buffers) -- the expert MLP's
     intermediates and 1.5 D of dispatched rows and outputs (no remat), or its matmul outputs
-    (dots; the ragged path's are not dots, the capacity path's are batched over experts, so
-    dots_no_batch keeps neither); the router's logits and probabilities; shared experts as a
-    dense MLP of their width."""
+    (dots; the capacity path's are batched over experts, so dots_no_batch keeps them only for
+    the grouped matmuls, which the dots policies keep by name); the router's logits and
+    probabilities; shared experts as a dense MLP of their width."""
     E, D = cfg.moe_experts, cfg.d_model
     Fe = cfg.moe_d_mlp or cfg.d_mlp
     mlp_in = cfg.mlp_in
-    cap = run_capacity(cfg, rules, L)
-    slots = expert_slots(cfg, rules, L)
+    cap = cfg.moe_capacity(L)
+    slots = expert_rows(cfg, rules, L)
     shared = _dense_ffn_saved(remat, cfg.moe_shared_experts * Fe, mlp_in, t) if cfg.moe_shared_experts else 0.0
     match remat.kind:
         case Kind.NONE | Kind.SELECTIVE:
             return slots * ((mlp_in + 1) * Fe / t + 1.5 * D) + 12 * E + shared
         case Kind.DOTS:
-            return (slots * (mlp_in * Fe / t + D) if cap else 0) + E + shared
+            return slots * (mlp_in * Fe / t + D) + E + shared
         case Kind.DOTS_NO_BATCH:
-            return E + shared
+            return (0 if cap else slots * (mlp_in * Fe / t + D)) + E + shared
     return shared
 
 
@@ -375,6 +388,25 @@ class Flops:
                 "ratio": compiled / useful, "unexplained": compiled / expected}
 
 
+def matmul_waste(fl: Flops, hlo_text: str, cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
+                 grad_accum: int = 1, computed: float | None = None) -> dict[str, float]:
+    """:meth:`Flops.waste` of a compiled step (its HLO text), its loops counted by trip count.
+    A loop whose trip count is known only at run time -- dropless experts' grouped matmuls on
+    CPU, one tile of m rows an iteration (``parallel.grouped``) -- counts per row for
+    ``computed`` k rows per token of a device per MoE layer: the step's ``moe_computed``
+    where it ran, else 1 (the routed choices, the tiles' padding aside).
+    ``data_dependent`` is their share of ``compiled``."""
+    per_iteration = hlo.loop_dot_flops(hlo_text)
+    loops = 0.0
+    if per_iteration:
+        tokens = batch_size * seq_len // rules.size(rules.batch_axes) // grad_accum  # a microbatch's
+        n, k = rules.size(rules.param_mesh_axes(Dim.EXPERTS)), cfg.moe_top_k
+        tile = grouped.tile_rows(n * tokens * k / cfg.moe_experts)
+        loops = per_iteration / tile * (1.0 if computed is None else computed) * k * tokens
+    return {**fl.waste(hlo.dot_flops(hlo_text) + loops), "data_dependent": loops,
+            "rows_measured": float(computed is not None)}
+
+
 ADAMW_FLOPS = 20  # per parameter element per step: clip, moments, bias correction, decay, update
 
 
@@ -395,7 +427,7 @@ def flops(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
         expert = mlp_mats * D * (cfg.moe_d_mlp or F)
         always = D * E + cfg.moe_shared_experts * expert  # router and shared experts
         layer_params += n_moe * (always + k * expert)
-        hw_layer_params += n_moe * (always + expert_slots(cfg, rules, L) * expert)
+        hw_layer_params += n_moe * (always + expert_slots(cfg, L) * expert)
         moe_text = f", of which {n_moe} MoE layers count the router and {k} of {E} experts"
     head = D * cfg.padded_vocab
     square = 2 * 2 * L * N * H  # q k^T and p v, per token per layer, the full square

@@ -126,6 +126,7 @@ class _Module:
     where: dict[str, str]  # instruction -> its computation
     runs: dict[str, int]  # computation -> runs per run of the entry (loops by trip count)
     in_branch: set[str]  # computations run by a branch of a conditional
+    data_dependent: set[str]  # computations run by a loop whose trip count is known only at run time
 
 
 def _read(hlo_text: str) -> _Module:
@@ -136,6 +137,7 @@ def _read(hlo_text: str) -> _Module:
     calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
     where: dict[str, str] = {}
     branches: set[str] = set()
+    unknown: set[str] = set()
     computation = entry = ""
     for line in hlo_text.splitlines():
         if h := _HEADER.match(line):
@@ -152,6 +154,8 @@ def _read(hlo_text: str) -> _Module:
         trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', m["attrs"])
         for role, callee in _CALLS.findall(m["attrs"]):
             calls[computation].append((callee, int(trips[1]) if trips and role == "body" else 1))
+            if m["op"] == "while" and not trips:
+                unknown.add(callee)  # (its condition too: it runs once more than the body)
         for listed in _BRANCHES.findall(m["attrs"]):
             for callee in re.findall(r"%([\w.\-]+)", listed):
                 calls[computation].append((callee, 1))
@@ -162,7 +166,7 @@ def _read(hlo_text: str) -> _Module:
         for operand in re.findall(r"%([\w.\-]+)", m["operands"]):
             users[operand].append(m)
     return _Module(n_partitions, shapes, body, users, where, _executions(entry, calls),
-                   _reachable(branches, calls))
+                   _reachable(branches, calls), _reachable(unknown, calls))
 
 
 def dot_flops(hlo_text: str) -> float:
@@ -171,11 +175,25 @@ def dot_flops(hlo_text: str) -> float:
     computation it is in -- a loop body once per iteration (``known_trip_count``), which XLA's
     own cost analysis counts once. Every branch of a conditional counts once per run of it
     (an upper bound where branches differ: a pipeline's ticks, which the callers leave out).
-    Counts what XLA:CPU compiles; a GPU's library calls (cuBLAS, cuDNN custom calls) are not
-    ``dot``s and are not counted."""
+    Loops whose trip count is known only at run time (a grouped matmul's tiles) are left out:
+    :func:`loop_dot_flops` gives their FLOPs per iteration. Counts what XLA:CPU compiles; a
+    GPU's library calls (cuBLAS, cuDNN custom calls) are not ``dot``s and are not counted."""
+    return _dot_flops(hlo_text, data_dependent=False)
+
+
+def loop_dot_flops(hlo_text: str) -> float:
+    """The matmul FLOPs of one iteration of every loop whose trip count is known only at run
+    time, summed (each times the runs of the loops around it of known trip count): times the
+    iterations a run made, what those loops executed."""
+    return _dot_flops(hlo_text, data_dependent=True)
+
+
+def _dot_flops(hlo_text: str, data_dependent: bool) -> float:
     mod = _read(hlo_text)
     total = 0.0
     for computation, instrs in mod.body.items():
+        if (computation in mod.data_dependent) != data_dependent:
+            continue
         for m in instrs:
             if m["op"] != "dot":
                 continue

@@ -215,7 +215,8 @@ def verify(model: Stageable, program: Program, compiled: jax.stages.Compiled, ba
     xla = xla_memory(compiled)
     flags: list[str] = []
     counted = schedule is None and jax.default_backend() == "cpu"
-    waste = fl.waste(hlo.dot_flops(compiled.as_text())) if counted else None
+    waste = accounting.matmul_waste(fl, compiled.as_text(), model.cfg, program.rules, batch_size, seq_len,
+                                    grad_accum=step.grad_accum) if counted else None
     if waste and waste["unexplained"] > 1 + WASTE_TOLERANCE:
         flags.append(f"matmul FLOPs: the compiled step runs {waste['compiled']:,.0f} per device, "
                      f"{waste['unexplained']:.2f}x what the useful work, recompute and kernels explain")
@@ -275,6 +276,8 @@ def format_waste(waste: dict[str, float] | None, why_not: str = "") -> list[str]
     if waste is None:
         return [f"Matmul FLOPs per device: not counted ({why_not})"]
     rows = [("compiled (every dot; loops by trip count)", waste["compiled"]),
+            *([(f"  of which grouped-matmul tiles ({'as run' if waste['rows_measured'] else 'k rows a token'})",
+                waste["data_dependent"])] if waste.get("data_dependent") else []),
             ("useful (6N + causal attention)", waste["useful"]),
             ("+ remat recompute", waste["recompute"]),
             ("+ masked attention computed, empty expert slots", waste["masked_or_padding"]),

@@ -81,10 +81,3 @@ def local_tokens(rules: ShardingRules, batch_size: int, seq_len: int) -> int:
 def seq_split(rules: ShardingRules) -> int:
     """How many shards context parallelism splits the sequence into."""
     return rules.size(rules.activation_mesh_axes(Dim.LENGTH))
-
-
-def run_capacity(cfg: Any, rules: ShardingRules, seq_len: int) -> int:
-    """The slots per expert per sequence an MoE layer runs (0: dropless, ragged rows): the
-    config's capacity, or with the experts split over devices and dropless S, which
-    ``models/moe.py`` runs because the all-to-all needs fixed sizes."""
-    return cfg.moe_capacity(seq_len) or (seq_len if rules.param_mesh_axes(Dim.EXPERTS) else 0)

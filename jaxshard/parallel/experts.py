@@ -1,7 +1,9 @@
 """Expert parallelism: each device holds E / n of an MoE layer's experts (``expert`` axis of
-size n) and the tokens go to their experts' devices and back with two all-to-alls.
+size n) and the tokens go to their experts' devices and back: under a capacity with two
+all-to-alls (:func:`run_experts`), dropless by gathering the tokens and scattering the
+outputs back (:func:`run_dropless`, Megatron's all-gather dispatcher).
 
-The dispatch buffers ``[B, E, C, D]`` (each sequence's C slots per expert, built where the
+Under a capacity, the dispatch buffers ``[B, E, C, D]`` (each sequence's C slots per expert, built where the
 sequence lies) enter a ``shard_map`` manual over the batch axes (``expert`` among them), each
 device's rows as they lie, and over ``tensor``, which splits each expert's MLP by hand as
 Megatron splits the dense one. (Manual over ``expert`` alone, the partitioner gathered the
@@ -18,6 +20,15 @@ block to the device its rows came from. Backward, the two transpose into two mor
 MoE layer per step, each of the buffer's bytes once (six under ``--remat full``, which
 recomputes the forward pair; every other policy keeps their results). (GShard's einsum
 dispatch, left to the partitioner, inserted all-gathers of the dispatch tensor instead.)
+
+Dropless, the rows each device's experts get are known only at run time, so no all-to-all
+of fixed size can carry them without a capacity. ``jax.lax.ragged_all_to_all`` could (with
+buffers of the largest size), but XLA:CPU does not run it ("HLO opcode ragged-all-to-all is
+not supported by XLA:CPU ThunkEmitter", jaxlib 0.10.2), and a path only GPUs run would go
+untested here; the all-gather dispatcher runs everywhere. Its cost against an all-to-all:
+a device receives every token of its ``expert`` group (n T D), not the k T D of its own
+experts' choices, and its buffers hold n k T rows where about k T are filled -- though only
+those are computed.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jaxshard.axes import Dim
+from jaxshard.parallel import grouped
 from jaxshard.rules import GATHERED, active
 
 
@@ -80,38 +92,121 @@ def run_experts(fn: Callable[..., jax.Array], buf_BECD: jax.Array, weights: Sequ
     def exchange(x):  # [b, n, E/n, C, D]: block j of dim 1 to device j; back again the same way
         return jax.lax.all_to_all(x, experts, 1, 1, tiled=True)
 
-    # XLA:CPU aborts promoting a bf16 all-reduce or reduce-scatter made in this shard_map (the
-    # reduction region Shardy leaves has a copy at its root, which its AllReducePromotion
-    # cannot rebuild). It runs 2-byte collectives in float32 anyway, so on CPU the gather (whose
-    # transpose is a reduce-scatter) and tensor's sums are made in float32; elsewhere as is.
-    def wide(collective, x):
-        if jax.default_backend() != "cpu" or x.dtype == jnp.float32:
-            return collective(x)
-        return collective(x.astype(jnp.float32)).astype(x.dtype)
-
-    def gather(w, rest, used):
-        for dim, (r, u) in enumerate(zip(rest, used)):
-            extra = tuple(a for a in _names(r) if a not in _names(u))
-            if extra:
-                w = checkpoint_name(wide(lambda x: jax.lax.all_gather(x, extra, axis=dim, tiled=True), w),
-                                    GATHERED)
-        return w
-
     def local(buf, *ws):
-        ws = [gather(w, r, u) for w, r, u in zip(ws, at_rest, compute)]
+        ws = [_gather(w, r, u) for w, r, u in zip(ws, at_rest, compute)]
         b, E, C, D = buf.shape
         mine = checkpoint_name(exchange(buf.reshape(b, n, E // n, C, D)), EXCHANGED)  # [b, n (source), E/n (mine), C, D]
         if tensor:  # one all-reduce of the projections' summed input gradients (backward)
-            mine = wide(lambda x: jax.lax.pcast(x, tuple(tensor), to="varying"), mine)
-        out = fn(mine, *ws, reduce=lambda y: wide(lambda x: jax.lax.psum(x, tuple(tensor)), y) if tensor else y)
+            mine = _wide(lambda x: jax.lax.pcast(x, tuple(tensor), to="varying"), mine)
+        out = fn(mine, *ws, reduce=lambda y: _wide(lambda x: jax.lax.psum(x, tuple(tensor)), y) if tensor else y)
         return checkpoint_name(exchange(out), EXCHANGED).reshape(b, E, C, out.shape[-1])
 
-    def only_manual(spec: P) -> P:
-        return P(*(tuple(a for a in _names(e) if a in manual) or None for e in spec))
-
     rows = P(tuple(rules.batch_axes))
-    return jax.shard_map(local, mesh=rules.context_mesh, in_specs=(rows, *map(only_manual, at_rest)),
+    return jax.shard_map(local, mesh=rules.context_mesh, in_specs=(rows, *_only(manual, at_rest)),
                          out_specs=rows, axis_names=manual)(buf_BECD, *weights)
+
+
+def run_dropless(fn: Callable[..., tuple[jax.Array, jax.Array]], x_BLD: jax.Array, experts_BLK: jax.Array,
+                 gates_BLK: jax.Array, n_experts: int, weights: Sequence[jax.Array],
+                 axes: Sequence[tuple]) -> tuple[jax.Array, jax.Array]:
+    """(``[B, L, D]`` each token's gated sum of its k experts' outputs, the expert rows
+    computed per routed choice): dropless, only the routed tokens computed -- Megatron's
+    all-gather dispatcher. ``fn(rows, sizes, group, *weights, tile=, lead=)`` runs the
+    experts on ``rows`` sorted by expert (``sizes`` per expert, rows past their sum to be
+    ignored; ``group`` each row's expert, clipped) with :mod:`jaxshard.parallel.grouped`,
+    adding its output biases times ``lead`` (1 on one ``tensor`` device, 0 on the others), and
+    returns the rows' partial outputs (summed here over ``tensor``) and the rows computed.
+
+    Each device routes its own rows (a ``shard_map`` manual over the batch axes and
+    ``tensor``, the weights gathered inside over their ZeRO-3/FSDP axes as
+    :func:`run_experts` does). With the experts split over ``expert`` (n devices, E / n
+    experts each), the tokens and their choices are all-gathered over it, each device runs
+    the choices of its own experts, and the tokens' outputs are reduce-scattered back (the
+    reduce sums each token's experts on other devices); backward, the gather and the scatter
+    transpose into each other. The rows a device can receive are at most all n devices' k
+    choices, so its buffers are that large (they must have a static shape), while the
+    grouped matmul computes only the rows it got."""
+    rules = active()
+    k = experts_BLK.shape[-1]
+    experts = expert_axes()
+    if rules is None:
+        return _dispatch_gathered(fn, x_BLD, experts_BLK, gates_BLK, n_experts, 1, (), (), k, *weights)
+    n = rules.size(experts)
+    tensor = tuple(rules.param_mesh_axes(Dim.MLP))
+    batch = tuple(rules.batch_axes)
+    manual = frozenset(batch) | frozenset(tensor)
+    at_rest = [rules.param_spec(ax, tuple(w.shape)) for ax, w in zip(axes, weights)]
+    compute = [rules.compute_param_spec(ax, tuple(w.shape)) for ax, w in zip(axes, weights)]
+
+    def local(x, e, g, *ws):
+        ws = [_gather(w, r, u) for w, r, u in zip(ws, at_rest, compute)]
+        y, computed = _dispatch_gathered(fn, x, e, g, n_experts, n, experts, tensor, k, *ws)
+        return y, jax.lax.psum(computed, batch) if batch else computed
+
+    rows = P(batch)
+    y, computed = jax.shard_map(local, mesh=rules.context_mesh, in_specs=(rows, rows, rows, *_only(manual, at_rest)),
+                                out_specs=(rows, P()), axis_names=manual)(x_BLD, experts_BLK, gates_BLK, *weights)
+    return y, computed / experts_BLK.size
+
+
+def _dispatch_gathered(fn, x_bLD, experts_bLK, gates_bLK, E, n, experts, tensor, k, *ws):
+    """One device's part of :func:`run_dropless`: its ``b`` rows in, their outputs and the
+    expert rows it computed out."""
+    b, L, D = x_bLD.shape
+    T = b * L
+    x_TD = x_bLD.reshape(T, D)
+    if tensor:  # the rows' gradient summed over tensor once, on the device's own tokens
+        x_TD = _wide(lambda v: jax.lax.pcast(v, tensor, to="varying"), x_TD)
+    ids_TK, gates_TK = experts_bLK.reshape(T, k), gates_bLK.reshape(T, k)
+    mine = E // n
+    if n > 1:  # every device's tokens and choices: [n T, ...]
+        x_TD = checkpoint_name(_wide(lambda v: jax.lax.all_gather(v, experts, tiled=True), x_TD), EXCHANGED)
+        ids_TK = checkpoint_name(jax.lax.all_gather(ids_TK, experts, tiled=True), EXCHANGED)
+        gates_TK = checkpoint_name(jax.lax.all_gather(gates_TK, experts, tiled=True), EXCHANGED)
+        ids_TK = ids_TK - jax.lax.axis_index(experts) * mine
+    key = jnp.where((ids_TK >= 0) & (ids_TK < mine), ids_TK, mine).reshape(-1)  # other devices' experts last
+    order = jnp.argsort(key, stable=True)
+    group = key[order]
+    sizes = jnp.bincount(key, length=mine + 1)[:mine].astype(jnp.int32)
+    token = order // k
+    lead = (jax.lax.axis_index(tensor) == 0).astype(x_TD.dtype) if tensor else jnp.ones((), x_TD.dtype)
+    y_RD, computed = fn(x_TD[token], sizes, jnp.minimum(group, mine - 1), *ws,
+                        tile=grouped.tile_rows(x_TD.shape[0] * k / E), lead=lead)
+    gate = jnp.where(group < mine, gates_TK.reshape(-1)[order], 0).astype(y_RD.dtype)
+    out_TD = _zeros_like_rows(y_RD, x_TD.shape[0]).at[token].add(y_RD * gate[:, None])
+    if n > 1:  # each token's outputs from every device's experts, summed where the token lies
+        out_TD = checkpoint_name(_wide(lambda v: jax.lax.psum_scatter(v, experts, tiled=True), out_TD), EXCHANGED)
+    if tensor:
+        out_TD = _wide(lambda v: jax.lax.psum(v, tensor), out_TD)
+    return out_TD.reshape(b, L, D), computed.astype(jnp.float32)
+
+
+def _zeros_like_rows(y_RD: jax.Array, rows: int) -> jax.Array:
+    return jnp.zeros((rows, y_RD.shape[-1]), y_RD.dtype)
+
+
+# XLA:CPU aborts promoting a bf16 all-reduce or reduce-scatter made in a shard_map (the
+# reduction region Shardy leaves has a copy at its root, which its AllReducePromotion cannot
+# rebuild). It runs 2-byte collectives in float32 anyway, so on CPU the gathers (whose
+# transpose is a reduce-scatter) and the sums are made in float32; elsewhere as is.
+def _wide(collective, x):
+    if jax.default_backend() != "cpu" or x.dtype == jnp.float32:
+        return collective(x)
+    return collective(x.astype(jnp.float32)).astype(x.dtype)
+
+
+def _gather(w, rest, used):
+    """``w`` at rest (spec ``rest``) gathered over the axes its compute spec ``used`` drops."""
+    for dim, (r, u) in enumerate(zip(rest, used)):
+        extra = tuple(a for a in _names(r) if a not in _names(u))
+        if extra:
+            w = checkpoint_name(_wide(lambda x: jax.lax.all_gather(x, extra, axis=dim, tiled=True), w), GATHERED)
+    return w
+
+
+def _only(manual: frozenset, specs: Sequence[P]) -> list[P]:
+    """``specs`` keeping only the ``manual`` axes (the rest left to the partitioner)."""
+    return [P(*(tuple(a for a in _names(e) if a in manual) or None for e in spec)) for spec in specs]
 
 
 def _names(entry) -> tuple[str, ...]:

@@ -204,13 +204,13 @@ class StagedModel:
 
             if here is None:
                 return run()
-            return jax.lax.cond(here, run, lambda: (x, (jnp.zeros((), jnp.float32),) * 3))  # an empty slot
+            return jax.lax.cond(here, run, lambda: (x, (jnp.zeros((), jnp.float32),) * len(MOE_METRICS)))  # an empty slot
 
         x_BLD, stats = jax.lax.scan(remat_lib.apply(layer, model.remat), x_BLD, (chunk, layer_keys, present),
                                     unroll=model.unroll)
         per_token = x_BLD.shape[0] * x_BLD.shape[1] / model.cfg.n_moe_layers
-        lb, z, dropped = (per_token * jnp.sum(s) for s in stats)
-        return x_BLD, (model.aux_loss(lb, z), jax.lax.stop_gradient(jnp.stack([lb, z, dropped])))
+        sums = [per_token * jnp.sum(s) for s in stats]
+        return x_BLD, (model.aux_loss(*sums[:2]), jax.lax.stop_gradient(jnp.stack(sums)))
 
 
 def staged(model: Stageable | StagedModel, layout: pipeline.StageLayout) -> StagedModel:

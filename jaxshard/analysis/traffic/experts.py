@@ -1,17 +1,22 @@
-"""Expert parallelism's collectives, per device per step (``parallel.experts``; GShard,
-Lepikhin et al. 2020).
+"""Expert parallelism's collectives, per device per step (``parallel.experts``).
 
-Each device's dispatch buffer ``[rows, E, C, D]`` goes to the experts' devices with an
-all-to-all and comes back with a second; backward, the two transpose into two more: four per
-MoE layer per microbatch, each of the buffer's bytes once. ``--remat full`` recomputes the
-forward pair (six); every other policy keeps their results.
+Under a capacity (GShard, Lepikhin et al. 2020): each device's dispatch buffer
+``[rows, E, C, D]`` goes to the experts' devices with an all-to-all and comes back with a
+second; backward, the two transpose into two more: four per MoE layer per microbatch, each of
+the buffer's bytes once. ``--remat full`` recomputes the forward pair (six); every other
+policy keeps their results.
+
+Dropless (Megatron's all-gather dispatcher): forward, the tokens ``[T, D]``, their choices
+and gates ``[T, k]`` are all-gathered over ``expert`` (n devices) and the outputs
+``[n T, D]`` reduce-scattered back; backward, the outputs' gradient is all-gathered and the
+tokens' and gates' gradients reduce-scattered. ``--remat full`` gathers the tokens, choices
+and gates again (the recomputed output is not needed, so neither is its scatter).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from jaxshard.analysis.shards import run_capacity
 from jaxshard.analysis.traffic.ledger import Ledger
 from jaxshard.axes import Dim
 from jaxshard.remat import Kind
@@ -19,8 +24,8 @@ from jaxshard.rules import ShardingRules
 
 
 def moe_buffer(cfg: Any, rules: ShardingRules, rows: int, seq_len: int, c: int) -> int:
-    """Bytes of a device's MoE dispatch buffer ``[rows, E, C, D]`` (experts split over devices)."""
-    return rows * cfg.moe_experts * run_capacity(cfg, rules, seq_len) * cfg.d_model * c
+    """Bytes of a device's MoE dispatch buffer ``[rows, E, C, D]`` (under a capacity)."""
+    return rows * cfg.moe_experts * cfg.moe_capacity(seq_len) * cfg.d_model * c
 
 
 def dispatch(ledger: Ledger) -> None:
@@ -29,7 +34,20 @@ def dispatch(ledger: Ledger) -> None:
     experts = rules.param_mesh_axes(Dim.EXPERTS)
     if not (experts and cfg.n_moe_layers):
         return
+    layers = ledger.grad_accum * cfg.n_moe_layers
+    full = ledger.remat.kind is Kind.FULL
+    if not cfg.moe_capacity(ledger.length):
+        n = rules.size(experts)
+        tokens = n * ledger.rows * ledger.length  # every device's, gathered
+        x, choices = tokens * cfg.d_model * ledger.c, tokens * cfg.moe_top_k * 4  # int32 ids, f32 gates
+        ledger.add("all-gather", experts, x, layers * (2 if full else 1), "MoE dropless: gather the tokens")
+        ledger.add("all-gather", experts, choices, layers * (2 if full else 1) * 2,
+                   "MoE dropless: gather the tokens' expert choices and gates")
+        ledger.add("reduce-scatter", experts, x, layers, "MoE dropless: the experts' outputs to their tokens")
+        ledger.add("all-gather", experts, x, layers, "MoE dropless backward: gather the outputs' gradient")
+        ledger.add("reduce-scatter", experts, x, layers, "MoE dropless backward: the tokens' gradient")
+        ledger.add("reduce-scatter", experts, choices, layers, "MoE dropless backward: the gates' gradient")
+        return
     buf = moe_buffer(cfg, rules, ledger.rows, ledger.length, ledger.c)
-    passes = 6 if ledger.remat.kind is Kind.FULL else 4
-    ledger.add("all-to-all", experts, buf, ledger.grad_accum * cfg.n_moe_layers * passes,
+    ledger.add("all-to-all", experts, buf, layers * (6 if full else 4),
                "MoE: tokens to their experts' devices and back, forward and backward")
