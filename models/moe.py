@@ -120,6 +120,14 @@ def combine_capacity(y_GECD: jax.Array, slot: jax.Array, r: Routing) -> jax.Arra
     return jax.vmap(one)(y_GECD, slot, r.gates)
 
 
+def _swiglu_act(up: jax.Array, gate: jax.Array) -> jax.Array:
+    return _swiglu(gate, up)
+
+
+def _gelu_act(up: jax.Array, _: None) -> jax.Array:
+    return _gelu(up)
+
+
 class MoEFeedForward(nnx.Module):
     """E expert MLPs of the family's kind (GELU with biases, or SwiGLU), hidden size
     ``moe_d_mlp`` (default ``d_mlp``), a float32 router, and optionally shared experts that
@@ -175,16 +183,13 @@ class MoEFeedForward(nnx.Module):
         return fn
 
     def _ragged(self, names: tuple[str, ...]):
-        """The experts on rows sorted by expert (``parallel.experts.run_dropless``): three
-        grouped matmuls (two with GELU), the up bias per row, the down bias times ``lead``."""
+        """The experts on the routed rows (``parallel.experts.run_dropless``), by
+        ``parallel.grouped.experts``."""
+        act = _swiglu_act if self.swiglu else _gelu_act
 
-        def fn(rows_RD, sizes, group_R, *weights, tile, lead):
-            w = dict(zip(names, weights))
-            up, computed = grouped.matmul(rows_RD, w["w_in"], sizes, tile=tile)
-            h = self._hidden(up, lambda: grouped.matmul(rows_RD, w["w_gate"], sizes, tile=tile)[0],
-                             w["b_in"][group_R] if "b_in" in w else None)
-            y, _ = grouped.matmul(h, w["w_out"], sizes, tile=tile)
-            return (y + lead * w["b_out"][group_R] if "b_out" in w else y), computed
+        def fn(x_TD, token, gate, group, sizes, *weights, tile, lead):
+            return grouped.experts(x_TD, token, gate, group, sizes, dict(zip(names, weights)), act,
+                                   lead=lead, tile=tile)
 
         return fn
 

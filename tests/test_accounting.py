@@ -143,9 +143,11 @@ def test_compiled_matmul_flops_are_what_useful_work_recompute_and_kernels_explai
     if variant == "dropless":  # only the routed rows, in tiles, counted as they ran: k S per sequence
         sizes = dict((a, int(n)) for a, n in (part.split("=") for part in mesh.split(",")))
         tokens = 8 * seq // math.prod(n for a, n in sizes.items() if a != "tensor")
-        # fwd + bwd (+ the forward again under full remat) of the expert MLP's matmuls, per row
-        expert = 2 * (cfg.mlp_in + 1) * cfg.d_model * cfg.moe_d_mlp // sizes.get("tensor", 1)
-        routed = cfg.n_moe_layers * cfg.moe_top_k * tokens * expert * (4 if remat == "full" else 3)
+        # fwd + bwd of the expert MLP's matmuls per row, and under full remat the up (and gate)
+        # projections again (the down projection's output is not needed backward)
+        matmuls = 3 * (cfg.mlp_in + 1) + (cfg.mlp_in if remat == "full" else 0)
+        routed = cfg.n_moe_layers * cfg.moe_top_k * tokens * matmuls * 2 * cfg.d_model * cfg.moe_d_mlp \
+            // sizes.get("tensor", 1)
         assert w["rows_measured"] and 1.0 <= w["data_dependent"] / routed <= 1.1, (w, routed)
 
 

@@ -184,7 +184,7 @@ def test_compiled_all_to_alls_are_the_predicted_bytes_and_no_expert_weight_is_ga
                                          ("fsdp=2,expert=2,tensor=2", "dots")])
 def test_dropless_moves_tokens_by_megatrons_all_gather_dispatcher(mesh, remat):
     """Dropless: no all-to-all; over ``expert`` (n devices, T tokens each) per MoE layer the
-    tokens [n T, D] and their choices and gates [n T, k] gathered, the outputs reduce-scattered
+    tokens [n T, D] and their choices and gates [n T, 2k] gathered, the outputs reduce-scattered
     back; backward the outputs' gradient gathered, the tokens' and gates' gradients scattered;
     full remat gathers the forward's three again. The verifier finds nothing unexplained."""
     model = TransformerLM(get_preset("moe-tiny").replace(moe_capacity_factor=0.0), remat=remat)
@@ -195,9 +195,9 @@ def test_dropless_moves_tokens_by_megatrons_all_gather_dispatcher(mesh, remat):
     cfg, rules = model.cfg, program.rules
     n = rules.size(("expert",))
     tokens = n * BATCH // rules.size(rules.batch_axes) * SEQ
-    x, choices = tokens * cfg.d_model * 4, tokens * cfg.moe_top_k * 4
+    x, choices = tokens * cfg.d_model * 4, tokens * 2 * cfg.moe_top_k * 4  # float32; one buffer
     again = 2 if remat == "full" else 1
-    textbook = {"all-gather": cfg.n_moe_layers * (again * (x + 2 * choices) + x),
+    textbook = {"all-gather": cfg.n_moe_layers * (again * (x + choices) + x),
                 "reduce-scatter": cfg.n_moe_layers * (2 * x + choices)}
     for kind, want in textbook.items():
         got = sum(c.bytes * c.executions for c in found if c.kind == kind and c.axes == ("expert",))

@@ -1,7 +1,8 @@
-"""The grouped matmul of dropless experts (``jaxshard.parallel.grouped``) against
-``jax.lax.ragged_dot`` on random rows and group sizes (empty groups, rows past the groups),
-values and gradients; the rows it computes, from the loop it ran; and why it exists: XLA:CPU
-runs ``jax.lax.ragged_dot`` as every row times every group's matrix."""
+"""Dropless experts on their routed rows (``jaxshard.parallel.grouped``): the tiled CPU kernel
+against the ``jax.lax.ragged_dot`` path the GPUs run and a numpy loop over the rows, values
+and gradients (tokens, gates, weights, biases), SwiGLU and GELU with biases, empty experts and
+rows past the experts' sum; the rows computed, from the loop the kernel ran; and why the
+kernel exists: XLA:CPU runs ``ragged_dot`` as every row times every group's matrix."""
 
 import jax
 import jax.numpy as jnp
@@ -10,40 +11,76 @@ import pytest
 
 from jaxshard.analysis import hlo
 from jaxshard.parallel import grouped
+from models.moe import _gelu_act, _swiglu_act
 
-R, D, F, G = 50, 6, 5, 4
+N, D, F, G = 30, 6, 5, 4
 
 
-def _inputs(seed, dtype=jnp.float32):
+def _case(sizes, family, seed=0, dtype=jnp.float32):
+    """Tokens, rows (sorted by expert, 7 junk rows after the sizes' sum), gates, weights."""
     rng = np.random.default_rng(seed)
-    x = jnp.asarray(rng.normal(size=(R, D)), dtype)
-    w = jnp.asarray(rng.normal(size=(G, D, F)), dtype)
-    return x, w
+    R = sum(sizes) + 7
+    group = np.minimum(np.repeat(np.arange(G + 1), sizes + [7]), G - 1)
+    token = rng.integers(0, N, R)
+    gate = np.where(np.arange(R) < sum(sizes), rng.uniform(size=R), 0)
+    w = {"w_in": rng.normal(size=(G, D, F)), "w_out": rng.normal(size=(G, F, D))}
+    if family == "swiglu":
+        w["w_gate"] = rng.normal(size=(G, D, F))
+    else:
+        w |= {"b_in": rng.normal(size=(G, F)), "b_out": rng.normal(size=(G, D))}
+    as_jax = lambda a: jnp.asarray(a, dtype)  # noqa: E731
+    return (as_jax(rng.normal(size=(N, D))), jnp.asarray(token, jnp.int32), jnp.asarray(gate, jnp.float32),
+            jnp.asarray(group, jnp.int32), jnp.asarray(sizes, jnp.int32), {k: as_jax(v) for k, v in w.items()})
 
 
-@pytest.mark.parametrize("sizes", [[10, 0, 17, 13], [0, 0, 0, 0], [50, 0, 0, 0], [3, 3, 3, 3], [12, 12, 13, 13]])
-@pytest.mark.parametrize("tile", [2, 8])
-def test_grouped_matmul_equals_ragged_dot_with_gradients(sizes, tile):
-    x, w = _inputs(sum(sizes) + tile)
-    s = jnp.asarray(sizes, jnp.int32)
-    y, rows = jax.jit(lambda x, w: grouped.matmul(x, w, s, tile=tile))(x, w)
-    np.testing.assert_allclose(y, jax.lax.ragged_dot(x, w, s), rtol=1e-5, atol=1e-5)
-    # The rows computed: each group's in whole tiles, read from the loop's count.
-    assert int(rows) == sum(-(-n // tile) * tile for n in sizes)
-    probe = jnp.asarray(np.random.default_rng(1).normal(size=(R, F)), jnp.float32)
-    ours = jax.jit(jax.grad(lambda x, w: jnp.sum(probe * grouped.matmul(x, w, s, tile=tile)[0]), (0, 1)))(x, w)
-    ref = jax.grad(lambda x, w: jnp.sum(probe * jax.lax.ragged_dot(x, w, s)), (0, 1))(x, w)
-    for a, b in zip(ours, ref):
+def _numpy(x, token, gate, group, sizes, w, family):
+    out = np.zeros(x.shape)
+    for r in range(int(np.sum(sizes))):
+        e, xr = int(group[r]), np.asarray(x[token[r]], np.float64)
+        up = xr @ np.asarray(w["w_in"][e], np.float64)
+        if family == "swiglu":
+            g = xr @ np.asarray(w["w_gate"][e], np.float64)
+            h = g / (1 + np.exp(-g)) * up
+        else:
+            up = up + np.asarray(w["b_in"][e])
+            h = 0.5 * up * (1 + np.tanh(np.sqrt(2 / np.pi) * (up + 0.044715 * up ** 3)))
+        y = h @ np.asarray(w["w_out"][e], np.float64) + (np.asarray(w["b_out"][e]) if "b_out" in w else 0)
+        out[token[r]] += gate[r] * y
+    return out
+
+
+def _run(kernel, case, family, tile):
+    x, token, gate, group, sizes, w = case
+    act = _swiglu_act if family == "swiglu" else _gelu_act
+
+    def loss(x, gate, w):
+        with grouped.kernel(kernel):
+            out, rows = grouped.experts(x, token, gate, group, sizes, w, act, lead=jnp.float32(1), tile=tile)
+        return jnp.sum(jnp.sin(out)), (out, rows)
+
+    return jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(x, gate, w)
+
+
+@pytest.mark.parametrize("sizes", [[10, 0, 17, 13], [0, 0, 0, 0], [40, 0, 0, 0], [3, 3, 3, 3]])
+@pytest.mark.parametrize("family", ["swiglu", "gelu"])
+def test_tiled_experts_equal_ragged_dot_and_a_numpy_loop_with_gradients(sizes, family):
+    case = _case(sizes, family)
+    (_, (out, rows)), grads = _run("tiled", case, family, tile=4)
+    (_, (ref, _)), ref_grads = _run("ragged", case, family, tile=4)
+    np.testing.assert_allclose(out, _numpy(*case, family), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # The rows computed: each expert's in whole tiles, read from the loop's count.
+    assert int(rows) == sum(-(-n // 4) * 4 for n in sizes)
 
 
-def test_bfloat16_rows_accumulate_in_float32():
-    x, w = _inputs(0, jnp.bfloat16)
-    s = jnp.asarray([20, 10, 0, 20], jnp.int32)
-    y, _ = grouped.matmul(x, w, s, tile=4)
-    want = jax.lax.ragged_dot(x.astype(jnp.float32), w.astype(jnp.float32), s)
-    assert y.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(y, np.float32), want, rtol=2e-2, atol=2e-2)
+def test_bfloat16_tiles_accumulate_in_float32():
+    case = _case([12, 9, 0, 11], "swiglu", dtype=jnp.bfloat16)
+    (_, (out, _)), _ = _run("tiled", case, "swiglu", tile=4)
+    assert out.dtype == jnp.bfloat16
+    want = _numpy(*case, "swiglu")
+    np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=5e-2, atol=5e-2 * np.abs(want).max())
 
 
 def test_tiles_pad_at_most_a_sixteenth_of_even_groups():
@@ -54,14 +91,23 @@ def test_tiles_pad_at_most_a_sixteenth_of_even_groups():
 
 
 def test_compiled_matmul_flops_of_the_tiles_and_of_xla_cpus_ragged_dot():
-    """Per loop iteration one tile's matmul (the sizes an argument: with constant ones XLA
-    knows the trip count, and counts the loop as any other); XLA:CPU's ragged_dot: G times
-    the dense matmul."""
-    x, w = _inputs(0)
-    s = jnp.asarray([10, 0, 17, 13], jnp.int32)
-    ours = jax.jit(lambda x, w, s: grouped.matmul(x, w, s, tile=8)[0]).lower(x, w, s).compile().as_text()
-    assert hlo.dot_flops(ours) == 0 and hlo.loop_dot_flops(ours) == 2 * 8 * D * F
-    known = jax.jit(lambda x, w: grouped.matmul(x, w, s, tile=8)[0]).lower(x, w).compile().as_text()
-    assert hlo.dot_flops(known) == 2 * 8 * D * F * (2 + 3 + 2) and hlo.loop_dot_flops(known) == 0
-    theirs = jax.jit(lambda x, w, s: jax.lax.ragged_dot(x, w, s)).lower(x, w, s).compile().as_text()
-    assert hlo.dot_flops(theirs) == 2 * R * D * F * G and hlo.loop_dot_flops(theirs) == 0
+    """Per loop iteration one tile's three matmuls forward; XLA:CPU's ragged_dot computes each
+    of them for every row and every expert."""
+    x, token, gate, group, sizes, w = _case([10, 0, 17, 13], "swiglu")
+
+    def compiled(kernel):
+        def f(x, gate, sizes):
+            with grouped.kernel(kernel):
+                return grouped.experts(x, token, gate, group, sizes, w, _swiglu_act, lead=jnp.float32(1), tile=8)[0]
+        return jax.jit(f).lower(x, gate, sizes).compile().as_text()
+
+    ours = compiled("tiled")
+    assert hlo.dot_flops(ours) == 0 and hlo.loop_dot_flops(ours) == 3 * 2 * 8 * D * F
+    theirs = compiled("ragged")
+    assert hlo.dot_flops(theirs) == 3 * 2 * token.shape[0] * D * F * G and hlo.loop_dot_flops(theirs) == 0
+
+
+def test_an_unknown_kernel_is_refused():
+    with pytest.raises(ValueError, match="grouped kernel must be tiled, ragged or auto, got 'cuda'"):
+        with grouped.kernel("cuda"):
+            pass

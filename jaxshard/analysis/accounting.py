@@ -283,11 +283,11 @@ def expert_rows(cfg: Any, rules: ShardingRules, seq_len: int) -> float:
 def _moe_ffn_saved(cfg: Any, rules: ShardingRules, remat: Remat, L: int, t: int, sp: int) -> float:
     """An MoE layer's feed-forward, per token, as autodiff keeps it (counted from
     ``print_saved_residuals`` on moe-tiny): per expert slot a token fills -- r = E C / S under a
-    capacity (every slot, filled or not), k dropless (n k with the experts over n devices:
-    the dispatcher's buffers) -- the expert MLP's
-    intermediates and 1.5 D of dispatched rows and outputs (no remat), or its matmul outputs
-    (dots; the capacity path's are batched over experts, so dots_no_batch keeps them only for
-    the grouped matmuls, which the dots policies keep by name); the router's logits and
+    capacity (every slot, filled or not) -- the expert MLP's intermediates and 1.5 D of
+    dispatched rows and outputs (no remat), or its matmul outputs (dots; batched over experts,
+    so dots_no_batch keeps neither); dropless, per row (k, or n k with the experts over n
+    devices: the dispatcher's buffers) the grouped kernel's pre-activations (which the dots
+    policies keep by name) and the row's token, gate and expert; the router's logits and
     probabilities; shared experts as a dense MLP of their width."""
     E, D = cfg.moe_experts, cfg.d_model
     Fe = cfg.moe_d_mlp or cfg.d_mlp
@@ -295,13 +295,20 @@ def _moe_ffn_saved(cfg: Any, rules: ShardingRules, remat: Remat, L: int, t: int,
     cap = cfg.moe_capacity(L)
     slots = expert_rows(cfg, rules, L)
     shared = _dense_ffn_saved(remat, cfg.moe_shared_experts * Fe, mlp_in, t) if cfg.moe_shared_experts else 0.0
+    if not cap:  # the grouped kernel: its pre-activations and each row's token, gate and expert
+        match remat.kind:
+            case Kind.NONE | Kind.SELECTIVE:
+                return slots * (mlp_in * Fe / t + 3) + 12 * E + shared
+            case Kind.DOTS | Kind.DOTS_NO_BATCH:
+                return slots * mlp_in * Fe / t + D + E + shared
+        return shared
     match remat.kind:
         case Kind.NONE | Kind.SELECTIVE:
             return slots * ((mlp_in + 1) * Fe / t + 1.5 * D) + 12 * E + shared
         case Kind.DOTS:
             return slots * (mlp_in * Fe / t + D) + E + shared
         case Kind.DOTS_NO_BATCH:
-            return (0 if cap else slots * (mlp_in * Fe / t + D)) + E + shared
+            return E + shared
     return shared
 
 

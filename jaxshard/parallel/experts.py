@@ -111,11 +111,12 @@ def run_dropless(fn: Callable[..., tuple[jax.Array, jax.Array]], x_BLD: jax.Arra
                  axes: Sequence[tuple]) -> tuple[jax.Array, jax.Array]:
     """(``[B, L, D]`` each token's gated sum of its k experts' outputs, the expert rows
     computed per routed choice): dropless, only the routed tokens computed -- Megatron's
-    all-gather dispatcher. ``fn(rows, sizes, group, *weights, tile=, lead=)`` runs the
-    experts on ``rows`` sorted by expert (``sizes`` per expert, rows past their sum to be
-    ignored; ``group`` each row's expert, clipped) with :mod:`jaxshard.parallel.grouped`,
-    adding its output biases times ``lead`` (1 on one ``tensor`` device, 0 on the others), and
-    returns the rows' partial outputs (summed here over ``tensor``) and the rows computed.
+    all-gather dispatcher. ``fn(x, token, gate, group, sizes, *weights, tile=, lead=)`` runs
+    the experts (:func:`jaxshard.parallel.grouped.experts`) on the rows of the tokens ``x``
+    that ``token`` names, sorted by expert (``sizes`` per expert; ``group`` each row's expert,
+    clipped; ``gate`` 0 past the sizes' sum), adding its output biases times ``lead`` (1 on
+    one ``tensor`` device, 0 on the others), and returns the tokens' gated sums (partial over
+    ``tensor``: summed here) and the rows computed.
 
     Each device routes its own rows (a ``shard_map`` manual over the batch axes and
     ``tensor``, the weights gathered inside over their ZeRO-3/FSDP axes as
@@ -159,21 +160,17 @@ def _dispatch_gathered(fn, x_bLD, experts_bLK, gates_bLK, E, n, experts, tensor,
         x_TD = _wide(lambda v: jax.lax.pcast(v, tensor, to="varying"), x_TD)
     ids_TK, gates_TK = experts_bLK.reshape(T, k), gates_bLK.reshape(T, k)
     mine = E // n
-    if n > 1:  # every device's tokens and choices: [n T, ...]
-        x_TD = checkpoint_name(_wide(lambda v: jax.lax.all_gather(v, experts, tiled=True), x_TD), EXCHANGED)
-        ids_TK = checkpoint_name(jax.lax.all_gather(ids_TK, experts, tiled=True), EXCHANGED)
-        gates_TK = checkpoint_name(jax.lax.all_gather(gates_TK, experts, tiled=True), EXCHANGED)
+    if n > 1:  # every device's tokens and choices: [n T, ...], in as few gathers as the dtypes allow
+        x_TD, ids_TK, gates_TK = _gathered(x_TD, ids_TK, gates_TK, experts)
         ids_TK = ids_TK - jax.lax.axis_index(experts) * mine
     key = jnp.where((ids_TK >= 0) & (ids_TK < mine), ids_TK, mine).reshape(-1)  # other devices' experts last
     order = jnp.argsort(key, stable=True)
     group = key[order]
     sizes = jnp.bincount(key, length=mine + 1)[:mine].astype(jnp.int32)
-    token = order // k
     lead = (jax.lax.axis_index(tensor) == 0).astype(x_TD.dtype) if tensor else jnp.ones((), x_TD.dtype)
-    y_RD, computed = fn(x_TD[token], sizes, jnp.minimum(group, mine - 1), *ws,
-                        tile=grouped.tile_rows(x_TD.shape[0] * k / E), lead=lead)
-    gate = jnp.where(group < mine, gates_TK.reshape(-1)[order], 0).astype(y_RD.dtype)
-    out_TD = _zeros_like_rows(y_RD, x_TD.shape[0]).at[token].add(y_RD * gate[:, None])
+    gate = jnp.where(group < mine, gates_TK.reshape(-1)[order], 0)
+    out_TD, computed = fn(x_TD, order // k, gate, jnp.minimum(group, mine - 1), sizes, *ws,
+                          tile=grouped.tile_rows(x_TD.shape[0] * k / E), lead=lead)
     if n > 1:  # each token's outputs from every device's experts, summed where the token lies
         out_TD = checkpoint_name(_wide(lambda v: jax.lax.psum_scatter(v, experts, tiled=True), out_TD), EXCHANGED)
     if tensor:
@@ -181,8 +178,23 @@ def _dispatch_gathered(fn, x_bLD, experts_bLK, gates_bLK, E, n, experts, tensor,
     return out_TD.reshape(b, L, D), computed.astype(jnp.float32)
 
 
-def _zeros_like_rows(y_RD: jax.Array, rows: int) -> jax.Array:
-    return jnp.zeros((rows, y_RD.shape[-1]), y_RD.dtype)
+def _gathered(x_TD, ids_TK, gates_TK, axes):
+    """The tokens, their choices and gates, all-gathered over ``axes``: in one float32 gather
+    where the tokens travel in float32 (always on CPU, see :func:`_wide`; the choices as
+    floats, exact below 2^24), else the tokens in their dtype and the choices and gates in a
+    second. Backward, one reduce-scatter (two) of their gradients."""
+    k = ids_TK.shape[-1]
+    choices = jnp.concatenate([ids_TK.astype(jnp.float32), gates_TK.astype(jnp.float32)], axis=-1)
+
+    def gather(v):
+        return checkpoint_name(jax.lax.all_gather(v, axes, tiled=True), EXCHANGED)
+
+    if x_TD.dtype == jnp.float32 or jax.default_backend() == "cpu":
+        packed = gather(jnp.concatenate([x_TD.astype(jnp.float32), choices], axis=-1))
+        x, choices = packed[:, :-2 * k].astype(x_TD.dtype), packed[:, -2 * k:]
+    else:
+        x, choices = gather(x_TD), gather(choices)
+    return x, jax.lax.stop_gradient(choices[:, :k]).astype(ids_TK.dtype), choices[:, k:].astype(gates_TK.dtype)
 
 
 # XLA:CPU aborts promoting a bf16 all-reduce or reduce-scatter made in a shard_map (the

@@ -7,10 +7,11 @@ the buffer's bytes once. ``--remat full`` recomputes the forward pair (six); eve
 policy keeps their results.
 
 Dropless (Megatron's all-gather dispatcher): forward, the tokens ``[T, D]``, their choices
-and gates ``[T, k]`` are all-gathered over ``expert`` (n devices) and the outputs
-``[n T, D]`` reduce-scattered back; backward, the outputs' gradient is all-gathered and the
-tokens' and gates' gradients reduce-scattered. ``--remat full`` gathers the tokens, choices
-and gates again (the recomputed output is not needed, so neither is its scatter).
+and gates ``[T, 2k]`` (in one float32 buffer where the tokens are float32) are all-gathered
+over ``expert`` (n devices) and the outputs ``[n T, D]`` reduce-scattered back; backward,
+the outputs' gradient is all-gathered and the tokens' and gates' gradients reduce-scattered.
+``--remat full`` gathers the tokens, choices and gates again (the recomputed output is not
+needed, so neither is its scatter).
 """
 
 from __future__ import annotations
@@ -39,14 +40,15 @@ def dispatch(ledger: Ledger) -> None:
     if not cfg.moe_capacity(ledger.length):
         n = rules.size(experts)
         tokens = n * ledger.rows * ledger.length  # every device's, gathered
-        x, choices = tokens * cfg.d_model * ledger.c, tokens * cfg.moe_top_k * 4  # int32 ids, f32 gates
-        ledger.add("all-gather", experts, x, layers * (2 if full else 1), "MoE dropless: gather the tokens")
-        ledger.add("all-gather", experts, choices, layers * (2 if full else 1) * 2,
-                   "MoE dropless: gather the tokens' expert choices and gates")
+        x, choices = tokens * cfg.d_model * ledger.c, tokens * 2 * cfg.moe_top_k * 4  # f32 ids and gates
+        again = 2 if full else 1
+        # One float32 buffer where the tokens travel in float32 (parallel.experts._gathered).
+        for buf, what in ([(x + choices, "the tokens, their choices and gates")] if ledger.c == 4 else
+                          [(x, "the tokens"), (choices, "the tokens' choices and gates")]):
+            ledger.add("all-gather", experts, buf, layers * again, f"MoE dropless: gather {what}")
+            ledger.add("reduce-scatter", experts, buf, layers, f"MoE dropless backward: the gradient of {what}")
         ledger.add("reduce-scatter", experts, x, layers, "MoE dropless: the experts' outputs to their tokens")
         ledger.add("all-gather", experts, x, layers, "MoE dropless backward: gather the outputs' gradient")
-        ledger.add("reduce-scatter", experts, x, layers, "MoE dropless backward: the tokens' gradient")
-        ledger.add("reduce-scatter", experts, choices, layers, "MoE dropless backward: the gates' gradient")
         return
     buf = moe_buffer(cfg, rules, ledger.rows, ledger.length, ledger.c)
     ledger.add("all-to-all", experts, buf, layers * (6 if full else 4),
