@@ -118,6 +118,7 @@ WASTE = {
     "tp+sp": ("llama-tiny", "data=2,tensor=4", "none", dict(sequence_parallel=True), 64),
     # Attention-heavy (width 64 at sequence 512): the balanced ring's share of the square.
     "cp": ("llama-tiny:narrow", "data=2,sequence=4", "none", {}, 512),
+    "moe": ("moe-tiny", "data=8", "none", {}, 64),
     "ep": ("moe-tiny", "data=2,expert=4", "none", {}, 64),
     "ep-dropless": ("moe-tiny:dropless", "expert=8", "none", {}, 64),
     "ep-dropless+tp": ("moe-tiny:dropless", "fsdp=2,expert=2,tensor=2", "dots", {}, 64),

@@ -71,16 +71,18 @@ def run_experts(fn: Callable[..., jax.Array], buf_BECD: jax.Array, weights: Sequ
     """``fn(buf, *weights, reduce=...)`` -- every expert applied to its slots, for a buffer
     ``[..., E, C, D]`` and weights whose first dim is the experts' (logical dims ``axes``),
     calling ``reduce`` on the down projection's output before its bias -- with the experts
-    split over the ``expert`` axis as above (on one device, or without that axis, simply
-    ``fn``). There the weights come in their at-rest layout and are gathered here over their
+    split over the ``expert`` axis as above (on one device simply ``fn``; on a mesh without
+    that axis the same region without the exchange). There the weights come in their at-rest layout and are gathered here over their
     ZeRO-3/FSDP axes (so the gradients' transpose is a reduce-scatter into it), as
     :func:`jaxshard.rules.for_compute` does elsewhere; under ``tensor`` each device runs its
     column and row split of every expert's MLP (Megatron's, by hand: ``reduce`` sums the
     partial outputs over ``tensor``, and the input's gradient is summed over it once)."""
     experts = expert_axes()
-    if not experts:
-        return fn(buf_BECD, *weights, reduce=lambda y: y)
     rules = active()
+    if rules is None:
+        return fn(buf_BECD, *weights, reduce=lambda y: y)
+    # (Without an expert axis the same region, with no exchange: left to the partitioner,
+    # the experts' batched matmuls ran 2x the slots' FLOPs on data=8.)
     n = rules.size(experts)
     tensor = rules.param_mesh_axes(Dim.MLP)
     # The batch's axes (expert among them: each device's rows as they lie) and tensor. (With
@@ -95,11 +97,15 @@ def run_experts(fn: Callable[..., jax.Array], buf_BECD: jax.Array, weights: Sequ
     def local(buf, *ws):
         ws = [_gather(w, r, u) for w, r, u in zip(ws, at_rest, compute)]
         b, E, C, D = buf.shape
-        mine = checkpoint_name(exchange(buf.reshape(b, n, E // n, C, D)), EXCHANGED)  # [b, n (source), E/n (mine), C, D]
+        mine = buf.reshape(b, n, E // n, C, D)  # [b, n (source), E/n (mine), C, D]
+        if n > 1:
+            mine = checkpoint_name(exchange(mine), EXCHANGED)
         if tensor:  # one all-reduce of the projections' summed input gradients (backward)
             mine = _wide(lambda x: jax.lax.pcast(x, tuple(tensor), to="varying"), mine)
         out = fn(mine, *ws, reduce=lambda y: _wide(lambda x: jax.lax.psum(x, tuple(tensor)), y) if tensor else y)
-        return checkpoint_name(exchange(out), EXCHANGED).reshape(b, E, C, out.shape[-1])
+        if n > 1:
+            out = checkpoint_name(exchange(out), EXCHANGED)
+        return out.reshape(b, E, C, out.shape[-1])
 
     rows = P(tuple(rules.batch_axes))
     return jax.shard_map(local, mesh=rules.context_mesh, in_specs=(rows, *_only(manual, at_rest)),

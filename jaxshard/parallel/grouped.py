@@ -7,9 +7,9 @@ On GPUs and TPUs the three matmuls are ``jax.lax.ragged_dot``, which lowers to a
 matmul kernel. XLA:CPU has none: jax lowers ``ragged_dot`` there as every row times every
 group's matrix, masked (G times the FLOPs; ``tests/test_grouped.py`` reads it from the
 compiled program). On CPU the MLP runs in tiles instead (MegaBlocks' tiling): each
-expert's rows in tiles of ``m``, ``while`` loops over the tiles there are (a count known only at run time). One loop
-gathers each tile's rows from their tokens and makes the up (and gate) projections, the
-pre-activations, the only ``[rows, F]`` buffers; a second applies the activation, the down
+expert's rows in tiles of ``m``, ``while`` loops over the tiles there are (a count known
+only at run time). One loop gathers each tile's rows from their tokens and makes the up (and
+gate) projections, the pre-activations, the only ``[rows, F]`` buffers; a second applies the activation, the down
 projection and the gated sum into the tokens. So no buffer of every possible row's input or
 output passes through memory. The rows computed beyond the real ones are at most
 ``G (m - 1)``, the tiles' padding. Backward (custom VJPs) runs the same tiles in two loops,

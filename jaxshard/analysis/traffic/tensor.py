@@ -6,8 +6,8 @@ Per layer and microbatch, Megatron's ``g`` after each row-parallel block output 
 and the MLP's: an all-reduce of the ``[B, L, D]`` activation, under SP a reduce-scatter after
 an all-gather of the sequence into each block) and its ``f`` backward, the column-parallel
 projections' input gradient (one per sublayer, summed over its projections). A recomputed
-layer repeats the reductions the backward pass needs again. MoE layers with the experts
-split under a capacity reduce the experts' slots, ``[rows, E, C, D]``, not the tokens. With grouped-query kv
+layer repeats the reductions the backward pass needs again. MoE layers under a capacity
+reduce the experts' slots, ``[rows, E, C, D]``, not the tokens. With grouped-query kv
 heads fewer than ``tensor``, every device computes the kv heads its query heads read, and
 their gradients are summed over the query heads' devices and gathered.
 
@@ -59,10 +59,10 @@ def layers(ledger: Ledger) -> None:
         ledger.add("reduce-scatter", tensor, act, micro * n_layers * bwd_inputs,
                    "SP backward: reduce-scatter the input gradient of each column-parallel projection")
     else:
-        # MoE layers with the experts split under a capacity (parallel.experts): their MLP's
-        # two reductions are of the experts' slots, [rows, E, C, D], not of the tokens
-        # (dropless ones reduce the tokens, as a dense MLP).
-        moe = cfg.n_moe_layers if rules.param_mesh_axes(Dim.EXPERTS) and cfg.moe_capacity(ledger.length) else 0
+        # MoE layers under a capacity (parallel.experts): their MLP's two reductions are of the
+        # experts' slots, [rows, E, C, D], not of the tokens (dropless ones reduce the
+        # tokens, as a dense MLP).
+        moe = cfg.n_moe_layers if cfg.n_moe_layers and cfg.moe_capacity(ledger.length) else 0
         ledger.add("all-reduce", tensor, act, micro * (n_layers * n_out - moe),
                    "TP: row-parallel attention/MLP outputs")
         ledger.add("all-reduce", tensor, act, micro * (n_layers * bwd_inputs - moe),
