@@ -170,7 +170,7 @@ def _dispatch_gathered(fn, x_bLD, experts_bLK, gates_bLK, E, n, experts, tensor,
         x_TD, ids_TK, gates_TK = _gathered(x_TD, ids_TK, gates_TK, experts)
         ids_TK = ids_TK - jax.lax.axis_index(experts) * mine
     key = jnp.where((ids_TK >= 0) & (ids_TK < mine), ids_TK, mine).reshape(-1)  # other devices' experts last
-    order = jnp.argsort(key, stable=True)
+    order = _sorted_by(key, mine + 1)
     group = key[order]
     sizes = jnp.bincount(key, length=mine + 1)[:mine].astype(jnp.int32)
     lead = (jax.lax.axis_index(tensor) == 0).astype(x_TD.dtype) if tensor else jnp.ones((), x_TD.dtype)
@@ -182,6 +182,19 @@ def _dispatch_gathered(fn, x_bLD, experts_bLK, gates_bLK, E, n, experts, tensor,
     if tensor:
         out_TD = _wide(lambda v: jax.lax.psum(v, tensor), out_TD)
     return out_TD.reshape(b, L, D), computed.astype(jnp.float32)
+
+
+def _sorted_by(key: jax.Array, n: int) -> jax.Array:
+    """The stable order of ``key`` (ints below ``n``): a counting sort where ``n`` is small (a
+    cumulative sum over a ``[len, n]`` one-hot; XLA:CPU's sort calls a comparator function
+    per comparison), else ``argsort``."""
+    if n > 32:
+        return jnp.argsort(key, stable=True)
+    onehot = (key[:, None] == jnp.arange(n)[None, :]).astype(jnp.int32)
+    before = jnp.cumsum(onehot, axis=0) - onehot  # same-key rows before each row
+    counts = jnp.sum(onehot, axis=0)
+    place = jnp.sum((before + (jnp.cumsum(counts) - counts)[None, :]) * onehot, axis=1)
+    return jnp.zeros_like(key).at[place].set(jnp.arange(key.shape[0], dtype=key.dtype), unique_indices=True)
 
 
 def _gathered(x_TD, ids_TK, gates_TK, axes):

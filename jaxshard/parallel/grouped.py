@@ -191,7 +191,7 @@ def _project(x_ND, token_R, sizes_G, ws, names, m):
             tiles.first[t], 0) for k in kinds}
 
     pre, count = _loop(tiles.count, body, {k: _zeros((R + m, F), dtype, x_ND, *ws) for k in kinds})
-    return tuple(pre[k][:R] for k in kinds), count
+    return tuple(pre[k] for k in kinds), count  # (R + m rows: the padded layout stays)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -209,7 +209,7 @@ def _projected_bwd(names, m, res, cts):
     d_pre = dict(zip([k for k in ("w_in", "w_gate") if k in w], cts[0]))
     R = token_R.shape[0]
     tiles, token = _Tiles(sizes_G, m, R), _pad(token_R, m)
-    padded = {k: _pad(v, m) for k, v in d_pre.items()}
+    padded = d_pre  # (R + m rows)
 
     def body(t, carry):
         dx, dw = carry
@@ -241,7 +241,7 @@ def _combine(pre, token_R, gate_R, sizes_G, lead, ws, names, act, m, n_tokens):
     w = dict(zip(names, ws))
     R, D = token_R.shape[0], w["w_out"].shape[-1]
     tiles, token, gate = _Tiles(sizes_G, m, R), _pad(token_R, m), _pad(gate_R, m)
-    padded = [_pad(p, m) for p in pre]
+    padded = pre  # (R + m rows)
     dtype = jnp.result_type(pre[0], w["w_out"])
 
     def body(t, out):
@@ -270,7 +270,7 @@ def _combined_bwd(names, act, m, n_tokens, res, d_out):
     w = dict(zip(names, ws))
     R, F = token_R.shape[0], pre[0].shape[-1]
     tiles, token, gate = _Tiles(sizes_G, m, R), _pad(token_R, m), _pad(gate_R, m)
-    padded = [_pad(p, m) for p in pre]
+    padded = pre  # (R + m rows)
     two = len(pre) > 1
 
     def body(t, carry):
@@ -299,7 +299,7 @@ def _combined_bwd(names, act, m, n_tokens, res, d_out):
     init = ([_zeros((R + m, F), jnp.float32, *like) for _ in pre], _zeros((R + m,), jnp.float32, *like),
             {k: _zeros(w[k].shape, jnp.float32, *like) for k in names if k in ("w_out", "b_out")})
     (d_pre, d_gate, dw), _ = _loop(tiles.count, body, init)
-    return (tuple(_summed(d[:R], p) for d, p in zip(d_pre, pre)), None, _summed(d_gate[:R], gate_R), None, None,
+    return (tuple(_summed(d, p) for d, p in zip(d_pre, pre)), None, _summed(d_gate[:R], gate_R), None, None,
             tuple(_summed(dw[k], w[k]) if k in dw else jnp.zeros_like(w[k]) for k in names))
 
 
