@@ -23,7 +23,7 @@ Params = dict[str, Any]
 # The routing statistics of a model with MoE layers, in the order a layer reports them; the
 # last is the expert rows the step computed per routed choice (1 is exact; a capacity's empty
 # slots and a grouped matmul's tile padding are above it), read from the program.
-MOE_METRICS = ("moe_load_balance", "moe_z_loss", "moe_dropped", "moe_computed")
+MOE_METRICS = ("moe_load_balance", "moe_z_loss", "moe_dropped", "moe_computed", "moe_max_violation")
 
 
 class Loss(NamedTuple):
@@ -137,6 +137,19 @@ class Moe(_Overrides):
                                               "(logged as moe_load_balance)", default_text=_PRESETS)
     moe_z_coef: float | None = option(None, "weight of the router z-loss mean logsumexp^2 (logged as "
                                             "moe_z_loss)", default_text=_PRESETS)
+    moe_balance: str | None = option(
+        None, "aux: the load-balancing loss; bias: DeepSeek-V3's auxiliary-loss-free balancing (a "
+              "per-expert routing bias moved each step towards the mean load, outside the gradient); "
+              "both", choices=("aux", "bias", "both"), default_text="aux")
+    moe_bias_rate: float | None = option(None, "--moe-balance bias|both: the bias's step per "
+                                               "optimizer step (DeepSeek-V3's gamma)", default_text="0.001")
+
+    def __post_init__(self) -> None:
+        if self.moe_balance == "bias" and self.moe_aux_coef is not None:
+            raise ConfigError("--moe-aux-coef weights the load-balancing loss, which --moe-balance bias "
+                              "leaves out (use --moe-balance both)")
+        if self.moe_bias_rate is not None and self.moe_balance in (None, "aux"):
+            raise ConfigError("--moe-bias-rate needs --moe-balance bias or both")
 
 
 @dataclass(frozen=True, slots=True)

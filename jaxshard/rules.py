@@ -48,6 +48,9 @@ GATHERED = "gathered_weights"
 HOST_MEMORY = "pinned_host"
 OFFLOAD = ("optimizer", "params")
 
+# How context parallelism computes attention (``--context-parallel``).
+CONTEXT_PARALLEL = ("ring", "ulysses")
+
 # Dims that ZeRO/FSDP never pick: the layer scan slices ``layers`` one layer at a time, and the
 # learned positions are sliced to the sequence length (rows split over devices would move
 # between them: collective-permutes, which inside a pipeline stage's embedding deadlock).
@@ -87,6 +90,13 @@ class Strategy:
     sequence_parallel: bool = option(
         False, "with tensor > 1: split the residual stream's sequence over tensor (the block "
                "all-reduces become reduce-scatter + all-gather)")
+    # How context parallelism runs attention over the split sequence (parallel.attention): a
+    # ring passing key/value chunks, or Ulysses' all-to-alls trading the sequence split for a
+    # head split around a whole-sequence attention.
+    context_parallel: str = option(
+        "ring", "with sequence > 1: ring (key/value chunks passed around the devices, the causal "
+                "work balanced) or ulysses (all-to-all to a head split around whole-sequence "
+                "attention; heads divisible by sequence)", choices=CONTEXT_PARALLEL)
     # ZeRO-3/FSDP: drop a layer's gathered weights after its forward and gather them again for
     # its backward (PyTorch FSDP's default); False keeps them (one gather fewer, more memory).
     reshard_after_forward: bool = option(
@@ -107,6 +117,9 @@ class Strategy:
                               f"{', '.join(OFFLOAD)}, got {','.join(self.offload)}")
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"{flag(Strategy, 'zero')} must be 0, 1, 2 or 3, got {self.zero}")
+        if self.context_parallel not in CONTEXT_PARALLEL:
+            raise ConfigError(f"{flag(Strategy, 'context_parallel')} must be one of "
+                              f"{', '.join(CONTEXT_PARALLEL)}, got {self.context_parallel}")
         if self.fsdp_min_size < 0:
             raise ConfigError(f"{flag(Strategy, 'fsdp_min_size')} must be >= 0, got {self.fsdp_min_size}")
 
@@ -127,6 +140,9 @@ class ShardingRules:
         sequence = self.active_axes((MeshAxis.SEQUENCE,))
         if strategy.sequence_parallel and not tensor:
             raise ConfigError("--sequence-parallel needs a tensor axis of size > 1 in --mesh")
+        if strategy.context_parallel != "ring" and not sequence:
+            raise ConfigError(f"--context-parallel {strategy.context_parallel} needs a sequence axis of "
+                              "size > 1 in --mesh")
         if strategy.zero and self.sizes[MeshAxis.DATA] == 1:
             raise ConfigError(f"--zero {strategy.zero} shards state over the data axis, which --mesh does "
                               "not split (an fsdp axis shards params, grads and optimizer state already)")
@@ -196,7 +212,7 @@ class ShardingRules:
         if self.sizes[MeshAxis.TENSOR] > 1:
             parts.append("tp+sp" if self.strategy.sequence_parallel else "tp")
         if self.sizes[MeshAxis.SEQUENCE] > 1:
-            parts.append("cp")
+            parts.append("cp" if self.strategy.context_parallel == "ring" else "cp-ulysses")
         if self.sizes[MeshAxis.STAGE] > 1:
             parts.append("pp")
         if self.sizes[MeshAxis.EXPERT] > 1:

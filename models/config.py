@@ -10,6 +10,9 @@ from enum import StrEnum
 from jaxshard.errors import ConfigError
 
 
+MOE_BALANCE = ("aux", "bias", "both")  # how MoE layers balance their experts' load
+
+
 class Norm(StrEnum):
     LAYER = "layernorm"
     RMS = "rmsnorm"
@@ -76,6 +79,11 @@ class ModelConfig:
     moe_shared_experts: int = 0  # experts every token passes through (DeepSeek), of moe_d_mlp each
     moe_aux_coef: float = 0.01  # load-balancing loss coefficient
     moe_z_coef: float = 0.001  # router z-loss coefficient
+    # How the load is balanced: "aux" (the load-balancing loss), "bias" (DeepSeek-V3's
+    # auxiliary-loss-free routing bias, moved by moe_bias_rate a step towards the mean load) or
+    # "both".
+    moe_balance: str = "aux"
+    moe_bias_rate: float = 0.001  # DeepSeek-V3's bias update speed gamma
 
     def __post_init__(self) -> None:
         for field in ("n_layers", "d_model", "n_heads", "d_mlp", "vocab_size", "max_seq_len"):
@@ -122,6 +130,20 @@ class ModelConfig:
             raise ConfigError(f"model {self.name}: moe_d_mlp must be >= 1, got {self.moe_d_mlp}")
         if self.moe_aux_coef < 0 or self.moe_z_coef < 0:
             raise ConfigError("--moe-aux-coef and --moe-z-coef must be >= 0")
+        if self.moe_balance not in MOE_BALANCE:
+            raise ConfigError(f"--moe-balance must be one of {', '.join(MOE_BALANCE)}, got {self.moe_balance!r}")
+        if self.moe_bias_rate < 0:
+            raise ConfigError(f"--moe-bias-rate must be >= 0, got {self.moe_bias_rate}")
+
+    @property
+    def moe_router_bias(self) -> bool:
+        """Whether MoE layers route with DeepSeek-V3's load-balancing bias."""
+        return bool(self.moe_experts) and self.moe_balance in ("bias", "both")
+
+    @property
+    def moe_aux_weight(self) -> float:
+        """The load-balancing loss's weight in the differentiated loss (0 under bias alone)."""
+        return 0.0 if self.moe_balance == "bias" else self.moe_aux_coef
 
     @property
     def n_moe_layers(self) -> int:

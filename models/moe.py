@@ -17,6 +17,16 @@
   of the k S choices routed to e (before dropping) and P_e the mean router probability of e, 1
   at perfect balance; router z-loss mean(logsumexp(logits)^2). Both are means over all the
   step's tokens, so they too are the same on any mesh.
+* **Auxiliary-loss-free balancing** (DeepSeek-V3, Wang et al. 2024; ``moe_balance`` bias or
+  both): a per-expert bias b is added to the router probabilities for choosing the top k only
+  (the gates stay the unbiased probabilities), and after each step b_e moves by gamma sign(1/E -
+  f_e): up for an expert under the mean load, down for one over it. The step's loads reach the
+  optimizer as the bias's gradient: the layer adds sum_e (b_e - stop_gradient(b_e))
+  stop_gradient(f_e - 1/E) to its max-violation statistic, a term worth exactly 0 whose
+  gradient is f_e - 1/E, so accumulation, data-parallel reduction and pipelines sum the loads as
+  they sum any gradient; ``training.optim`` turns it into the signed step, outside Adam, the
+  clipping norm and weight decay. ``moe_max_violation`` (DeepSeek's MaxVio, E max_e f_e - 1: 0
+  at perfect balance) is logged either way.
 """
 
 from __future__ import annotations
@@ -50,13 +60,14 @@ class Routing:
     load_balance: jax.Array  # scalar: E sum_e f_e P_e
     z_loss: jax.Array  # scalar: mean logsumexp(logits)^2
     dropped: jax.Array  # scalar: fraction of choices dropped
+    max_violation: jax.Array  # scalar: E max_e f_e - 1 (with a bias, plus its zero-valued load term)
     computed: jax.Array | None = None  # scalar: expert rows computed per choice (set by the layer)
 
     @property
-    def stats(self) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        """(load balance, z-loss, dropped fraction, expert rows computed per choice): what the
+    def stats(self) -> tuple[jax.Array, ...]:
+        """The routing's statistics in :data:`jaxshard.model.MOE_METRICS`' order: what the
         layer scan carries out."""
-        return self.load_balance, self.z_loss, self.dropped, self.computed
+        return self.load_balance, self.z_loss, self.dropped, self.computed, self.max_violation
 
 
 def _top_k(p: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -72,13 +83,19 @@ def _top_k(p: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1)
 
 
-def route(logits_GSE: jax.Array, k: int, capacity_per_group: int) -> Routing:
+def route(logits_GSE: jax.Array, k: int, capacity_per_group: int, bias_E: jax.Array | None = None) -> Routing:
     """Route ``logits_GSE`` (float32 router logits) to the top ``k`` experts, keeping at most
-    ``capacity_per_group`` choices per expert per group (0: keep all)."""
+    ``capacity_per_group`` choices per expert per group (0: keep all). ``bias_E``: DeepSeek-V3's
+    balancing bias, added to the probabilities to choose the experts, not to the gates."""
     G, S, E = logits_GSE.shape
     logits_GSE = logits_GSE.astype(jnp.float32)
     probs_GSE = jax.nn.softmax(logits_GSE, axis=-1)
-    top_p, experts = _top_k(probs_GSE, k)
+    if bias_E is None:
+        top_p, experts = _top_k(probs_GSE, k)
+    else:
+        bias_E = bias_E.astype(jnp.float32)
+        _, experts = _top_k(probs_GSE + jax.lax.stop_gradient(bias_E), k)
+        top_p = jnp.take_along_axis(probs_GSE, experts, axis=-1)
     gates = top_p if k == 1 else top_p / jnp.sum(top_p, axis=-1, keepdims=True)
     # Queue places in GShard's priority: choice-major, then token order.
     chosen_GKSE = jax.nn.one_hot(experts.swapaxes(1, 2), E, dtype=jnp.int32)
@@ -89,9 +106,12 @@ def route(logits_GSE: jax.Array, k: int, capacity_per_group: int) -> Routing:
     f_E = batch_mean(chosen_GKSE.astype(jnp.float32), axis=(0, 1, 2))  # sums to 1 over e
     p_E = batch_mean(probs_GSE, axis=(0, 1))
     z = batch_mean(jax.nn.logsumexp(logits_GSE, axis=-1) ** 2)
+    max_violation = E * jnp.max(f_E) - 1.0
+    if bias_E is not None:  # worth 0; its gradient, the bias's update direction: f_e - 1/E
+        max_violation = max_violation + jnp.sum((bias_E - jax.lax.stop_gradient(bias_E)) * (f_E - 1.0 / E))
     return Routing(experts=experts, gates=gates, position=position, kept=kept,
                    load_balance=E * jnp.sum(f_E * p_E), z_loss=z,
-                   dropped=1.0 - batch_mean(kept.astype(jnp.float32)))
+                   dropped=1.0 - batch_mean(kept.astype(jnp.float32)), max_violation=max_violation)
 
 
 def dispatch_capacity(x_GSD: jax.Array, r: Routing, n_experts: int, cap: int) -> tuple[jax.Array, jax.Array]:
@@ -140,6 +160,8 @@ class MoEFeedForward(nnx.Module):
         self.cfg, self.n_experts, self.k = cfg, E, cfg.moe_top_k
         self.swiglu, self.use_bias = cfg.mlp is Mlp.SWIGLU, cfg.use_bias
         self.router = _param(rngs, (D, E), (Dim.EMBED, None), std)
+        if cfg.moe_router_bias:  # DeepSeek-V3's balancing bias: moved by the optimizer, not the gradient
+            self.router_bias = _const(0.0, (E,), (None,))
         axes = self.weight_axes
         self.w_in = _param(rngs, (E, D, F), axes["w_in"], std)
         if self.swiglu:
@@ -197,7 +219,7 @@ class MoEFeedForward(nnx.Module):
         B, L, D = x_BLD.shape
         logits = jnp.einsum("bld,de->ble", x_BLD.astype(jnp.float32), self.router[...].astype(jnp.float32))
         cap = self.cfg.moe_capacity(L)
-        r = route(logits, self.k, cap)
+        r = route(logits, self.k, cap, self.router_bias[...] if self.cfg.moe_router_bias else None)
         weights = self._weights()
         if cap:
             buf_BECD, slot = dispatch_capacity(x_BLD, r, self.n_experts, cap)

@@ -254,7 +254,7 @@ class TransformerLM:
         nll_BL = cross_entropy(logits_BLV, targets_BL, self.cfg.vocab_size)
         nll, tokens = nll_BL.sum(), jnp.asarray(nll_BL.size, jnp.float32)
         moe = {name: tokens * jnp.mean(s) for name, s in zip(MOE_METRICS, stats)}
-        total = nll + self.aux_loss(moe["moe_load_balance"], moe["moe_z_loss"]) if moe else nll
+        total = nll + self.aux_loss(**moe) if moe else nll
         return Loss(total, tokens, nll, moe)
 
     def balanced_order(self, L: int) -> np.ndarray | None:
@@ -265,9 +265,16 @@ class TransformerLM:
         S = attention.ring_size()
         return attention.balanced_order(L, S) if attention.balances(self.cfg, S, L) else None
 
-    def aux_loss(self, load_balance: jax.Array, z_loss: jax.Array) -> jax.Array:
-        """The auxiliary losses' part of the differentiated loss (of token-weighted sums)."""
-        return self.cfg.moe_aux_coef * load_balance + self.cfg.moe_z_coef * z_loss
+    def aux_loss(self, moe_load_balance: jax.Array, moe_z_loss: jax.Array, moe_max_violation: jax.Array,
+                 **_) -> jax.Array:
+        """The auxiliary losses' part of the differentiated loss, from the token-weighted sums of
+        the routing statistics (:data:`MOE_METRICS`): the weighted load-balancing loss (none
+        under ``moe_balance`` bias) and z-loss, and with a routing bias the max violation's
+        zero-valued load term, which carries the loads to the bias's gradient (``models.moe``)."""
+        total = self.cfg.moe_aux_weight * moe_load_balance + self.cfg.moe_z_coef * moe_z_loss
+        if self.cfg.moe_router_bias:
+            total = total + (moe_max_violation - jax.lax.stop_gradient(moe_max_violation))
+        return total
 
     def check_seq_len(self, inputs_BL: jax.Array) -> None:
         if inputs_BL.shape[1] > self.cfg.max_seq_len:

@@ -69,11 +69,7 @@ def train(model, rules, optim_cfg, sync_every: int, corpus, a) -> dict:
     t0 = time.perf_counter()
     step = program.lower_step(B, L).compile()
     compile_s = time.perf_counter() - t0
-    rows, cols = data_lib.process_block(program.batch_sharding, B, L)
-    train_data = data_lib.Batches(corpus.train, L, B, a.seed, rows, cols=cols, what="training split")
-    val_data = data_lib.Batches(corpus.val, L, B, a.seed, rows, shuffle=False, cols=cols, what="validation split")
-    val_batches = [data_lib.to_global(val_data.batch_at(i * B), program.batch_sharding, (B, L))
-                   for i in range(a.eval_batches)]
+    train_data, val_batches = data_lib.splits_for(program, corpus, B, L, a.seed, a.eval_batches)
 
     def validate(state) -> float:
         return float(np.mean(jax.device_get([program.eval(state.params, b) for b in val_batches])))

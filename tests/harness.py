@@ -26,14 +26,16 @@ def random_batches(vocab: int, seed: int = 0):
 
 
 def make_program(model, mesh_spec: str, *, zero=0, sequence_parallel=False, accum=1,
-                 dtype="float32", seed=0, devices=None, reshard_after_forward=True, offload=(), **step):
+                 dtype="float32", seed=0, devices=None, reshard_after_forward=True, offload=(),
+                 context_parallel="ring", **step):
     """``mesh_spec`` on the first devices it needs (all 8 unless its sizes say fewer)."""
     if devices is None:
         sizes = [s for _, s in MeshSpec.parse(mesh_spec).axes]
         devices = jax.devices() if -1 in sizes else jax.devices()[:math.prod(sizes)]
     rules = ShardingRules(build_mesh(mesh_spec, devices),
                           Strategy(zero=zero, sequence_parallel=sequence_parallel,
-                                   reshard_after_forward=reshard_after_forward, offload=offload))
+                                   reshard_after_forward=reshard_after_forward, offload=offload,
+                                   context_parallel=context_parallel))
     return build_program(model, rules, OPTIM, StepConfig(grad_accum=accum, compute_dtype=dtype, seed=seed, **step))
 
 

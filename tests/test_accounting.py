@@ -118,6 +118,8 @@ WASTE = {
     "tp+sp": ("llama-tiny", "data=2,tensor=4", "none", dict(sequence_parallel=True), 64),
     # Attention-heavy (width 64 at sequence 512): the balanced ring's share of the square.
     "cp": ("llama-tiny:narrow", "data=2,sequence=4", "none", {}, 512),
+    "cp-ulysses": ("llama-tiny:narrow", "data=2,sequence=4", "selective", dict(context_parallel="ulysses"), 512),
+    "gqa+tp": ("tiny-llama", "tensor=8", "none", {}, 64),  # 2 kv heads on 8: projected on every device
     "moe": ("moe-tiny", "data=8", "none", {}, 64),
     "ep": ("moe-tiny", "data=2,expert=4", "none", {}, 64),
     "ep-dropless": ("moe-tiny:dropless", "expert=8", "none", {}, 64),
@@ -265,6 +267,21 @@ def test_model_parallel_collectives_under_recompute(mesh, sp, remat):
     for kind, predicted, measured in v.by_kind:
         if kind in kinds:
             assert abs(measured - predicted) <= 0.01 * predicted + 1024, (kind, predicted, measured)
+
+
+@pytest.mark.parametrize("mesh, remat", [
+    ("data=2,sequence=4", "none"), ("fsdp=2,sequence=4", "selective"), ("data=2,sequence=4", "full"),
+    ("data=2,sequence=4", "names:attn_out"), ("fsdp=2,tensor=2,sequence=2", "dots")])
+def test_ulysses_all_to_alls_under_recompute(mesh, remat):
+    """Ulysses' four all-to-alls a layer each way, and what a recomputed forward pass sends
+    again: q, k and v always, the output unless the policy keeps it (selective recomputes the
+    core alone; names:attn_out keeps it). Every kind within 1% of the compiled bytes."""
+    model = TransformerLM(get_preset("llama-tiny"), remat=remat)
+    program = make_program(model, mesh, context_parallel="ulysses")
+    v = inspect.verify(model, program, program.lower_step(8, 64).compile(), 8, 64)
+    assert not v.flags, v.flags
+    (predicted, measured), = [(p, c) for kind, p, c in v.by_kind if kind == "all-to-all"]
+    assert abs(measured - predicted) <= 0.01 * predicted, (predicted, measured)
 
 
 @pytest.mark.parametrize("model_name", ["tiny", "llama-tiny"])  # GPT-2 (tied, GELU) and Llama

@@ -132,8 +132,10 @@ def test_a_pipeline_checkpoint_resumes_without_stages(tmp_path):
 def test_an_expert_parallel_checkpoint_resumes_on_other_meshes(tmp_path):
     """Saved on expert=4,data=2 (each device holding a quarter of the experts), resumed on
     expert=2,data=2 (4 devices) and on one device (a capacity of S slots per sequence: nothing
-    drops)."""
-    assert_resumes_elsewhere(tmp_path, ["--model", "moe-tiny", "--moe-capacity-factor", "4"], "expert=4,data=2",
+    drops). The routing biases of ``--moe-balance both`` (at a rate that moves choices) are
+    part of what resumes."""
+    assert_resumes_elsewhere(tmp_path, ["--model", "moe-tiny", "--moe-capacity-factor", "4", "--moe-balance", "both",
+                                        "--moe-bias-rate", "0.05"], "expert=4,data=2",
                              [("expert=2,data=2", 4), ("data=1", 1)])
 
 

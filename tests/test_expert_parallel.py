@@ -244,3 +244,24 @@ def test_moe_pipelines_match_one_device(mesh, step):
         np.testing.assert_allclose([m[key] for m in got], [m[key] for m in ref], rtol=RTOL, err_msg=key)
     assert ref[0]["moe_dropped"] > 0
     assert_params_close(params, ref_params)
+
+
+@pytest.mark.parametrize("mesh, step", [
+    ("data=2,expert=4", {}), ("fsdp=2,expert=2,tensor=2", {}), ("expert=8", {}),
+    ("stage=2,expert=4", dict(microbatches=4)),
+])
+def test_routing_bias_matches_one_device(mesh, step):
+    """DeepSeek-V3's balancing bias (``--moe-balance both``, a rate large enough to change
+    choices within the run, a capacity that drops) on expert meshes and a pipeline equals one
+    device: the bias follows the step's loads over all devices and microbatches (they reach
+    it as a gradient, reduced as gradients are), so the losses, the max violation and every
+    param, the biases included, are the same."""
+    model = TransformerLM(get_preset("moe-tiny").replace(moe_capacity_factor=1.0, moe_balance="both",
+                                                         moe_bias_rate=0.05))
+    ref, ref_params = _run_with_metrics(model, "data=1", accum=step.get("microbatches", 1))
+    got, params = _run_with_metrics(model, mesh, **step)
+    for key in ("loss", "moe_max_violation", "moe_dropped", "grad_norm"):
+        np.testing.assert_allclose([m[key] for m in got], [m[key] for m in ref], rtol=RTOL, err_msg=key)
+    assert_params_close(params, ref_params)
+    bias = ref_params[MOE_BLOCKS]["ffn"]["router_bias"]
+    assert np.abs(bias).max() >= 0.05 and np.allclose(bias / 0.05, np.round(bias / 0.05), atol=1e-4)

@@ -214,9 +214,9 @@ def test_auxiliary_losses_reach_the_router_gradient(preset, monkeypatch):
     captured = []
     real = moe.route
 
-    def spy(logits, k, cap):
+    def spy(logits, k, cap, bias=None):
         jax.debug.callback(lambda x: captured.append(np.asarray(x)), logits, ordered=True)  # in layer order
-        return real(logits, k, cap)
+        return real(logits, k, cap, bias)
 
     monkeypatch.setattr(moe, "route", spy)
     a, z = 0.3, 0.05
@@ -291,3 +291,102 @@ def test_the_coefficients_change_the_training_step_by_their_gradient():
     assert plain[0]["grad_norm"] != pytest.approx(weighted[0]["grad_norm"], rel=1e-4)
     assert plain[0]["moe_load_balance"] == pytest.approx(weighted[0]["moe_load_balance"], rel=1e-6)
     assert weighted[-1]["moe_load_balance"] < plain[-1]["moe_load_balance"]
+
+
+def _biased_choices(probs, bias, k):
+    """numpy: the top k of probs + bias (ties to the lower index), gated by the plain probs."""
+    experts = np.argsort(-(probs + bias), axis=-1, kind="stable")[..., :k]
+    top = np.take_along_axis(probs, experts, axis=-1)
+    return experts, top if k == 1 else top / top.sum(-1, keepdims=True)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_routing_bias_chooses_the_experts_but_not_their_gates(k):
+    """DeepSeek-V3's balancing bias: the top k of the biased probabilities, each gated by its
+    unbiased probability; the max-violation statistic E max_e f_e - 1 is unchanged by the
+    zero-valued term that carries the loads, and that term's gradient is f_e - 1/E."""
+    rng = np.random.default_rng(k)
+    logits = rng.normal(size=(3, 32, 4)).astype(np.float32)
+    bias = rng.normal(size=4).astype(np.float32) * 0.3
+    r = route(jnp.asarray(logits), k, 0, jnp.asarray(bias))
+    experts, gates = _biased_choices(softmax(logits.astype(np.float64)), bias, k)
+    np.testing.assert_array_equal(np.asarray(r.experts), experts)
+    np.testing.assert_allclose(np.asarray(r.gates), gates, rtol=1e-5)
+    assert not np.array_equal(experts, np.argsort(-logits, axis=-1, kind="stable")[..., :k])  # the bias matters
+    f = np.array([(experts == e).mean() for e in range(4)])
+    assert float(r.max_violation) == pytest.approx(4 * f.max() - 1, abs=1e-6)
+    grad = jax.grad(lambda b: route(jnp.asarray(logits), k, 0, b).max_violation)(jnp.asarray(bias))
+    np.testing.assert_allclose(np.asarray(grad), f - 1 / 4, atol=1e-7)
+
+
+def test_the_router_bias_steps_towards_the_mean_load_against_numpy(monkeypatch):
+    """One training step of moe-tiny with ``--moe-balance bias`` from random biases: each
+    layer's bias moves by gamma sign(1/E - f_e), f_e its experts' share of the step's choices
+    counted in numpy from the router logits the step computed (captured as it runs) and the
+    biases it started from. (The first step's learning rate is 0, warming up: the bias's step
+    is its own rate, as DeepSeek-V3's, not Adam's.)"""
+    from harness import make_program, random_batches
+    from models import TransformerLM, moe
+
+    captured = []
+    real = moe.route
+
+    def spy(logits, k, cap, bias=None):
+        jax.debug.callback(lambda x: captured.append(np.asarray(x)), logits, ordered=True)
+        return real(logits, k, cap, bias)
+
+    monkeypatch.setattr(moe, "route", spy)
+    gamma = 0.01
+    cfg = get_preset("moe-tiny").replace(moe_balance="bias", moe_bias_rate=gamma)
+    program = make_program(TransformerLM(cfg), "data=1")
+    state = program.init(0)
+    rng = np.random.default_rng(0)
+    ffn = state.params["moe_blocks"]["ffn"]
+    bias = (rng.normal(size=ffn["router_bias"].shape) * 0.05).astype(np.float32)
+    params = jax.tree.map(lambda x: x, state.params)
+    params["moe_blocks"]["ffn"]["router_bias"] = jax.device_put(bias, ffn["router_bias"].sharding)
+    router = np.asarray(ffn["router"])
+    state = state._replace(params=params)
+    batch = random_batches(cfg.vocab_size, 0)[0]
+    state, _ = program.step(state, jax.device_put(batch, program.batch_sharding))
+    jax.effects_barrier()
+    assert len(captured) == cfg.n_moe_layers
+    E, k = cfg.moe_experts, cfg.moe_top_k
+    want = []
+    for layer, logits in enumerate(captured):
+        experts, _ = _biased_choices(softmax(np.asarray(logits, np.float64)), bias[layer], k)
+        f = np.array([(experts == e).mean() for e in range(E)])
+        want.append(bias[layer] + gamma * np.sign(1 / E - f))
+    got = np.asarray(state.params["moe_blocks"]["ffn"]["router_bias"])
+    np.testing.assert_allclose(got, np.array(want, np.float32), atol=1e-7)
+    assert np.any(got != bias)
+    np.testing.assert_array_equal(np.asarray(state.params["moe_blocks"]["ffn"]["router"]), router)  # lr 0
+
+
+def test_the_loads_do_not_count_in_the_clipping_norm():
+    """The bias's gradient is the loads' deviation, not a gradient: the first step's norm (and
+    loss) with the bias and the aux loss equals the aux loss's alone (the bias starts at zero,
+    so the routing is the same)."""
+    from harness import make_program, random_batches
+    from models import TransformerLM
+
+    batch = random_batches(256, 0)[0]
+    norms = {}
+    for balance in ("aux", "both"):
+        program = make_program(TransformerLM(get_preset("moe-tiny").replace(moe_balance=balance)), "data=1")
+        _, m = program.step(program.init(0), jax.device_put(batch, program.batch_sharding))
+        norms[balance] = (float(m["grad_norm"]), float(m["loss"]), float(m["moe_max_violation"]))
+    np.testing.assert_allclose(norms["both"], norms["aux"], rtol=1e-6)
+    assert norms["aux"][2] > 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(moe_balance="bias", moe_aux_coef=0.1),
+     "--moe-aux-coef weights the load-balancing loss, which --moe-balance bias leaves out (use --moe-balance both)"),
+    (dict(moe_bias_rate=0.01), "--moe-bias-rate needs --moe-balance bias or both"),
+])
+def test_balance_flags_that_would_do_nothing_are_errors(flags, message):
+    from jaxshard.model import Moe
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        Moe(**flags)

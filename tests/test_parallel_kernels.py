@@ -16,9 +16,9 @@ from jaxshard.rules import ShardingRules, Strategy, constrain, use_rules
 RNG = np.random.default_rng(0)
 
 
-def under(mesh, fn, *args, sp=False):
+def under(mesh, fn, *args, sp=False, cp="ring"):
     """``fn(*args)`` jitted under the rules of ``mesh`` (inputs laid out by the rules too)."""
-    rules = ShardingRules(build_mesh(mesh), Strategy(sequence_parallel=sp))
+    rules = ShardingRules(build_mesh(mesh), Strategy(sequence_parallel=sp, context_parallel=cp))
 
     def run(*a):
         with use_rules(rules):
@@ -62,10 +62,7 @@ def test_vocab_parallel_cross_entropy(mesh, vocab, padded):
     np.testing.assert_allclose(cross_entropy(jnp.asarray(logits), targets, vocab), want, rtol=1e-5)
 
 
-@pytest.mark.parametrize("mesh", ["data=4,sequence=2", "sequence=8", "data=2,sequence=4",
-                                  "sequence=4,tensor=2"])
-@pytest.mark.parametrize("kv_heads, groups", [(4, 1), (2, 2)])
-def test_ring_attention(mesh, kv_heads, groups):
+def _context_parallel_attention(mesh, kv_heads, groups, cp):
     B, L, H = 2, 32, 8
     q = RNG.normal(size=(B, L, kv_heads, groups, H)).astype(np.float32)
     k, v = (RNG.normal(size=(B, L, kv_heads, H)).astype(np.float32) for _ in range(2))
@@ -76,15 +73,35 @@ def test_ring_attention(mesh, kv_heads, groups):
         return causal_attention(q, k, v)
 
     dense = causal_attention(q, k, v)  # no rules: the dense path
-    np.testing.assert_allclose(under(mesh, f, q, k, v), dense, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(under(mesh, f, q, k, v, cp=cp), dense, rtol=1e-5, atol=1e-6)
 
     def loss(*a):
         return (f(*a) * cot).sum()
 
-    grads = under(mesh, jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
+    grads = under(mesh, jax.grad(loss, argnums=(0, 1, 2)), q, k, v, cp=cp)
     want = jax.grad(lambda *a: (causal_attention(*a) * cot).sum(), argnums=(0, 1, 2))(q, k, v)
     for g, w in zip(grads, want):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mesh", ["data=4,sequence=2", "sequence=8", "data=2,sequence=4",
+                                  "sequence=4,tensor=2"])
+@pytest.mark.parametrize("kv_heads, groups", [(4, 1), (2, 2)])
+def test_ring_attention(mesh, kv_heads, groups):
+    _context_parallel_attention(mesh, kv_heads, groups, "ring")
+
+
+@pytest.mark.parametrize("mesh, kv_heads, groups", [
+    ("data=2,sequence=4", 4, 1),  # S divides the kv heads
+    ("data=2,sequence=4", 2, 2),  # 2 kv heads on 4 devices: each repeated twice
+    ("sequence=8", 1, 8),  # multi-query: the one kv head on every device
+    ("sequence=4,tensor=2", 8, 1),  # tensor splits the heads first, sequence each device's
+    ("sequence=2,tensor=4", 2, 4),  # kv heads fewer than tensor: repeated to one a device
+])
+def test_ulysses_attention(mesh, kv_heads, groups):
+    """DeepSpeed-Ulysses: the sequence split traded for a head split by all-to-all, the
+    whole-sequence attention, and back; values and all three gradients."""
+    _context_parallel_attention(mesh, kv_heads, groups, "ulysses")
 
 
 def test_dense_attention_is_causal_softmax():

@@ -1,6 +1,8 @@
 """Tensor, sequence and context parallelism: equal to one device, and what the compiled step
 sends (no full-vocab transfers, no weight gathers, reduce-scatter/all-gather under SP)."""
 
+import math
+
 import jax
 import numpy as np
 import pytest
@@ -49,13 +51,20 @@ def test_gqa_kv_heads_replicated_when_fewer_than_tensor():
         .params["blocks"]["attn"]["wk"].spec == P(None, None, "tensor", None)
 
 
+@pytest.mark.parametrize("mesh", ["sequence=4", "fsdp=2,tensor=2,sequence=2"])
+@pytest.mark.parametrize("model_name", ["tiny", "tiny-llama"])  # 8 kv heads; 2, repeated on sequence=4
+def test_ulysses_matches_one_device(model_name, mesh):
+    program = assert_matches_reference(model_name, mesh, context_parallel="ulysses")
+    assert program.rules.name.endswith("cp-ulysses")
+
+
 # ---- what the compiled step sends ---------------------------------------------------------
 
 VOCAB = 320  # a size no other dim of the test models has
 
 
-def compiled_collectives(model, mesh, sp=False):
-    program = make_program(model, mesh, sequence_parallel=sp)
+def compiled_collectives(model, mesh, sp=False, **kw):
+    program = make_program(model, mesh, sequence_parallel=sp, **kw)
     return inspect.compiled_collectives(program.lower_step(BATCH, SEQ).compile(), program.rules.mesh)
 
 
@@ -141,6 +150,32 @@ def test_context_parallel_passes_kv_chunks_around_a_ring():
     assert [c.shapes for c in gathered] == [((B, SEQ),)] * 2 or [c.shapes for c in gathered] == [((B, SEQ),) * 2]
 
 
+@pytest.mark.parametrize("kv_heads, mesh", [(2, "sequence=4"), (2, "sequence=2,tensor=4"), (8, "data=2,sequence=4")])
+def test_ulysses_sends_each_device_its_heads_by_all_to_all(kv_heads, mesh):
+    """Ulysses moves attention's inputs and output by all-to-alls over sequence: per layer
+    forward and backward, the queries and outputs of a device's chunk ([rows, L/S, heads,
+    d_head]) and its keys and values, each kv head repeated until S divides them (tiny-llama's
+    2 on sequence=4: twice; with tensor=4, first one a tensor device) -- no ring, no token
+    gather, nothing but the gradients' reductions besides."""
+    model = TransformerLM(get_preset("tiny-llama").replace(n_kv_heads=kv_heads))
+    program = make_program(model, mesh, context_parallel="ulysses")
+    found = compiled_collectives(model, mesh, context_parallel="ulysses")
+    sizes = dict((a, int(n)) for a, n in (part.split("=") for part in mesh.split(",")))
+    S, T = sizes["sequence"], sizes.get("tensor", 1)
+    cfg, c = model.cfg, 4
+    rows, chunk = BATCH // sizes.get("data", 1), SEQ // S
+    q_heads = cfg.n_heads // T
+    kv_heads = max(cfg.n_kv_heads // T, 1)
+    kv_heads *= S // math.gcd(kv_heads, S)
+    per_layer = rows * chunk * cfg.d_head * c * (2 * q_heads + 2 * kv_heads)
+    a2a = sum(x.bytes * x.executions for x in found if x.kind == "all-to-all")
+    assert a2a == 2 * cfg.n_layers * per_layer  # forward and backward
+    assert {x.kind for x in found} <= {"all-to-all", "all-reduce", "all-gather"}
+    # (with kv heads replicated over tensor, their gradients' gather: traffic.tensor.kv_heads)
+    assert not [x for x in found if x.kind == "all-gather" and "tensor" not in mesh]
+    assert not inspect.verify(model, program, program.lower_step(BATCH, SEQ).compile(), BATCH, SEQ).flags
+
+
 # ---- what each device holds ----------------------------------------------------------------
 
 @pytest.mark.parametrize("tensor", [2, 4, 8])
@@ -194,3 +229,17 @@ def test_sequence_errors():
     rules("data=2,tensor=4").check_seq_len(6)  # without SP the sequence is not split
     with pytest.raises(ConfigError, match="--sequence-parallel needs a tensor axis"):
         rules("data=8", sp=True)
+
+
+def test_ulysses_errors():
+    with pytest.raises(ConfigError, match=r"^--context-parallel ulysses needs a sequence axis of size > 1 in --mesh$"):
+        ShardingRules(build_mesh("data=8"), Strategy(context_parallel="ulysses"))
+    with pytest.raises(ConfigError, match=r"--context-parallel must be one of ring, ulysses, got star"):
+        Strategy(context_parallel="star")
+    model = TransformerLM(get_preset("llama-tiny"))  # 4 heads
+    with pytest.raises(ConfigError, match=r"^--context-parallel ulysses splits the query heads over sequence=8: "
+                                          r"4 heads are not divisible by 8 \(use ring\)$"):
+        make_program(model, "sequence=8", context_parallel="ulysses")
+    with pytest.raises(ConfigError, match=r"over sequence=4: 2 heads per tensor shard \(4 over tensor=2\) are "
+                                          r"not divisible by 4"):
+        make_program(model, "sequence=4,tensor=2", context_parallel="ulysses")

@@ -428,6 +428,11 @@ def flops(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
     # expert runs all its C slots per sequence, E C / S per token, filled or not).
     n_moe = cfg.n_moe_layers
     layer_params = hw_layer_params = cfg.n_layers * attn_params + (cfg.n_layers - n_moe) * mlp_mats * D * F
+    # Grouped-query attention with fewer kv heads than tensor: the kv heads are replicated, so
+    # every tensor device projects all of them (Megatron requires tensor to divide the kv heads).
+    t = rules.size(rules.activation_mesh_axes(Dim.ACT_HEADS))
+    if K % t:
+        hw_layer_params += cfg.n_layers * 2 * D * K * H * (t - 1)
     moe_text = ""
     if n_moe:
         E, k = cfg.moe_experts, cfg.moe_top_k
@@ -438,8 +443,9 @@ def flops(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
         moe_text = f", of which {n_moe} MoE layers count the router and {k} of {E} experts"
     head = D * cfg.padded_vocab
     square = 2 * 2 * L * N * H  # q k^T and p v, per token per layer, the full square
-    ring = rules.size(rules.activation_mesh_axes(Dim.LENGTH))
-    # As computed: the full square (the future masked), but a balanced ring's share of it.
+    ring = attention_lib.ring_size(rules)
+    # As computed: the full square (the future masked; Ulysses' whole-sequence attention too),
+    # but a balanced ring's share of it.
     attention = square
     if attention_lib.balances(cfg, ring, L):
         attention = int(square * attention_lib.balanced_work(ring, L))

@@ -442,6 +442,17 @@ def to_global(batch: dict[str, np.ndarray], sharding, global_shape: tuple[int, i
     return {k: jax.make_array_from_process_local_data(sharding, v, global_shape) for k, v in batch.items()}
 
 
+def splits_for(program, corpus, batch_size: int, seq_len: int, seed: int, eval_batches: int):
+    """(the training split's :class:`Batches`, ``eval_batches`` global validation batches) of
+    ``corpus`` laid out for ``program``'s batch sharding: what the benchmark scripts that
+    train a model read."""
+    rows, cols = process_block(program.batch_sharding, batch_size, seq_len)
+    train = Batches(corpus.train, seq_len, batch_size, seed, rows, cols=cols, what="training split")
+    val = Batches(corpus.val, seq_len, batch_size, seed, rows, shuffle=False, cols=cols, what="validation split")
+    shape = (batch_size, seq_len)
+    return train, [to_global(val.batch_at(i * batch_size), program.batch_sharding, shape) for i in range(eval_batches)]
+
+
 def write_bin(path: str | os.PathLike, tokens: np.ndarray) -> None:
     """Save token ids as the uint16 ``.bin`` format that ``--data`` reads."""
     tokens = np.asarray(tokens)

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxshard.axes import Dim
+from jaxshard.errors import ConfigError
 from jaxshard.rules import active, spec_axes
 
 _NEG = float(jnp.finfo(jnp.float32).min)
@@ -52,10 +53,37 @@ BLOCK = 512  # keys per block of the blockwise kernel
 _ORDER: list[np.ndarray | None] = [None]
 
 
-def ring_size() -> int:
-    """S, the devices the active rules split the sequence over (1 without a ring)."""
-    rules = active()
-    return rules.size(rules.activation_mesh_axes(Dim.LENGTH)) if rules is not None else 1
+def ring_size(rules=None) -> int:
+    """S, the devices a ring of ``rules`` (default: the active ones) passes key/value chunks
+    around: 1 without context parallelism, or under Ulysses."""
+    rules = active() if rules is None else rules
+    if rules is None or rules.strategy.context_parallel != "ring":
+        return 1
+    return rules.size(rules.activation_mesh_axes(Dim.LENGTH))
+
+
+def kv_copies(kv_heads: int, groups: int, S: int) -> int:
+    """How many times Ulysses repeats each kv head so that S devices split them: r = S /
+    gcd(kv_heads, S), the query heads regrouped into kv_heads x r groups of groups / r (1 when S
+    divides the kv heads). Query heads divisible by S guarantee that r divides groups."""
+    r = S // math.gcd(kv_heads, S)
+    if groups % r:
+        raise ValueError(f"{kv_heads * groups} query heads are not divisible by {S}")
+    return r
+
+
+def check_ulysses(cfg, rules) -> None:
+    """Ulysses splits each device's query heads over the sequence axis: they must divide."""
+    axes = rules.activation_mesh_axes(Dim.LENGTH)
+    if rules.strategy.context_parallel != "ulysses" or not axes:
+        return
+    S = rules.size(axes)
+    tensor = rules.activation_mesh_axes(Dim.ACT_HEADS)
+    T = rules.size(tensor) if cfg.n_heads % rules.size(tensor) == 0 else 1
+    if (cfg.n_heads // T) % S:
+        on = f" per tensor shard ({cfg.n_heads} over tensor={T})" if T > 1 else ""
+        raise ConfigError(f"--context-parallel ulysses splits the query heads over sequence={S}: "
+                          f"{cfg.n_heads // T} heads{on} are not divisible by {S} (use ring)")
 
 
 def balances(cfg, S: int, L: int) -> bool:
@@ -148,9 +176,11 @@ def causal_attention(q_BLKGH: jax.Array, k_BLKH: jax.Array, v_BLKH: jax.Array, *
     axes = rules.activation_mesh_axes(Dim.LENGTH) if rules is not None else ()
     if not axes:
         return _dense(q_BLKGH, k_BLKH, v_BLKH, kernel)
-    # Manual over the batch axes as well as the ring's; heads stay with the partitioner.
+    # Manual over the batch axes as well as the sequence's; heads stay with the partitioner.
     spec = rules.activation_spec((Dim.BATCH, Dim.LENGTH), q_BLKGH.shape[:2])
     manual = spec_axes(spec)
+    if rules.strategy.context_parallel == "ulysses":
+        return _ulysses_region(rules, q_BLKGH, k_BLKH, v_BLKH, axes, kernel)
     ring = _balanced_ring if balanced else _ring
     return jax.shard_map(lambda q, k, v: ring(q, k, v, axes, tuple(manual)), mesh=rules.context_mesh,
                          in_specs=(spec, spec, spec), out_specs=spec,
@@ -420,3 +450,52 @@ def _balanced_ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual):
         hi = jax.tree.map(pick, hi, state)
     out = [o / l[..., None] for _, l, o in (lo, hi)]
     return jnp.concatenate(out, axis=3).transpose(0, 3, 1, 2, 4).astype(q_BCKGH.dtype)
+
+
+def _ulysses_region(rules, q_BLKGH, k_BLKH, v_BLKH, axes, kernel):
+    """Ulysses in a region manual over the batch, sequence and head-splitting (``tensor``)
+    axes, so that each device's all-to-alls move only its own heads: the query heads as
+    ``[B, L, N, H]`` split over tensor, the kv heads too. Where tensor does not divide the kv
+    heads (grouped-query attention with fewer kv heads than tensor, which then divides each kv
+    head's query heads: ``check_model``) they are repeated to one a device first, as the
+    partitioner replicates them elsewhere: each device holds the kv head of its query heads."""
+    B, L, K, G, H = q_BLKGH.shape
+    q_spec = rules.activation_spec((Dim.BATCH, Dim.LENGTH, Dim.ACT_HEADS, None), (B, L, K * G, H))
+    heads = q_spec[2] or ()
+    T = rules.size((heads,) if isinstance(heads, str) else tuple(heads))
+    if K % T:
+        k_BLKH, v_BLKH = (jnp.repeat(x, T // K, axis=2) for x in (k_BLKH, v_BLKH))
+    kv_spec = rules.activation_spec((Dim.BATCH, Dim.LENGTH, Dim.ACT_KV_HEADS, None), k_BLKH.shape)
+
+    def local(q_BCNH, k_BCKH, v_BCKH):
+        k_local, n = k_BCKH.shape[2], q_BCNH.shape[2]
+        q_BCKGH = q_BCNH.reshape(*q_BCNH.shape[:2], k_local, n // k_local, H)
+        return _ulysses(q_BCKGH, k_BCKH, v_BCKH, axes, kernel).reshape(q_BCNH.shape)
+
+    manual = spec_axes(q_spec) | spec_axes(kv_spec)
+    o_BLNH = jax.shard_map(local, mesh=rules.context_mesh, in_specs=(q_spec, kv_spec, kv_spec),
+                           out_specs=q_spec, axis_names=manual)(q_BLKGH.reshape(B, L, K * G, H), k_BLKH, v_BLKH)
+    return o_BLNH.reshape(B, L, K, G, H)
+
+
+def _ulysses(q_BCKGH, k_BCKH, v_BCKH, axes, kernel):
+    """DeepSpeed-Ulysses (Jacobs et al. 2023): an all-to-all over the sequence axes turns each
+    device's chunk of C = L/S tokens of every head into all L tokens of 1/S of the heads; the
+    dense path's attention (on GPUs cuDNN's flash kernel) runs on the whole sequence, and a
+    second all-to-all brings the output back to the sequence split. Kv heads fewer than S (or
+    not divisible by it) are repeated :func:`kv_copies` times first, as DeepSpeed does, so
+    that each device holds the kv heads its query heads use. The backward pass is the same
+    all-to-alls transposed."""
+    S = math.prod(jax.lax.axis_size(a) for a in axes)
+    B, C, K, G, H = q_BCKGH.shape
+    r = kv_copies(K, G, S)
+    if r > 1:  # query head k*G + j*G/r + g attends with copy j of kv head k: new kv head k*r + j
+        q_BCKGH = q_BCKGH.reshape(B, C, K * r, G // r, H)
+        k_BCKH, v_BCKH = (jnp.repeat(x, r, axis=2) for x in (k_BCKH, v_BCKH))
+
+    def to_heads(x):  # [B, C, K', ...] -> [B, L, K'/S, ...]
+        return jax.lax.all_to_all(x, axes, split_axis=2, concat_axis=1, tiled=True)
+
+    o_BLKGH = _dense(to_heads(q_BCKGH), to_heads(k_BCKH), to_heads(v_BCKH), kernel)
+    o_BCKGH = jax.lax.all_to_all(o_BLKGH, axes, split_axis=1, concat_axis=2, tiled=True)
+    return o_BCKGH.reshape(B, C, K, G, H)

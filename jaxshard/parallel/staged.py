@@ -210,7 +210,7 @@ class StagedModel:
                                     unroll=model.unroll)
         per_token = x_BLD.shape[0] * x_BLD.shape[1] / model.cfg.n_moe_layers
         sums = [per_token * jnp.sum(s) for s in stats]
-        return x_BLD, (model.aux_loss(*sums[:2]), jax.lax.stop_gradient(jnp.stack(sums)))
+        return x_BLD, (model.aux_loss(**dict(zip(MOE_METRICS, sums))), jax.lax.stop_gradient(jnp.stack(sums)))
 
 
 def staged(model: Stageable | StagedModel, layout: pipeline.StageLayout) -> StagedModel:

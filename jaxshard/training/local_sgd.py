@@ -97,7 +97,7 @@ def build_local_sgd_program(model: LanguageModel, rules: ShardingRules, optim_cf
     rules.check_model(model.param_axes(), model.abstract_params())
     H, mesh = sync_every, rules.mesh
     R = mesh.shape[DATA]
-    tx = optim.make(optim_cfg, model.param_axes())
+    tx = optim.make(optim_cfg, model.param_axes(), optim.router_bias_rate(model))
     lr_schedule = optim.schedule(optim_cfg)
     dtype = jnp.dtype(step_cfg.compute_dtype)
     one = state_layout(model, tx, rules)  # one replica's state, as DDP lays it out
@@ -134,13 +134,13 @@ def build_local_sgd_program(model: LanguageModel, rules: ShardingRules, optim_cf
         def synced(grads):
             """DDP: the gradient of the whole batch's mean loss, the same on every replica."""
             grads = jax.tree.map(lambda g: jax.lax.psum(g, DATA) / tokens, grads)
-            norm = optim.global_norm(grads)
+            norm = optim.global_norm(optim.without_router_bias(grads))
             return _varying((grads, norm)), norm  # (psum's results are the same on every replica)
 
         def local(grads):
             """This replica's rows' mean gradient, clipped by its own norm."""
             grads = jax.tree.map(lambda g: g / sums.tokens, grads)
-            norm = optim.global_norm(grads)
+            norm = optim.global_norm(optim.without_router_bias(grads))
             return (grads, norm), jax.lax.pmean(norm, DATA)
 
         (grads, own_norm), metrics["grad_norm"] = synced(grads) if H == 1 else \

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -72,10 +72,45 @@ def decay_mask(param_axes: Any) -> Any:
     return jax.tree.map(is_matrix, param_axes, is_leaf=lambda x: isinstance(x, tuple))
 
 
-def make(cfg: OptimConfig, param_axes: Any) -> optax.GradientTransformation:
-    """AdamW; the gradients come clipped (:func:`clip`, with the norm the step reports)."""
-    return optax.adamw(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                       weight_decay=cfg.weight_decay, mask=decay_mask(param_axes))
+ROUTER_BIAS = "router_bias"  # DeepSeek-V3's MoE balancing bias (models.moe): a signed step, not Adam's
+
+
+def router_bias_mask(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> Any:
+    """Per leaf of a params-shaped ``tree``: whether it is an MoE layer's routing bias."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: getattr(path[-1], "key", None) == ROUTER_BIAS, tree, is_leaf=is_leaf)
+
+
+def router_bias_rate(model: Any) -> float:
+    """The step of an MoE model's routing biases per optimizer step (0: it has none)."""
+    cfg = getattr(model, "cfg", None)
+    return cfg.moe_bias_rate if getattr(cfg, "moe_router_bias", False) else 0.0
+
+
+def without_router_bias(grads: Any) -> Any:
+    """``grads`` with the routing biases' zeroed: their "gradients" are the step's expert loads
+    (``models.moe``), which must not count in the clipping norm."""
+    return jax.tree.map(lambda g, b: jnp.zeros_like(g) if b else g, grads, router_bias_mask(grads))
+
+
+def make(cfg: OptimConfig, param_axes: Any, router_bias_rate: float = 0.0) -> optax.GradientTransformation:
+    """AdamW; the gradients come clipped (:func:`clip`, with the norm the step reports). A
+    model with MoE routing biases (``router_bias_rate`` > 0) moves each by the rate against the
+    sign of its gradient -- the loads' deviation from the mean, f_e - 1/E -- and Adam sees a
+    zero gradient for them (DeepSeek-V3's b_e += gamma sign(mean load - load_e))."""
+    tx = optax.adamw(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                     weight_decay=cfg.weight_decay, mask=decay_mask(param_axes))
+    is_bias = router_bias_mask(param_axes, is_leaf=lambda x: isinstance(x, tuple))
+    if not any(jax.tree.leaves(is_bias)):
+        return tx
+
+    def update(grads, state, params=None):
+        inner = jax.tree.map(lambda g, b: jnp.zeros_like(g) if b else g, grads, is_bias)
+        updates, state = tx.update(inner, state, params)
+        return jax.tree.map(lambda u, g, b: (-router_bias_rate * jnp.sign(g)).astype(u.dtype) if b else u,
+                            updates, grads, is_bias), state
+
+    return optax.GradientTransformation(tx.init, update)
 
 
 def global_norm(tree: Any, shardings: Any = None) -> jax.Array:

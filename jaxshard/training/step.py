@@ -31,6 +31,7 @@ from jaxshard.axes import Dim, MeshAxis
 from jaxshard.errors import ConfigError
 from jaxshard.model import LanguageModel, Stageable
 from jaxshard.options import flag, option
+from jaxshard.parallel import attention
 from jaxshard.parallel import balance as balance_lib
 from jaxshard.parallel import pipeline
 from jaxshard.parallel.staged import staged
@@ -383,12 +384,13 @@ def build_program(model: Stageable, rules: ShardingRules, optim_cfg: optim.Optim
     if schedule is not None:
         model = staged(model, schedule.layout)
     rules.check_model(model.param_axes(), model.abstract_params())
+    attention.check_ulysses(model.cfg, rules)
     if model.moe_layers and (rules.activation_mesh_axes(Dim.LENGTH) or rules.strategy.sequence_parallel):
         raise ConfigError("MoE layers with sequence or context parallelism are not implemented yet "
                           "(capacity groups are whole sequences)")
     if Remat.parse(model.remat).kind is Kind.OFFLOAD:
         check_host_memory(rules.mesh, "--remat offload")
-    tx = optim.make(optim_cfg, model.param_axes())
+    tx = optim.make(optim_cfg, model.param_axes(), optim.router_bias_rate(model))
     if cfg.param_dtype != "float32":
         tx = optim.with_master(tx)
     lr_schedule = optim.schedule(optim_cfg)
@@ -429,7 +431,7 @@ def build_program(model: Stageable, rules: ShardingRules, optim_cfg: optim.Optim
             # Unscaled and averaged in float32, whatever dtype the gradients were reduced in.
             divisor = count if factor is None else count * factor
             grads = jax.tree.map(lambda g: g.astype(jnp.float32) / divisor, grads)
-            grad_norm = optim.global_norm(grads, layout.reduce_shardings)
+            grad_norm = optim.global_norm(optim.without_router_bias(grads), layout.reduce_shardings)
             grads = optim.clip(grads, grad_norm, optim_cfg.grad_clip)
             old_opt_state = move(state.opt_state, rest.opt_state, compute.opt_state)
             updates, opt_state = tx.update(grads, old_opt_state, old_params)

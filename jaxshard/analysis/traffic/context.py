@@ -1,5 +1,6 @@
 """Context parallelism's collectives, per device per step: ring attention over ``sequence``
-(``parallel.attention``; Liu et al. 2023, Ring Attention).
+(``parallel.attention``; Liu et al. 2023, Ring Attention), or Ulysses' all-to-alls (Jacobs et
+al. 2023, DeepSpeed-Ulysses).
 
 With the sequence split into S chunks, each attention passes its key and value chunks S - 1
 hops around the ring, and the backward pass sends their gradients back the same way. Any
@@ -7,6 +8,14 @@ remat policy recomputes the ring (selective's attention core is the ring). Where
 splits the kv heads, each device passes only its heads. In the balanced layout
 (``attention.balances``) the token ids and targets are gathered once per microbatch to put
 them in that order.
+
+Ulysses sends each attention's query, key and value chunks to the devices of their heads and
+the output back, four all-to-alls of a device's own ``[rows, L/S, heads, d_head]`` each way
+(the kv heads repeated :func:`attention.kv_copies` times where S does not divide them); the
+backward pass sends their gradients the same way. A remat policy that recomputes the attention
+core sends q, k and v again, and the output too unless the policy keeps it (selective, whose
+recompute is the core alone, or a ``names``/``offload`` policy keeping ``attn_out``): the output
+projection's backward pass reads it.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from __future__ import annotations
 from jaxshard.analysis.traffic.ledger import Ledger
 from jaxshard.axes import Dim
 from jaxshard.parallel import attention
+from jaxshard.remat import Kind
 
 
 def ring(ledger: Ledger) -> None:
@@ -22,6 +32,9 @@ def ring(ledger: Ledger) -> None:
     if not seq:
         return
     S = rules.size(seq)
+    if rules.strategy.context_parallel == "ulysses":
+        _ulysses(ledger, seq, S)
+        return
     kv_local = ledger.rows * ledger.length * cfg.n_kv_heads * cfg.d_head * ledger.c
     kv_t = rules.size(tensor) if tensor and cfg.n_kv_heads % rules.size(tensor) == 0 else 1
     ring_fwd = 2 if ledger.remat.recomputes else 1
@@ -31,3 +44,20 @@ def ring(ledger: Ledger) -> None:
     if attention.balances(cfg, S, ledger.seq_len):
         ledger.add("all-gather", seq, ledger.rows * ledger.seq_len * 4, 2 * ledger.grad_accum,
                    "CP, balanced: gather the token ids and targets to put them in the balanced order")
+
+
+def _ulysses(ledger: Ledger, seq: tuple[str, ...], S: int) -> None:
+    cfg, rules, tensor = ledger.cfg, ledger.rules, ledger.tensor
+    t = rules.size(tensor)
+    q_heads = cfg.n_heads // t
+    kv_heads = cfg.n_kv_heads // t if cfg.n_kv_heads % t == 0 else 1  # else one whole kv head each
+    kv_heads *= attention.kv_copies(kv_heads, q_heads // kv_heads, S)
+    token = ledger.rows * ledger.length * cfg.d_head * ledger.c
+    remat = ledger.remat
+    again = 1 if remat.recomputes else 0
+    output_kept = remat.kind is Kind.SELECTIVE or "attn_out" in remat.names
+    layers = ledger.grad_accum * cfg.n_layers
+    for what, heads, n in (("queries", q_heads, 2 + again), ("keys", kv_heads, 2 + again),
+                           ("values", kv_heads, 2 + again), ("outputs", q_heads, 2 + again * (not output_kept))):
+        ledger.add("all-to-all", seq, token * heads, layers * n,
+                   f"CP, Ulysses: {what} between the sequence split and the head split (forward and backward)")
