@@ -1,0 +1,334 @@
+"""A backward pass split in two: the input gradient now (B), the weight gradient later (W).
+
+Zero-bubble pipeline schedules (Qi et al. 2023) run a stage's backward pass as two parts: B,
+the gradient of the stage's input, which the previous stage waits for, and W, the gradient of
+its weights, which nothing waits for and so can fill the pipeline's idle ticks. A weight's
+gradient needs the cotangent of each matmul it feeds, which B computes on its way to the
+input; so B hands W what it needs (those cotangents, and whatever else W reads of B's work) and
+W computes the rest, with no matmul run twice.
+
+JAX gives the backward pass as one function (a ``jax.vjp`` pullback). :func:`split` traces it
+to a jaxpr and partitions its equations by what each output needs: B is what the input's
+gradient needs; W what the weights' gradients need beyond it. The two parts run as
+interpreters of that jaxpr, binding each equation's primitive where it is traced, so they
+become ordinary parts of the program they are called in. A ``scan`` (the layer stack) is split
+the same way inside: B scans its part of the body and stacks, per iteration, what W reads of
+it; W scans the rest over that stack. Calls (``jit``, ``remat``) are entered as if inlined.
+Any other equation that both parts need runs in B, its outputs handed to W.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import jax
+from jax.extend import core
+
+_CALLS = ("jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint")
+
+
+def _is_var(v) -> bool:
+    return isinstance(v, core.Var) and not isinstance(v, core.Literal)
+
+
+def _inner(eqn) -> tuple[core.Jaxpr, list]:
+    """A call's body and its constants."""
+    j = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    if isinstance(j, core.ClosedJaxpr):
+        return j.jaxpr, list(j.consts)
+    return j, []
+
+
+@dataclass
+class _Plan:
+    """How one jaxpr's equations split. ``role[i]``: "B", "W", "call" or "scan" (split
+    inside: ``sub[i]``), or None (needed by neither). ``stash``: the variables B defines (or
+    the jaxpr takes but W will not be given) that W reads."""
+
+    jaxpr: core.Jaxpr
+    role: list = field(default_factory=list)
+    sub: dict = field(default_factory=dict)
+    stash: list = field(default_factory=list)
+    in_b: list = field(default_factory=list)  # per invar: B reads it
+    in_w: list = field(default_factory=list)  # per invar: W reads it
+    # A split scan's carries: which B carries, which W carries (the rest dead).
+    b_carry: list = field(default_factory=list)
+    w_carry: list = field(default_factory=list)
+
+
+def _plan(jaxpr: core.Jaxpr, out_b: list[bool], out_w: list[bool], w_has: set) -> _Plan:
+    """Partition ``jaxpr`` given which outputs B and W produce. ``w_has``: the invars W is
+    given (others it reads are stashed). B defines whatever B needs; W what only W needs."""
+    plan = _Plan(jaxpr, [None] * len(jaxpr.eqns))
+    live_b = {v for v, b in zip(jaxpr.outvars, out_b) if b and _is_var(v)}
+    live_w = {v for v, w in zip(jaxpr.outvars, out_w) if w and _is_var(v)}
+    w_side: set = set()  # variables W defines
+    for i in range(len(jaxpr.eqns) - 1, -1, -1):
+        eqn = jaxpr.eqns[i]
+        ob = [v in live_b for v in eqn.outvars]
+        ow = [v in live_w for v in eqn.outvars]
+        if not any(ob) and not any(ow):
+            continue
+        name = eqn.primitive.name
+        if name in _CALLS and any(ow):
+            inner, _ = _inner(eqn)
+            sub = _plan(inner, ob, [w and not b for b, w in zip(ob, ow)], set(inner.invars))
+            plan.role[i], plan.sub[i] = "call", sub
+            _mark(eqn.invars, sub.in_b, sub.in_w, live_b, live_w)
+            w_side |= {v for v, d in zip(eqn.outvars, _w_defined(sub)) if d}
+        elif name == "scan" and any(ow) and not all(ob[k] or not ow[k] for k in range(len(ob))):
+            sub = _plan_scan(eqn, ob, ow)
+            plan.role[i], plan.sub[i] = "scan", sub
+            _mark(eqn.invars, sub.in_b, sub.in_w, live_b, live_w)
+            w_side |= {v for v, d in zip(eqn.outvars, sub.w_outs) if d}
+        elif any(ob):
+            plan.role[i] = "B"
+            live_b |= {v for v in eqn.invars if _is_var(v)}
+        else:
+            plan.role[i] = "W"
+            live_w |= {v for v in eqn.invars if _is_var(v)}
+            w_side |= set(eqn.outvars)
+    plan.in_b = [v in live_b for v in jaxpr.invars]
+    plan.in_w = [v in live_w for v in jaxpr.invars]
+    plan.stash = [v for v in _ordered(jaxpr, live_w) if v not in w_side and v not in w_has]
+    return plan
+
+
+def _ordered(jaxpr: core.Jaxpr, vs: set) -> list:
+    """``vs`` in a fixed order: invars, then equation outputs as defined."""
+    order = list(jaxpr.invars) + list(jaxpr.constvars) + [v for e in jaxpr.eqns for v in e.outvars]
+    return [v for v in order if v in vs]
+
+
+def _mark(invars, in_b, in_w, live_b, live_w) -> None:
+    for v, b, w in zip(invars, in_b, in_w):
+        if _is_var(v):
+            if b:
+                live_b.add(v)
+            if w:
+                live_w.add(v)
+
+
+def _w_defined(plan: _Plan) -> list[bool]:
+    """Per outvar of a planned jaxpr: W defines it."""
+    defined = set()
+    for i, eqn in enumerate(plan.jaxpr.eqns):
+        if plan.role[i] == "W":
+            defined |= set(eqn.outvars)
+        elif plan.role[i] == "call":
+            defined |= {v for v, d in zip(eqn.outvars, _w_defined(plan.sub[i])) if d}
+        elif plan.role[i] == "scan":
+            defined |= {v for v, d in zip(eqn.outvars, plan.sub[i].w_outs) if d}
+    return [v in defined for v in plan.jaxpr.outvars]
+
+
+def _plan_scan(eqn, ob: list[bool], ow: list[bool]) -> _Plan:
+    """A scan split in two scans: B's carries are those B needs or B's part of the body reads;
+    W's the rest that W needs. Per iteration B stacks what W's part of the body reads of it."""
+    p = eqn.params
+    body = p["jaxpr"].jaxpr
+    n_c, n_k = p["num_consts"], p["num_carry"]
+    n_y = len(body.outvars) - n_k
+    b_carry = [ob[k] for k in range(n_k)]
+    while True:
+        out_b = b_carry + ob[n_k:]
+        out_w = [ow[k] and not b_carry[k] for k in range(n_k)] + [ow[n_k + j] and not ob[n_k + j] for j in range(n_y)]
+        # W's carries are its own (given); B's carried values W reads are stashed per iteration.
+        w_carry_in = [body.invars[n_c + k] for k in range(n_k) if not b_carry[k]]
+        w_has = set(body.invars[:n_c]) | set(w_carry_in) | set(body.invars[n_c + n_k:])
+        sub = _plan(body, out_b, out_w, w_has)
+        grown = [b or sub.in_b[n_c + k] for k, b in enumerate(b_carry)]
+        if grown == b_carry:
+            break
+        b_carry = grown
+    # A W carry lives if W reads it or needs its final value.
+    sub.b_carry = b_carry
+    sub.w_carry = [not b_carry[k] and (out_w[k] or sub.in_w[n_c + k]) for k in range(n_k)]
+    if any(w and not o for w, o in zip(sub.w_carry, out_w[:n_k])):
+        # A carry W reads but whose update W does not make: make it (W's part of the body
+        # computes the carry's new value too).
+        out_w = [o or w for o, w in zip(out_w[:n_k], sub.w_carry)] + out_w[n_k:]
+        w_carry_in = [body.invars[n_c + k] for k in range(n_k) if not b_carry[k]]
+        w_has = set(body.invars[:n_c]) | set(w_carry_in) | set(body.invars[n_c + n_k:])
+        sub2 = _plan(body, out_b, out_w, w_has)
+        sub2.b_carry, sub2.w_carry = sub.b_carry, sub.w_carry
+        sub = sub2
+    sub.w_outs = out_w[:n_k] + out_w[n_k:]  # per scan output: W's scan makes it
+    sub.out_b = out_b
+    # The outer operands: B needs the consts and xs its body reads and the B carries' inits;
+    # W the consts and xs its body reads and the W carries' inits.
+    in_b = list(sub.in_b)
+    in_w = list(sub.in_w)
+    for k in range(n_k):
+        in_b[n_c + k] = b_carry[k]
+        in_w[n_c + k] = sub.w_carry[k]
+    sub.in_b, sub.in_w = in_b, in_w
+    return sub
+
+
+# ---- running the two parts ---------------------------------------------------------------
+
+def _read(env: dict, v):
+    return v.val if isinstance(v, core.Literal) else env[v]
+
+
+def _bind(eqn, args: list) -> list:
+    out = eqn.primitive.bind(*args, **eqn.params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _run_b(plan: _Plan, consts: list, args: list, want: list[bool]) -> tuple[list, list]:
+    """B's part of ``plan.jaxpr`` on ``args`` (None where B does not read an input): the
+    outputs ``want`` marks (None elsewhere) and the stash."""
+    jaxpr = plan.jaxpr
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update({v: a for v, a in zip(jaxpr.invars, args) if a is not None})
+    for i, eqn in enumerate(jaxpr.eqns):
+        role = plan.role[i]
+        if role == "B":
+            env.update(zip(eqn.outvars, _bind(eqn, [_read(env, v) for v in eqn.invars])))
+        elif role == "call":
+            inner, inner_consts = _inner(eqn)
+            sub = plan.sub[i]
+            outs, stash = _run_b(sub, inner_consts, [_read(env, v) if b else None
+                                                     for v, b in zip(eqn.invars, sub.in_b)],
+                                 [not w for w in _w_defined(sub)])
+            env.update({v: o for v, o in zip(eqn.outvars, outs) if o is not None})
+            env[("stash", i)] = stash
+        elif role == "scan":
+            outs, stash = _scan_b(eqn, plan.sub[i], env)
+            env.update({v: o for v, o in zip(eqn.outvars, outs) if o is not None})
+            env[("stash", i)] = stash
+    outs = [_read(env, v) if w and (not _is_var(v) or v in env) else None for v, w in zip(jaxpr.outvars, want)]
+    return outs, _collect(plan, env)
+
+
+def _collect(plan: _Plan, env: dict) -> list:
+    """The stash: this level's variables, then each split equation's own, in order."""
+    own = [env[v] for v in plan.stash]
+    nested = [env[("stash", i)] for i in sorted(plan.sub)]
+    return [own, nested]
+
+
+def _run_w(plan: _Plan, consts: list, args: list, stash: list) -> list:
+    """W's part: ``args`` the inputs W is given (None elsewhere), ``stash`` B's."""
+    jaxpr = plan.jaxpr
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update({v: a for v, a in zip(jaxpr.invars, args) if a is not None})
+    own, nested = stash
+    env.update(zip(plan.stash, own))
+    nested = dict(zip(sorted(plan.sub), nested))
+    for i, eqn in enumerate(jaxpr.eqns):
+        role = plan.role[i]
+        if role == "W":
+            env.update(zip(eqn.outvars, _bind(eqn, [_read(env, v) for v in eqn.invars])))
+        elif role == "call":
+            inner, inner_consts = _inner(eqn)
+            sub = plan.sub[i]
+            outs = _run_w(sub, inner_consts, [_read(env, v) if w and (not _is_var(v) or v in env) else None
+                                              for v, w in zip(eqn.invars, sub.in_w)], nested[i])
+            env.update({v: o for v, o, d in zip(eqn.outvars, outs, _w_defined(sub)) if d})
+        elif role == "scan":
+            outs = _scan_w(eqn, plan.sub[i], env, nested[i])
+            env.update({v: o for v, o in zip(eqn.outvars, outs) if o is not None})
+    return [_read(env, v) if (not _is_var(v) or v in env) else None for v in jaxpr.outvars]
+
+
+def _scan_b(eqn, sub: _Plan, env: dict) -> tuple[list, list]:
+    p = eqn.params
+    body, body_consts = p["jaxpr"].jaxpr, list(p["jaxpr"].consts)
+    n_c, n_k = p["num_consts"], p["num_carry"]
+    operands = [_read(env, v) if b else None for v, b in zip(eqn.invars, sub.in_b)]
+    consts, init, xs = operands[:n_c], operands[n_c:n_c + n_k], operands[n_c + n_k:]
+    b_idx = [k for k in range(n_k) if sub.b_carry[k]]
+    x_idx = [j for j, x in enumerate(xs) if x is not None]
+    y_idx = [j for j, b in enumerate(sub.out_b[n_k:]) if b]
+
+    def step(carry, x):
+        args = list(consts) + [None] * n_k + [None] * len(xs)
+        for k, c in zip(b_idx, carry):
+            args[n_c + k] = c
+        for j, v in zip(x_idx, x):
+            args[n_c + n_k + j] = v
+        want = sub.out_b
+        outs, stash = _run_b(sub, body_consts, args, want)
+        return [outs[k] for k in b_idx], ([outs[n_k + j] for j in y_idx], stash)
+
+    carry, (ys, stash) = jax.lax.scan(step, [init[k] for k in b_idx], [xs[j] for j in x_idx],
+                                      length=p["length"], reverse=p["reverse"])
+    outs = [None] * (n_k + len(body.outvars) - n_k)
+    for k, c in zip(b_idx, carry):
+        outs[k] = c
+    for j, y in zip(y_idx, ys):
+        outs[n_k + j] = y
+    return outs, stash
+
+
+def _scan_w(eqn, sub: _Plan, env: dict, stash: list) -> list:
+    p = eqn.params
+    body, body_consts = p["jaxpr"].jaxpr, list(p["jaxpr"].consts)
+    n_c, n_k = p["num_consts"], p["num_carry"]
+    operands = [_read(env, v) if w and (not _is_var(v) or v in env) else None
+                for v, w in zip(eqn.invars, sub.in_w)]
+    consts, init, xs = operands[:n_c], operands[n_c:n_c + n_k], operands[n_c + n_k:]
+    w_idx = [k for k in range(n_k) if sub.w_carry[k]]
+    x_idx = [j for j, x in enumerate(xs) if x is not None]
+    n_y = len(body.outvars) - n_k
+    y_idx = [j for j in range(n_y) if sub.w_outs[n_k + j]]
+
+    def step(carry, x):
+        x_vals, stash_i = x
+        args = list(consts) + [None] * n_k + [None] * len(xs)
+        for k, c in zip(w_idx, carry):
+            args[n_c + k] = c
+        for j, v in zip(x_idx, x_vals):
+            args[n_c + n_k + j] = v
+        outs = _run_w(sub, body_consts, args, stash_i)
+        return [outs[k] for k in w_idx], [outs[n_k + j] for j in y_idx]
+
+    carry, ys = jax.lax.scan(step, [init[k] for k in w_idx], ([xs[j] for j in x_idx], stash),
+                             length=p["length"], reverse=p["reverse"])
+    outs = [None] * len(body.outvars)
+    for k, c in zip(w_idx, carry):
+        outs[k] = c
+    for j, y in zip(y_idx, ys):
+        outs[n_k + j] = y
+    return outs
+
+
+@dataclass(frozen=True)
+class Split:
+    """A pullback split in two. ``b(residuals, cotangent) -> (the input gradient's leaves,
+    stash)``; ``w(residuals, stash) -> the weight gradients' leaves``; ``out_tree``: the
+    pullback's output structure (the weights' leaves first)."""
+
+    b: Callable[..., Any]
+    w: Callable[..., Any]
+    out_tree: Any
+
+
+def split(pullback: Callable, residuals: Any, cotangent: Any, n_weights: int) -> Split:
+    """Split ``pullback(residuals, cotangent)`` -- whose output's first ``n_weights`` leaves
+    are the weight gradients and the rest the input's -- into B and W (module docstring).
+    Traced once, with the shapes of ``residuals`` and ``cotangent``; W is given the residuals
+    again (it reads them where it needs them), not the cotangent (what it reads of that is in
+    the stash)."""
+    n_res = len(jax.tree.leaves(residuals))
+    closed, out_shape = jax.make_jaxpr(pullback, return_shape=True)(residuals, cotangent)
+    jaxpr, consts = closed.jaxpr, list(closed.consts)
+    n_out = len(jaxpr.outvars)
+    out_b = [k >= n_weights for k in range(n_out)]
+    out_w = [k < n_weights for k in range(n_out)]
+    plan = _plan(jaxpr, out_b, out_w, set(jaxpr.invars[:n_res]))
+
+    def b(res, cot):
+        args = jax.tree.leaves(res) + jax.tree.leaves(cot)
+        outs, stash = _run_b(plan, consts, [a if r else None for a, r in zip(args, plan.in_b)], out_b)
+        return outs[n_weights:], stash
+
+    def w(res, stash):
+        args = [a if r else None for a, r in zip(jax.tree.leaves(res), plan.in_w)]
+        return _run_w(plan, consts, args + [None] * (len(jaxpr.invars) - n_res), stash)[:n_weights]
+
+    return Split(b=b, w=w, out_tree=jax.tree.structure(out_shape))
