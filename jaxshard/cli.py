@@ -246,6 +246,14 @@ def reference() -> str:
     return "\n".join(lines)
 
 
+def int_list(text: str, flag: str) -> list[int]:
+    """A flag's comma-separated integers (the benchmark scripts' value lists)."""
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} must be comma-separated integers, got {text!r}") from None
+
+
 @contextlib.contextmanager
 def one_line_errors() -> Iterator[None]:
     """Bad input -> ``error: ...`` on stderr and exit status 2; Ctrl-C -> status 130."""

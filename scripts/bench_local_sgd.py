@@ -170,14 +170,11 @@ def plot(runs: list[dict], meta: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
-    from jaxshard.cli import one_line_errors
+    from jaxshard.cli import int_list, one_line_errors
     from jaxshard.errors import ConfigError
 
     with one_line_errors():
-        try:
-            values = [int(h) for h in a.sync_every.split(",") if h]
-        except ValueError:
-            raise ConfigError(f"--sync-every must be comma-separated integers, got {a.sync_every!r}") from None
+        values = int_list(a.sync_every, "--sync-every")
         if not values or min(a.steps, a.eval_every, a.eval_batches) < 1:
             raise ConfigError("--sync-every needs a value; --steps, --eval-every and --eval-batches must be >= 1")
         runtime.configure(runtime.RuntimeConfig(cpu_devices=a.cpu_devices))

@@ -226,7 +226,7 @@ def test_microbatch_not_divisible_by_batch_axes():
     (["--mesh", "stage=2,data=4", "--offload", "optimizer"], "--offload with a stage axis is not "
                                                              "implemented yet"),
     (["--mesh", "stage=2,data=4", "--pipeline-schedule", "zb"],
-     "--pipeline-schedule must be one of naive, gpipe, 1f1b, interleaved, got 'zb'"),
+     "--pipeline-schedule must be one of naive, gpipe, 1f1b, interleaved, zb-h1, got 'zb'"),
     (["--mesh", "data=8", "--pipeline-schedule", "gpipe"], "--pipeline-schedule needs a stage axis"),
     (["--mesh", "data=8", "--measure-bubble"], "--measure-bubble needs a stage axis (a pipeline) in --mesh"),
     (["--mesh", "expert=2,fsdp=4"], "--mesh expert=2 splits the experts of MoE layers, and this model "

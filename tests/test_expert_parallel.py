@@ -231,6 +231,7 @@ def _run_with_metrics(model, mesh, **step):
     ("fsdp=2,stage=2,expert=2", dict(microbatches=4)),
     ("data=2,stage=2", dict(microbatches=4, pipeline_schedule="interleaved")),
     ("stage=2,expert=4", dict(microbatches=4, stage_layers=(3, 1), pipeline_schedule="gpipe")),
+    ("stage=2,expert=4", dict(microbatches=4, pipeline_schedule="zb-h1")),
 ])
 def test_moe_pipelines_match_one_device(mesh, step):
     """A 4-layer moe-tiny (capacity 1: choices drop) pipelined over 4 microbatches equals one

@@ -122,6 +122,78 @@ def test_bad_stage_layouts_are_one_line_errors(layers, stages, virtual, counts, 
         StageLayout.make(layers, stages, virtual, counts)
 
 
+def check_zero_bubble_table(schedule):
+    """ZB-H1's tables: every microbatch's F, B and W once on every stage, one of them a stage a
+    tick; F after the previous stage's F, B after the next stage's B (the last stage's after
+    its own F), W after its own B; and no slot -- residuals from F to W, what B keeps for W
+    from B to W, an arrival in the inbox until its F or B takes it -- held by two at once."""
+    P, M, T = schedule.stages, schedule.microbatches, schedule.ticks
+    at = {}
+    for t in range(T):
+        for s in range(P):
+            ops = [(phase, int(getattr(schedule, phase)[t, s])) for phase in ("fwd", "bwd", "wgt")]
+            ops = [(phase, i) for phase, i in ops if i >= 0]
+            assert len(ops) <= 1  # one a stage a tick
+            for phase, i in ops:
+                assert (phase, i, s) not in at
+                at[phase, i, s] = t
+    assert len(at) == 3 * M * P
+    for i in range(M):
+        for s in range(P):
+            if s:
+                assert at["fwd", i, s] > at["fwd", i, s - 1]
+            assert at["bwd", i, s] > (at["bwd", i, s + 1] if s < P - 1 else at["fwd", i, s])
+            assert at["wgt", i, s] > at["bwd", i, s]
+    spans = {"res": ("fwd", "fwd_slot", "wgt", "wgt_slot"), "kept": ("bwd", "bwd_wslot", "wgt", "wgt_wslot")}
+    for s in range(P):
+        for first, first_slot, last, last_slot in spans.values():
+            held = {}
+            for i in range(M):
+                a, b = at[first, i, s], at[last, i, s]
+                slot = int(getattr(schedule, first_slot)[a, s])
+                assert slot == int(getattr(schedule, last_slot)[b, s]) >= 0
+                held[i] = (a, b, slot)
+            for i, (a, b, slot) in held.items():
+                assert not any(o != i and sl == slot and a <= b2 and a2 <= b for o, (a2, b2, sl) in held.items())
+        for phase, sender in (("fwd", s - 1), ("bwd", s + 1)):
+            if 0 <= sender < P:
+                waits = [(at[phase, i, sender] + 1, at[phase, i, s], int(getattr(schedule, f"{phase}_from")[at[phase, i, s], s]))
+                         for i in range(M)]
+                for a, b, slot in waits:
+                    assert int(getattr(schedule, f"{phase}_in")[a, s]) == slot
+                    assert sum(1 for a2, b2, sl in waits if sl == slot and a <= b2 and a2 <= b) == 1
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_zero_bubble_tables_and_their_bubble(stages):
+    """ZB-H1 against its theory, 3M + P - 1 ticks with F, B and W of one unit: one tick over
+    on 2 stages, three on 4 (the residual cap that keeps its memory near 1F1B's makes the first
+    stage wait), and idle less than 1F1B's (P - 1) / (M + P - 1), which its tables meet
+    exactly. At most P - s microbatches' residuals on stage s, one B's hand-over to W."""
+    for m in (stages, 2 * stages, 4 * stages):
+        zb, one = make_schedule("zb-h1", stages, m), make_schedule("1f1b", stages, m)
+        check_zero_bubble_table(zb)
+        assert one.idle() == pytest.approx(one.bubble())
+        assert zb.ticks == 3 * m + stages - 1 + (1 if stages == 2 else 3)
+        assert zb.bubble() < zb.idle() < one.idle()
+        assert zb.slots == stages and zb.w_slots == 1
+
+
+@pytest.mark.parametrize("mesh, microbatches", [("stage=2,data=4", 4), ("stage=4,data=2", 8)])
+def test_zero_bubble_keeps_no_more_than_1f1b_at_twice_the_stages(mesh, microbatches):
+    """Compiled temp bytes per device: ZB-H1 keeps each microbatch's residuals until its W (the
+    ones B alone reads only until B), what B hands W, and arrivals waiting for their slot;
+    with M = 2P microbatches and no remat that is no more than 1F1B's 2P - 1 microbatches'
+    residuals (at M = P, or under a remat policy whose W must keep what B recomputed, it is
+    more: docs/pipelines.md)."""
+    model = TransformerLM(get_preset("tiny-llama").replace(n_layers=4))
+    temp = {}
+    for kind in ("1f1b", "zb-h1"):
+        program = make_program(model, mesh, pipeline_schedule=kind, microbatches=microbatches)
+        temp[kind] = program.lower_step(microbatches * 4, 64).compile().memory_analysis().temp_size_in_bytes
+    assert temp["zb-h1"] <= temp["1f1b"], temp
+
+
 @functools.cache
 def deep(name: str, layers: int = 4):
     """``name`` with 4 layers (so 4 stages have one each), or ``layers``, and its one-device run."""
@@ -142,6 +214,8 @@ def deep(name: str, layers: int = 4):
     ("fsdp=2,stage=4", "gpipe", 4, 0, 4, {}),
     ("stage=2,data=4", "1f1b", 2, 1, 4, {}),
     ("stage=2,data=4", "1f1b", 4, 0, 4, dict(stage_layers=(3, 1))),  # uneven: stage 1 has an empty slot
+    ("stage=2,data=4", "zb-h1", 4, 0, 4, {}),
+    ("stage=4,data=2", "zb-h1", 4, 0, 4, {}),
 ])
 def test_pipeline_matches_one_device(name, mesh, schedule, microbatches, zero, layers, pipeline):
     model, ref_losses, ref_params = deep(name, layers)
@@ -187,6 +261,7 @@ def test_stage_sends_match_the_prediction_and_no_weights_cross_stages(mesh, sche
     ("tiny", "fsdp=2,stage=4", dict(pipeline_schedule="gpipe", microbatches=4), {}),
     ("tiny-llama", "stage=2,data=4", dict(pipeline_schedule="interleaved", microbatches=4,
                                           stage_layers=(1, 2, 1, 1)), {}),
+    ("tiny", "data=2,stage=2,tensor=2", dict(pipeline_schedule="zb-h1", microbatches=4), {}),
 ])
 def test_the_verifier_predicts_a_pipelined_step(name, mesh, step, strategy):
     """``experiments/inspect.py`` on a pipelined step: every collective outside the schedule's
@@ -330,6 +405,7 @@ def test_1f1b_keeps_activations_flat_in_microbatches_where_gpipe_grows():
 
 @pytest.mark.parametrize("mesh, schedule, microbatches, layout", [
     ("stage=2,data=4", "1f1b", 4, {}), ("data=2,stage=2,tensor=2", "gpipe", 2, {}),
+    ("data=2,stage=2,tensor=2", "zb-h1", 2, {}),
     ("stage=2,data=4", "interleaved", 2, dict(stage_layers=(1, 2, 1, 1)))])  # chunks, empty slots
 def test_dropout_under_a_pipeline_drops_what_one_device_drops(mesh, schedule, microbatches, layout):
     layers = sum(layout.get("stage_layers", ())) or get_preset("tiny").n_layers

@@ -16,6 +16,10 @@ backward slot applies them. So every stage does one forward and one backward per
 -- the cost the bubble theory assumes -- and keeps ``slots`` microbatches' residuals, which the
 schedule fixes: GPipe all M microbatches, 1F1B at most 2P - 1 whatever M is.
 
+A zero-bubble schedule (ZB-H1) splits the backward slot: B computes the stage input's gradient
+and hands W (``parallel.split_backward``) what the weights' gradients need, and W runs in a
+slot of its own, later; what a neighbour sends waits in an inbox slot until its F or B runs.
+
 The two ends run inside the executor: stage 0 embeds its microbatch's tokens (and, backward,
 takes the embedding's gradient), the last stage applies the head and the loss in its backward
 slot, the same tick as its forward. The outer params (token table, final norm, head) are
@@ -36,10 +40,11 @@ from jax.sharding import PartitionSpec as P
 
 from jaxshard.axes import MeshAxis
 from jaxshard.errors import ConfigError
+from jaxshard.parallel import split_backward
 from jaxshard.rules import StateKind
 
 STAGE = str(MeshAxis.STAGE)
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
 DEFAULT_SCHEDULE = "1f1b"  # with a stage axis and no --pipeline-schedule
 DEFAULT_VIRTUAL = 2  # interleaved: chunks per stage without --virtual-stages
 
@@ -152,14 +157,58 @@ class Schedule:
     bwd_slot: np.ndarray
     slots: int  # stage inputs a stage keeps at most
     layout: StageLayout | None = None
+    # Zero-bubble schedules: the backward slot computes the input's gradient (B) alone and
+    # the weights' (W) run in their own slot, reading the forward's residuals (kept from the
+    # forward to W) and what B handed on (kept in one of ``w_slots`` from B to W).
+    wgt: np.ndarray | None = None  # [ticks, stages]: microbatch
+    wgt_chunk: np.ndarray | None = None
+    wgt_slot: np.ndarray | None = None  # the residuals' slot
+    bwd_wslot: np.ndarray | None = None  # where B keeps what W reads
+    wgt_wslot: np.ndarray | None = None
+    w_slots: int = 0
+    # Zero-bubble: a stage's F (B) may come ticks after the previous (next) stage sent its
+    # input (gradient); each arrival waits in a slot of an inbox: where it lands, where the
+    # F (B) reads it.
+    # Residuals only B reads are kept from F to B, in slots of their own.
+    fwd_bslot: np.ndarray | None = None
+    bwd_bslot: np.ndarray | None = None
+    b_slots: int = 0
+    fwd_in: np.ndarray | None = None
+    fwd_from: np.ndarray | None = None
+    bwd_in: np.ndarray | None = None
+    bwd_from: np.ndarray | None = None
+    in_slots: int = 0
 
     @property
     def ticks(self) -> int:
         return self.fwd.shape[0]
 
+    @property
+    def split(self) -> bool:
+        """Whether the backward pass runs as B and W in separate slots."""
+        return self.wgt is not None
+
     def bubble(self) -> float:
-        """The theoretical idle fraction (P - 1) / (V M + P - 1)."""
+        """The theoretical idle fraction: (P - 1) / (V M + P - 1) with the backward pass
+        twice the forward; ZB-H1's (P - 1) / (3 M + P - 1), B and W each as long as F."""
+        if self.split:
+            return (self.stages - 1) / (3 * self.microbatches + self.stages - 1)
         return (self.stages - 1) / (self.virtual * self.microbatches + self.stages - 1)
+
+    def idle(self) -> float:
+        """The tables' idle fraction with F, B and W one unit of time each (a backward slot
+        that runs both B and W two; the last chunk's, which runs its forward too, three): the
+        stages wait for each other at every tick, so a tick lasts as long as its longest
+        stage's work."""
+        P, V = self.stages, self.virtual
+        on_last = np.arange(P)[None, :] == P - 1
+        fused = (on_last & (self.fwd_chunk == V - 1)) if not self.split else np.zeros(self.fwd.shape, bool)
+        work = ((self.fwd >= 0) & ~fused).astype(int)
+        if self.split:
+            work += (self.bwd >= 0).astype(int) + (self.wgt >= 0).astype(int)
+        else:
+            work += (self.bwd >= 0) * (2 + (on_last & (self.bwd_chunk == V - 1)))
+        return 1 - 3 * self.microbatches * V * P / (P * work.max(axis=1).sum())
 
 
 def make_schedule(kind: str, stages: int, microbatches: int, virtual: int = 1,
@@ -179,7 +228,7 @@ def make_schedule(kind: str, stages: int, microbatches: int, virtual: int = 1,
                           f"got --microbatches {M}")
     if M < 1:
         raise ConfigError(f"--microbatches must be >= 1, got {M}")
-    if kind in ("1f1b", "interleaved") and M < Pn:
+    if kind in ("1f1b", "interleaved", "zb-h1") and M < Pn:
         raise ConfigError(f"--pipeline-schedule {kind} needs --microbatches >= the stages ({Pn}), got {M}")
     if kind == "interleaved":
         if V < 2:
@@ -189,6 +238,8 @@ def make_schedule(kind: str, stages: int, microbatches: int, virtual: int = 1,
                               f"--microbatches {M} is not a multiple of the stages ({Pn})")
     elif V != 1:
         raise ConfigError(f"--virtual-stages needs --pipeline-schedule interleaved, got {kind}")
+    if kind == "zb-h1":
+        return _zero_bubble(Pn, M, layout)
     # (microbatch, virtual stage u) -> its forward and backward tick; u runs on stage u % P.
     fwd_at, bwd_at = {}, {}
     for i in range(M):
@@ -211,18 +262,80 @@ def make_schedule(kind: str, stages: int, microbatches: int, virtual: int = 1,
     slots = 0
     for s in range(Pn):
         # A stage input is kept from its forward tick to its backward tick, inclusive (the
-        # forward slot writes before the backward slot reads): reuse the lowest free slot.
+        # forward slot writes before the backward slot reads).
         ops = sorted((fwd_at[i, u], bwd_at[i, u], i, u // Pn) for (i, u) in fwd_at if u % Pn == s)
-        busy: list[tuple[int, int]] = []  # (backward tick, slot)
-        for f, b, i, v in ops:
-            taken = {slot for end, slot in busy if end >= f}
-            busy = [(end, slot) for end, slot in busy if end >= f]
-            slot = min(set(range(len(taken) + 1)) - taken)
-            busy.append((b, slot))
+        for (f, b, i, v), slot in zip(ops, _slots([(f, b) for f, b, _, _ in ops])):
             slots = max(slots, slot + 1)
             for phase, t in (("fwd", f), ("bwd", b)):
                 tables[phase][t, s], tables[f"{phase}_chunk"][t, s], tables[f"{phase}_slot"][t, s] = i, v, slot
     return Schedule(kind, Pn, M, V, slots=slots, layout=layout, **tables)
+
+
+def _slots(spans: list[tuple[int, int]]) -> list[int]:
+    """For spans (first tick, last tick) in order of their first: the lowest slot free over
+    each (a slot whose span ended before this one starts is free)."""
+    out, busy = [], []  # busy: (last tick, slot)
+    for start, end in spans:
+        busy = [(e, slot) for e, slot in busy if e >= start]
+        slot = min(set(range(len(busy) + 1)) - {slot for _, slot in busy})
+        busy.append((end, slot))
+        out.append(slot)
+    return out
+
+
+def _zero_bubble(Pn: int, M: int, layout: StageLayout | None) -> Schedule:
+    """ZB-H1 (Qi et al. 2023, Zero Bubble Pipeline Parallelism): one F, B or W a stage a
+    tick, list-scheduled: each tick a stage runs its next B if the next stage's B of that
+    microbatch (or, on the last stage, its own F) ran before; else its next F if that
+    microbatch's F ran on the previous stage and the stage holds fewer than P - s
+    microbatches' residuals; else its oldest waiting W. The first microbatches fill the
+    pipeline as 1F1B does; the Ws wait and fill the idle ticks of the end. The theory's
+    3M + P - 1 ticks plus one on 2 stages, three on 4: the residual cap, which keeps the
+    memory near 1F1B's, makes the first stage wait (P - s + 1 meets the theory on 2 stages)."""
+    f_at, b_at, w_at = {}, {}, {}
+    next_f, next_b = [0] * Pn, [0] * Pn
+    waiting: list[list[int]] = [[] for _ in range(Pn)]
+    t = 0
+    while len(w_at) < Pn * M:
+        for s in range(Pn):
+            i, held = next_b[s], next_f[s] - sum(1 for (_, r) in w_at if r == s)
+            if i < next_f[s] and f_at[i, s] < t and (s == Pn - 1 or b_at.get((i, s + 1), t) < t):
+                b_at[i, s] = t
+                next_b[s] += 1
+                waiting[s].append(i)
+            elif next_f[s] < M and held < Pn - s and (s == 0 or f_at.get((next_f[s], s - 1), t) < t):
+                f_at[next_f[s], s] = t
+                next_f[s] += 1
+            elif waiting[s] and b_at[waiting[s][0], s] < t:
+                w_at[waiting[s].pop(0), s] = t
+        t += 1
+    names = ("fwd", "bwd", "wgt", "fwd_chunk", "bwd_chunk", "wgt_chunk", "fwd_slot", "bwd_slot", "wgt_slot",
+             "bwd_wslot", "wgt_wslot", "fwd_in", "fwd_from", "bwd_in", "bwd_from", "fwd_bslot", "bwd_bslot")
+    tables = {name: np.full((t, Pn), -1, np.int32) for name in names}
+    slots = w_slots = in_slots = b_slots = 0
+    for s in range(Pn):
+        for i, slot in enumerate(_slots([(f_at[i, s], b_at[i, s]) for i in range(M)])):
+            tables["fwd_bslot"][f_at[i, s], s] = tables["bwd_bslot"][b_at[i, s], s] = slot
+            b_slots = max(b_slots, slot + 1)
+        for phase, at, sender in (("fwd", f_at, s - 1), ("bwd", b_at, s + 1)):
+            if not 0 <= sender < Pn:
+                continue
+            order = sorted(range(M), key=lambda i: at[i, sender])
+            for i, slot in zip(order, _slots([(at[i, sender] + 1, at[i, s]) for i in order])):
+                tables[f"{phase}_in"][at[i, sender] + 1, s], tables[f"{phase}_from"][at[i, s], s] = slot, slot
+                in_slots = max(in_slots, slot + 1)
+        res = _slots([(f_at[i, s], w_at[i, s]) for i in range(M)])  # F runs in microbatch order
+        order = sorted(range(M), key=lambda i: b_at[i, s])
+        kept = dict(zip(order, _slots([(b_at[i, s], w_at[i, s]) for i in order])))
+        for i in range(M):
+            for phase, at in (("fwd", f_at), ("bwd", b_at), ("wgt", w_at)):
+                tables[phase][at[i, s], s] = i
+                tables[f"{phase}_chunk"][at[i, s], s] = 0
+                tables[f"{phase}_slot"][at[i, s], s] = res[i]
+            tables["bwd_wslot"][b_at[i, s], s] = tables["wgt_wslot"][w_at[i, s], s] = kept[i]
+        slots, w_slots = max(slots, max(res) + 1), max(w_slots, max(kept.values()) + 1)
+    return Schedule("zb-h1", Pn, M, 1, slots=slots, layout=layout, w_slots=w_slots, in_slots=in_slots,
+                    b_slots=b_slots, **tables)
 
 
 class _Residuals:
@@ -281,7 +394,8 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         embed: Callable[..., jax.Array], body: Callable[..., jax.Array], last: Callable[..., jax.Array],
         blocks: Any, outer: Any, inputs_MBL: jax.Array, targets_MBL: jax.Array,
         seed: jax.Array | float = 1.0, aux: Any = None, replicas: tuple[str, ...] = (),
-        train: bool = True, side: Any = None) -> tuple[Any, Any, Any] | jax.Array:
+        train: bool = True, side: Any = None, head: Callable[..., jax.Array] | None = None
+        ) -> tuple[Any, Any, Any] | jax.Array:
     """Loss sum and gradients of one step under ``schedule`` (and its ``layout``).
 
     ``embed(outer, tokens, i, aux) -> x``; ``body(chunk, x, i, layers, aux) -> y`` runs one
@@ -302,14 +416,24 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
     ``extra_loss`` (the auxiliary losses) is part of the differentiated loss sum, ``side`` is
     summed as it is; training returns ``((loss, extra_loss, side), d_blocks, d_outer)``, each
     summed over microbatches, stages and replicas (evaluation: the loss alone).
+
+    A zero-bubble schedule (``schedule.split``) runs the last chunk's forward in its forward
+    slot like any other, keeping its output; its backward slot runs ``head(outer, y, targets,
+    i, aux) -> loss sum`` (the head and the loss) and the chunk's B; every chunk's backward
+    slot computes its input's gradient alone (``split_backward``) and its W slot the weights'.
     """
     Pn, V, K = schedule.stages, schedule.virtual, schedule.slots
     layout = schedule.layout
     if layout is None or (layout.stages, layout.virtual) != (Pn, V):
         raise ConfigError(f"the pipeline's schedule needs a layout of {Pn} stages x {V} chunks")
     S = layout.depth
+    zb = schedule.split
+    if zb and head is None:
+        raise ConfigError(f"--pipeline-schedule {schedule.kind} needs the model's head apart from its last chunk")
     tables = {name: jnp.asarray(getattr(schedule, name)) for name in
-              ("fwd", "bwd", "fwd_chunk", "bwd_chunk", "fwd_slot", "bwd_slot")}
+              ("fwd", "bwd", "fwd_chunk", "bwd_chunk", "fwd_slot", "bwd_slot")
+              + (("wgt", "wgt_chunk", "wgt_slot", "bwd_wslot", "wgt_wslot", "fwd_in", "fwd_from", "bwd_in",
+                  "bwd_from", "fwd_bslot", "bwd_bslot") if zb else ())}
     layer_ids = jnp.asarray(layout.layer_ids())
     seed = jnp.asarray(seed, jnp.float32)
     # With chunks, the last stage's output goes on to stage 0's next chunk: a ring.
@@ -350,6 +474,11 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
 
         def keep(stash, value, slot):
             return jax.tree.map(lambda buf, x: buf.at[slot].set(x), stash, value)
+
+        def keep_if(stash, value, slot):
+            """``value`` into ``slot`` where ``slot`` >= 0; else nothing (no spare slot)."""
+            at = jnp.maximum(slot, 0)
+            return jax.tree.map(lambda buf, x: buf.at[at].set(jnp.where(slot >= 0, x, buf[at])), stash, value)
 
         def kept(stash, slot):
             return jax.tree.map(lambda buf: buf[slot], stash)
@@ -423,38 +552,112 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         def idle_backward(j, v, x_in, stash_res, slot, received_g):
             return jnp.zeros((), jnp.float32), no_side, zeros(chunk(0)), zeros(outer), zeros_x
 
+        if zb:
+            # B and W of a chunk's pullback, as functions of (its kept residuals, its params).
+            n_weights = len(jax.tree.leaves(chunk(0)))
+            chunk_tree = jax.tree.structure(chunk(0))
+            cot_shape = (zeros_x, (jnp.zeros((), jnp.float32), zeros(side)))
+            halves = split_backward.split(lambda rc, cot: residuals.join(rc[0], rc[1])(cot),
+                                          (res_shapes, chunk(0)), cot_shape, n_weights)
+            _, w_shapes = jax.eval_shape(halves.b, (res_shapes, chunk(0)), cot_shape)
+        # Per residual leaf: kept until W (zero-bubble, W reads it), else until B.
+        until_w = list(halves.w_reads) if zb else [True] * len(res_shapes)
+
+        def keep_res(stash_res, res, slot, b_slot):
+            return [keep([buf], [x], slot if w else b_slot)[0] for buf, x, w in zip(stash_res, res, until_w)]
+
+        def kept_res(stash_res, slot, b_slot):
+            return [buf[slot if w else b_slot] for buf, w in zip(stash_res, until_w)]
+
+        def backward_b(j, v, y_kept, stash_res, slot, received_g, b_slot):
+            """B: (loss, (extra loss, side), the outer params' gradients, the input's
+            gradient, what W reads); the last chunk's runs the head and the loss first."""
+            c = chunk(v)
+
+            def head_grads():
+                loss, vjp = jax.vjp(lambda o, y: head(o, y, targets[j], j, aux), outer, y_kept)
+                d_outer, d_y = vjp(seed.astype(loss.dtype))
+                return loss.astype(jnp.float32), d_outer, d_y
+
+            loss, d_outer, d_y = jax.lax.cond(
+                is_last(v), head_grads, lambda: (jnp.zeros((), jnp.float32), zeros(outer), received_g))
+            d_in, kept_w = halves.b((kept_res(stash_res, slot, b_slot), c), (d_y, (seed, zeros(side))))
+            d_x = jax.tree.unflatten(jax.tree.structure(zeros_x), d_in)
+            d_outer = jax.lax.cond(is_first(v), lambda: jax.tree.map(
+                jnp.add, d_outer, jax.vjp(lambda o: embed(o, inputs[j], j, aux), outer)[1](d_x)[0]),
+                lambda: d_outer)
+            return loss, no_side, d_outer, d_x, kept_w
+
+        def idle_b(j, v, y_kept, stash_res, slot, received_g, b_slot):
+            return (jnp.zeros((), jnp.float32), no_side, zeros(outer), zeros_x,
+                    jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), w_shapes))
+
         def tick(carry, t):
             received_x, received_g, stash, loss_acc, extras_acc, d_blocks_acc, d_outer_acc = carry
             # Forward slot: take the microbatch's input, run the chunk and keep its residuals
             # (the last chunk keeps its input: its forward runs in its backward slot, with the
             # head), pass the chunk's output on.
+            if zb:  # what arrived waits in the inbox until its F or B takes it
+                inbox_x, inbox_g = stash[3], stash[4]
+                inbox_x = keep_if(inbox_x, received_x, tables["fwd_in"][t, s])
+                inbox_g = keep_if(inbox_g, received_g, tables["bwd_in"][t, s])
+                received_x = kept(inbox_x, jnp.maximum(tables["fwd_from"][t, s], 0))
+                received_g = kept(inbox_g, jnp.maximum(tables["bwd_from"][t, s], 0))
+                stash = stash[:3] + (inbox_x, inbox_g)
             i, i_, v_, slot, x_in = take_input(t, received_x)
-            stash_x, stash_res = stash
+            stash_x, stash_res = stash[:2]
 
             def run_forward(stash_res):
                 y, res, extras = forward(chunk(v_), x_in, i_, layer_ids[s, v_])
-                return y, keep(stash_res, res, slot), extras
+                b_slot = jnp.maximum(tables["fwd_bslot"][t, s], 0) if zb else slot
+                return y, keep_res(stash_res, res, slot, b_slot), extras
 
             # Residuals are written (in place) only where the chunk runs: the last chunk, whose
             # forward runs in its backward slot, and idle slots move none.
-            y, stash_res, fwd_extras = jax.lax.cond((i >= 0) & ~is_last(v_), run_forward,
+            runs = (i >= 0) if zb else (i >= 0) & ~is_last(v_)
+            y, stash_res, fwd_extras = jax.lax.cond(runs, run_forward,
                                                     lambda stash_res: (zeros_x, stash_res, no_side), stash_res)
-            stash = (keep(stash_x, x_in, jnp.where(i >= 0, slot, K)), stash_res)  # idle: spare slot K
+            # Kept for the backward slot: the last chunk's input (its forward runs there), or
+            # under a zero-bubble schedule its output (the head's input). Idle: spare slot K.
+            held = jnp.where(is_last(v_), y, x_in) if zb else x_in
+            stash = (keep(stash_x, held, jnp.where(i >= 0, slot, K)), stash_res) + tuple(stash[2:])
             # Backward slot.
             j, w = tables["bwd"][t, s], jnp.maximum(tables["bwd_chunk"][t, s], 0)
             back = jnp.maximum(tables["bwd_slot"][t, s], 0)
-            loss, bwd_extras, d_chunk, d_outer, d_x = jax.lax.cond(
-                j >= 0, backward, idle_backward, jnp.maximum(j, 0), w, kept(stash[0], back), stash[1], back,
-                received_g)
+            if not zb:
+                loss, bwd_extras, d_chunk, d_outer, d_x = jax.lax.cond(
+                    j >= 0, backward, idle_backward, jnp.maximum(j, 0), w, kept(stash[0], back), stash[1], back,
+                    received_g)
+                d_blocks_acc = add_chunk(d_blocks_acc, d_chunk, w)
+            else:
+                stash_w = stash[2]
+                loss, bwd_extras, d_outer, d_x, kept_w = jax.lax.cond(
+                    j >= 0, backward_b, idle_b, jnp.maximum(j, 0), w, kept(stash[0], back), stash[1], back,
+                    received_g, jnp.maximum(tables["bwd_bslot"][t, s], 0))
+                stash_w = keep_if(stash_w, kept_w, jnp.where(j >= 0, tables["bwd_wslot"][t, s], -1))
+                # W slot: the weights' gradients from the residuals and what B kept.
+                k, u = tables["wgt"][t, s], jnp.maximum(tables["wgt_chunk"][t, s], 0)
+
+                def weights():
+                    grads = halves.w((kept_res(stash[1], jnp.maximum(tables["wgt_slot"][t, s], 0), 0), chunk(u)),
+                                     kept(stash_w, jnp.maximum(tables["wgt_wslot"][t, s], 0)))
+                    return jax.tree.unflatten(chunk_tree, grads)
+
+                d_blocks_acc = add_chunk(d_blocks_acc, jax.lax.cond(k >= 0, weights, lambda: zeros(chunk(0))), u)
+                stash = (stash[0], stash[1], stash_w) + tuple(stash[3:])
             received_x = jax.lax.ppermute(y, STAGE, to_next)
             received_g = jax.lax.ppermute(d_x, STAGE, to_prev)
             extras_acc = jax.tree.map(lambda a, f, b: a + f + b, extras_acc, fwd_extras, bwd_extras)
-            return (received_x, received_g, stash, loss_acc + loss, extras_acc, add_chunk(d_blocks_acc, d_chunk, w),
+            return (received_x, received_g, stash, loss_acc + loss, extras_acc, d_blocks_acc,
                     jax.tree.map(jnp.add, d_outer_acc, d_outer)), None
 
         slots = lambda tree, n: jax.tree.map(lambda x: jnp.zeros((n, *x.shape), x.dtype), tree)  # noqa: E731
-        init = (zeros_x, zeros_x, (slots(zeros_x, K + 1), slots(res_shapes, K)), jnp.zeros((), jnp.float32),
-                no_side, zeros(blocks), zeros(outer))
+        stashes = (slots(zeros_x, K + 1),
+                   [slots(r, K if w else schedule.b_slots) for r, w in zip(res_shapes, until_w)])
+        if zb:  # and what B keeps for W; the inboxes
+            stashes += (slots(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), w_shapes), schedule.w_slots),
+                        slots(zeros_x, schedule.in_slots), slots(zeros_x, schedule.in_slots))
+        init = (zeros_x, zeros_x, stashes, jnp.zeros((), jnp.float32), no_side, zeros(blocks), zeros(outer))
         (_, _, _, loss, extras, d_blocks, d_outer), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
         # The loss lives on the last stage, the outer params' gradients on the two ends; each
         # replica holds its rows' share of both and of the stack's gradients.

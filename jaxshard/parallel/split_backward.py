@@ -174,7 +174,14 @@ def _read(env: dict, v):
 
 
 def _bind(eqn, args: list) -> list:
-    out = eqn.primitive.bind(*args, **eqn.params)
+    """The equation's primitive applied to ``args`` where it is traced (as ``eval_jaxpr``
+    binds it: call primitives such as ``shard_map`` take their body as a function)."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns = ()
+    if isinstance(params, tuple):  # (some versions: the subfunctions, then the params)
+        subfuns, params = params
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*subfuns, *args, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
@@ -306,6 +313,7 @@ class Split:
     b: Callable[..., Any]
     w: Callable[..., Any]
     out_tree: Any
+    w_reads: tuple[bool, ...]  # per leaf of the residuals: W reads it (else it is B's alone)
 
 
 def split(pullback: Callable, residuals: Any, cotangent: Any, n_weights: int) -> Split:
@@ -331,4 +339,4 @@ def split(pullback: Callable, residuals: Any, cotangent: Any, n_weights: int) ->
         args = [a if r else None for a, r in zip(jax.tree.leaves(res), plan.in_w)]
         return _run_w(plan, consts, args + [None] * (len(jaxpr.invars) - n_res), stash)[:n_weights]
 
-    return Split(b=b, w=w, out_tree=jax.tree.structure(out_shape))
+    return Split(b=b, w=w, out_tree=jax.tree.structure(out_shape), w_reads=tuple(plan.in_w[:n_res]))

@@ -168,8 +168,11 @@ class StagedModel:
         def last(chunk, outer, x_BLD, targets_BL, i, layers, key):
             y = body(chunk, x_BLD, i, layers, key)
             y_BLD, side = y if self.moe_layers else (y, None)
-            nll = cross_entropy(model.head(cast(outer), y_BLD), targets_BL, model.cfg.vocab_size).sum()
+            nll = head(outer, y_BLD, targets_BL, i, key)
             return nll if side is None else (nll, side)
+
+        def head(outer, y_BLD, targets_BL, i, key):  # the head and the loss (zero-bubble: apart)
+            return cross_entropy(model.head(cast(outer), y_BLD), targets_BL, model.cfg.vocab_size).sum()
 
         # A learned position table enters as its first L rows, the only ones with a gradient:
         # the executor accumulates and reduces those, not the whole table.
@@ -182,7 +185,7 @@ class StagedModel:
         out = pipeline.run(
             schedule, rules.context_mesh, embed=embed, body=body, last=last, blocks=params[self.stack],
             outer=outer, inputs_MBL=split(inputs_BL), targets_MBL=split(targets_BL), aux=key,
-            replicas=replicas, side=side, **run)
+            replicas=replicas, side=side, head=head, **run)
         if table is None or not run.get("train"):
             return out
         loss, d_stack, d_outer = out

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxshard.axes import Dim
 from jaxshard.errors import ConfigError
+from jaxshard.model import LanguageModel
 from jaxshard.options import flag, option
 from jaxshard.rules import spec_axes
 
@@ -81,10 +82,9 @@ def router_bias_mask(tree: Any, is_leaf: Callable[[Any], bool] | None = None) ->
         lambda path, _: getattr(path[-1], "key", None) == ROUTER_BIAS, tree, is_leaf=is_leaf)
 
 
-def router_bias_rate(model: Any) -> float:
+def router_bias_rate(model: LanguageModel) -> float:
     """The step of an MoE model's routing biases per optimizer step (0: it has none)."""
-    cfg = getattr(model, "cfg", None)
-    return cfg.moe_bias_rate if getattr(cfg, "moe_router_bias", False) else 0.0
+    return model.cfg.moe_bias_rate if getattr(model.cfg, "moe_router_bias", False) else 0.0
 
 
 def without_router_bias(grads: Any) -> Any:

@@ -83,7 +83,8 @@ class StepConfig:
         None, "with a stage axis: naive (one microbatch through the stages in turn), gpipe (all "
               "forwards, then all backwards), 1f1b (one forward and one backward per tick: at most "
               "2 x stages microbatches' activations kept), interleaved (1f1b over --virtual-stages "
-              "chunks per stage)", metavar="|".join(pipeline.SCHEDULES),
+              "chunks per stage), zb-h1 (zero bubble: each backward split into the input's and the "
+              "weights' gradients, the latter deferred into idle ticks)", metavar="|".join(pipeline.SCHEDULES),
         default_text=pipeline.DEFAULT_SCHEDULE, group="pipeline")
     microbatches: int | None = option(
         None, "with a stage axis: microbatches per step; the bubble is (stages - 1) / (virtual x "
