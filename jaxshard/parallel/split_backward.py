@@ -52,9 +52,12 @@ class _Plan:
     stash: list = field(default_factory=list)
     in_b: list = field(default_factory=list)  # per invar: B reads it
     in_w: list = field(default_factory=list)  # per invar: W reads it
-    # A split scan's carries: which B carries, which W carries (the rest dead).
+    # A split scan's carries: which B carries, which W carries (the rest dead); per output of
+    # the scan, whether B's scan makes it and whether W's does.
     b_carry: list = field(default_factory=list)
     w_carry: list = field(default_factory=list)
+    out_b: list = field(default_factory=list)
+    w_outs: list = field(default_factory=list)
 
 
 def _plan(jaxpr: core.Jaxpr, out_b: list[bool], out_w: list[bool], w_has: set) -> _Plan:
