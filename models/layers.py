@@ -21,7 +21,7 @@ from jaxshard.parallel import attention
 from jaxshard.parallel.attention import causal_attention
 from jaxshard.parallel.tensor import column_parallel
 from jaxshard.parallel.vectors import scale, shift
-from jaxshard.parallel.vocab import embed_lookup, project
+from jaxshard.parallel.vocab import embed_lookup, logits_dot, project
 from jaxshard.remat import attention_core, elementwise, tag
 from jaxshard.rules import active, constrain
 from models.config import ModelConfig, Mlp, Norm, Positions, RopeScaling
@@ -324,6 +324,6 @@ class Embedder(nnx.Module):
         if self.tied:
             logits = project(x_BLD, self.tokens[...] if table is None else table)
         else:
-            logits = jnp.einsum("bld,dv->blv", x_BLD, self.lm_head[...],
-                                preferred_element_type=jnp.float32)
+            dtype = jnp.result_type(x_BLD, self.lm_head[...])
+            logits = logits_dot(x_BLD.astype(dtype), self.lm_head[...].astype(dtype), (((2,), (0,)), ((), ())))
         return constrain(logits, (Dim.BATCH, Dim.LENGTH, Dim.ACT_VOCAB))

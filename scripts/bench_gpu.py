@@ -13,6 +13,15 @@ Two parts, each result written to the JSON as soon as it is taken:
 * ``train``: ``experiments/train.py`` on this one GPU for the cases in ``TRAIN``: the step time
   measured (median after the first step) beside the time model's, the MFU both ways, XLA's
   temporaries beside the accounting's, and the allocator's peak beside the device's memory.
+* ``layers``: every matmul of a Llama 3 8B and a Llama 2 7B layer on 16,384 tokens in the three
+  passes a training step runs (forward, input gradient, weight gradient), and their
+  FLOP-weighted rate.
+* ``attention``: cuDNN's flash attention (``jax.nn.dot_product_attention``, causal), forward and
+  forward + backward, at the 1B's and the 8B's head widths and at sequences 4,096 to 16,384, in the kernel's
+  FLOPs (the causal half square; the backward 2.5 forwards) against ``timing.FLASH_TFLOPS``.
+* ``profile``: the cases in ``PROFILE`` run again with two steps traced (``--profile-steps``) and
+  the optimized HLO dumped; :mod:`jaxshard.analysis.profile` sums the kernels' time into the
+  time model's parts and lists the costliest instructions with the source lines that made them.
 Each part and each training run is its own process with a time limit, so one that fails or
 hangs costs its case, not the rest.
 """
@@ -22,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -36,7 +46,22 @@ TRAIN = {
     "1b": "--model llama-1b --seq-len 8192 --batch-size 1 --remat none",
     "8b-4layers-full": "--model llama-8b --n-layers 4 --seq-len 8192 --batch-size 2 --remat full",
     "8b-4layers-selective": "--model llama-8b --n-layers 4 --seq-len 8192 --batch-size 2 --remat selective",
+    # MaxText's configs/a3/llama_2_7b per device: sequence 4096, 4 sequences, remat "minimal"
+    # (checkpoint_dots_with_no_batch_dims).
+    "7b-4layers-dots": "--model llama-7b --n-layers 4 --seq-len 4096 --batch-size 4 --remat dots_no_batch",
 }
+PROFILE = ("1b", "8b-4layers-selective")
+# (batch, sequence, query heads, kv heads, head width): the 1B's and the 8B's attention.
+ATTENTION = {"1b (head 64)": (1, 8192, 32, 8, 64), "8b (head 128)": (2, 8192, 32, 8, 128),
+             "8b at 4096": (4, 4096, 32, 8, 128), "8b at 16384": (1, 16384, 32, 8, 128),
+             "7b (MHA) at 4096": (4, 4096, 32, 32, 128)}
+# A layer's matmuls (K, N) on 16,384 tokens, each in the three passes a training step runs:
+# forward x w, the input gradient g w^T, the weight gradient x^T g.
+LAYER_MATMULS = {
+    "8b": {"qkv": (4096, 6144), "out": (4096, 4096), "gate+up": (4096, 28672), "down": (14336, 4096)},
+    "7b": {"qkv": (4096, 12288), "out": (4096, 4096), "gate+up": (4096, 22016), "down": (11008, 4096)},
+}
+TOKENS = 16384
 # A Llama 3 8B layer's matmuls on 16,384 tokens (2 sequences of 8,192), (M, K, N), and the square.
 MATMULS = {"qkv": (16384, 4096, 6144), "out": (16384, 4096, 4096), "gate+up": (16384, 4096, 28672),
            "down": (16384, 14336, 4096), "8192^3": (8192, 8192, 8192)}
@@ -82,14 +107,143 @@ def rates(matmuls: dict, stream: int) -> dict:
     return out
 
 
-def train(name: str, timeout: float, scratch: Path) -> dict:
-    report = scratch / f"train-{name}.json"
+# nvidia-smi's clocks_event_reasons bits that slow the clocks (idle and application clocks are not).
+SLOWDOWNS = {0x4: "software power cap", 0x8: "hardware slowdown", 0x20: "software thermal slowdown",
+             0x40: "hardware thermal slowdown", 0x80: "hardware power brake"}
+
+
+class Clocks:
+    """The GPU's SM clock, temperature and power sampled by ``nvidia-smi`` every 250 ms while a
+    part runs; :meth:`stop` sums them up with any slowdown the driver reported. A result taken
+    under thermal slowdown measures the machine's cooling, not the kernels: one H100 here ran at
+    555-960 MHz and 83-93 C, and its matmuls at a quarter of their rate."""
+
+    def __init__(self):
+        try:
+            self.proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=clocks.sm,temperature.gpu,power.draw,clocks_event_reasons.active",
+                 "--format=csv,noheader,nounits", "-lms", "250"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                text=True)
+        except OSError as e:
+            self.proc, self.error = None, f"nvidia-smi: {e}"
+
+    def stop(self) -> dict:
+        if self.proc is None:
+            return {"error": self.error}
+        self.proc.terminate()
+        text = self.proc.communicate()[0]
+        rows = []
+        for line in text.splitlines():
+            try:
+                clock, temp, power, reasons = (x.strip() for x in line.split(","))
+                rows.append((float(clock), float(temp), float(power), int(reasons, 16)))
+            except ValueError:
+                continue
+        if not rows:
+            return {"error": "no nvidia-smi samples"}
+        clocks = sorted(r[0] for r in rows)
+        seen = 0
+        for r in rows:
+            seen |= r[3]
+        return {"samples": len(rows), "sm_mhz_min": clocks[0], "sm_mhz_median": clocks[len(clocks) // 2],
+                "temperature_c_max": max(r[1] for r in rows), "power_w_max": max(r[2] for r in rows),
+                "slowdowns": [name for bit, name in SLOWDOWNS.items() if seen & bit]}
+
+
+def _best(fn, *args, reps: int = 20) -> float:
+    """The best of three timings of ``reps`` back-to-back runs of ``fn(*args)``, in seconds."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / reps)
+    return min(times)
+
+
+def layer_matmuls(models: dict, tokens: int) -> dict:
+    """Each layer matmul of ``models`` on ``tokens`` tokens in bf16, forward, input gradient and
+    weight gradient: TFLOP/s each, and the FLOP-weighted rate of all three passes of every
+    matmul (what a training step's layers run at)."""
+    import jax
+    import jax.numpy as jnp
+
+    key = jax.random.key(0)
+    passes = {
+        "forward": (jax.jit(lambda x, w: x @ w), lambda t, k, n: ((t, k), (k, n))),
+        "input grad": (jax.jit(lambda g, w: g @ w.T), lambda t, k, n: ((t, n), (k, n))),
+        "weight grad": (jax.jit(lambda x, g: x.T @ g), lambda t, k, n: ((t, k), (t, n))),
+    }
+    out = {}
+    for model, shapes in models.items():
+        rows, flops, seconds = {}, 0.0, 0.0
+        for name, (k, n) in shapes.items():
+            for p, (fn, operands) in passes.items():
+                a_shape, b_shape = operands(tokens, k, n)
+                a = jax.random.normal(key, a_shape, jnp.bfloat16)
+                b = jax.random.normal(key, b_shape, jnp.bfloat16)
+                s = _best(fn, a, b)
+                f = 2 * tokens * k * n
+                rows[f"{name} {p}"] = {"shape_TKN": [tokens, k, n], "tflops": f / s / 1e12}
+                flops, seconds = flops + f, seconds + s
+                del a, b
+        out[model] = {"matmuls": rows, "tflops_all": flops / seconds / 1e12}
+    return out
+
+
+def attention(shapes: dict, reps: int = 10) -> dict:
+    """cuDNN's causal flash attention at each of ``shapes`` (B, L, N, K, H): forward and forward +
+    backward seconds (the best of three timings of ``reps`` runs) and TFLOP/s in the kernel's
+    FLOPs (forward 2 B L^2 N H, the causal half of 4 B L^2 N H; backward 2.5 forwards)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxshard.analysis import devices, timing
+
+    known = devices.detect_device(jax.devices()[0].device_kind)
+    out = {"shapes": {}}
+    for name, (B, L, N, K, H) in shapes.items():
+        keys = jax.random.split(jax.random.key(0), 4)
+        q = jax.random.normal(keys[0], (B, L, N, H), jnp.bfloat16)
+        k, v = (jax.random.normal(key, (B, L, K, H), jnp.bfloat16) for key in keys[1:3])
+        g = jax.random.normal(keys[3], (B, L, N, H), jnp.bfloat16)
+
+        def fwd(q, k, v):
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+        def fwd_bwd(q, k, v, g):
+            out, pull = jax.vjp(fwd, q, k, v)
+            return out, pull(g)
+
+        flops = 2 * B * L * L * N * H  # the causal half of q k^T and p v
+        f, fb = _best(jax.jit(fwd), q, k, v, reps=reps), _best(jax.jit(fwd_bwd), q, k, v, g, reps=reps)
+        assumed = known and timing.flash_tflops("cudnn", known.name, H, L)
+        out["shapes"][name] = {"shape_BLNKH": [B, L, N, K, H], "fwd_s": f, "fwd_bwd_s": fb, "assumed_fwd_bwd_tflops": assumed,
+                               "fwd_tflops": flops / f / 1e12, "fwd_bwd_tflops": 3.5 * flops / fb / 1e12}
+    return out
+
+
+def train(name: str, timeout: float, scratch: Path, profile: bool = False) -> dict:
+    """``experiments/train.py`` on case ``name``; with ``profile`` its steps 4 and 5 traced and the
+    optimized HLO dumped, summed by :func:`jaxshard.analysis.profile.profile`."""
+    report = scratch / f"train-{name}{'-profile' if profile else ''}.json"
+    steps = 6
     cmd = [sys.executable, str(ROOT / "experiments" / "train.py"), *TRAIN[name].split(),
-           "--compute-dtype", "bfloat16", "--steps", "6", "--eval-every", "0", "--eval-batches", "1",
+           "--compute-dtype", "bfloat16", "--steps", str(steps), "--eval-every", "0", "--eval-batches", "1",
            "--log-every", "1", "--report", str(report)]
+    env = dict(os.environ)
+    trace, dump = scratch / f"trace-{name}", scratch / f"hlo-{name}"
+    if profile:
+        cmd += ["--profile-steps", "4:5", "--profile-dir", str(trace)]
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_as_text"
+                            " --xla_dump_hlo_module_re=jit_step").strip()
     start = time.perf_counter()
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     except subprocess.TimeoutExpired:
         return {"case": name, "flags": TRAIN[name], "error": f"no result in {timeout:.0f} s"}
     text = (done.stdout + done.stderr).strip()
@@ -98,6 +252,16 @@ def train(name: str, timeout: float, scratch: Path) -> dict:
                 "tail": text[-3000:]}
     r = json.loads(report.read_text())
     model = r["predicted"].get("time_model") or {}
+    if profile:
+        from jaxshard.analysis import profile as prof
+
+        try:
+            found = prof.profile(str(trace), str(dump), steps=2)
+        except Exception as e:  # noqa: BLE001 -- a trace that cannot be read costs its case only
+            found = {"error": f"{type(e).__name__}: {e}"}
+        return {"case": name, "flags": TRAIN[name], "step_s": r["step_time_s_median"],
+                "step_s_predicted": model.get("step_time_s"), "time_parts_predicted": model.get("parts"),
+                "profile": found}
     return {"case": name, "flags": TRAIN[name], "wall_s": time.perf_counter() - start,
             "step_s": r["step_time_s_median"], "step_s_predicted": model.get("step_time_s"),
             "mfu": r["mfu"], "mfu_predicted": model.get("mfu"), "time_parts_predicted": model.get("parts"),
@@ -108,8 +272,21 @@ def train(name: str, timeout: float, scratch: Path) -> dict:
             "log": text[-2000:]}
 
 
+def slowed(result: dict) -> list[str]:
+    """One line for each part or case whose clocks the driver slowed while it ran."""
+    out = []
+    for name, part in [(k, v) for k, v in result.items() if isinstance(v, dict)] + [
+            (f"{k} {t.get('case')}", t) for k in ("train", "profile") for t in result.get(k, [])]:
+        c = part.get("clocks") or {}
+        # (The power cap is how a 700 W part runs dense matmuls at length: a training run meets it too.)
+        if bad := [x for x in c.get("slowdowns", []) if x != "software power cap"]:
+            out.append(f"WARNING {name}: {', '.join(bad)} (SM clock down to {c['sm_mhz_min']:.0f} MHz, "
+                       f"{c['temperature_c_max']:.0f} C): its timings measure the machine's cooling, not the code")
+    return out
+
+
 def tables(result: dict) -> str:
-    lines = []
+    lines = slowed(result)
     if (r := result.get("rates")) and "error" in r:
         lines += [f"rates: {r['error']}", ""]
     elif r:
@@ -127,29 +304,67 @@ def tables(result: dict) -> str:
                 continue
             pred = t["step_s_predicted"] or float("nan")
             lines.append(f"| {t['case']} | {t['step_s']:.3f} / {pred:.3f} | {pred / t['step_s']:.2f} | "
-                         f"{t['mfu']:.1%} / {t['mfu_predicted'] or float('nan'):.1%} | {t['temp'] / 1e9:.1f} / "
+                         f"{t['mfu'] or float('nan'):.1%} / {t['mfu_predicted'] or float('nan'):.1%} | {t['temp'] / 1e9:.1f} / "
                          f"{(t['temp_predicted'] or 0) / 1e9:.1f} | {(t['peak_bytes_in_use'] or 0) / 1e9:.1f} | "
                          f"{t['compile_s']:.0f} |")
+        lines.append("")
+    if (m := result.get("layers")) and "error" not in m:
+        m = {k: v for k, v in m.items() if k != "clocks"}
+        lines += ["| layer matmul (16,384 tokens) | " + " | ".join(m) + " |", "|---|" + "---|" * len(m)]
+        names = list(next(iter(m.values()))["matmuls"])
+        lines += [f"| {n} | " + " | ".join(f"{v['matmuls'][n]['tflops']:.0f}" for v in m.values()) + " |" for n in names]
+        lines += ["| all, FLOP-weighted | " + " | ".join(f"{v['tflops_all']:.0f}" for v in m.values()) + " |", ""]
+    elif m:
+        lines += [f"layers: {m['error'][-300:]}", ""]
+    if (a := result.get("attention")) and "error" not in a:
+        lines += ["cuDNN causal attention (TFLOP/s in the kernel's FLOPs; assumed: the time model's rate)",
+                  "| shape | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | assumed |", "|---|---|---|---|---|---|"]
+        lines += [f"| {k} | {v['fwd_s'] * 1e3:.2f} | {v['fwd_tflops']:.0f} | {v['fwd_bwd_s'] * 1e3:.2f} | "
+                  f"{v['fwd_bwd_tflops']:.0f} | {v.get('assumed_fwd_bwd_tflops') or float('nan'):.0f} |"
+                  for k, v in a["shapes"].items()]
+        lines.append("")
+    elif a:
+        lines += [f"attention: {a['error'][-300:]}", ""]
+    for p in result.get("profile", []):
+        f = p.get("profile") or {}
+        if "error" in p or "error" in f:
+            lines += [f"profile {p['case']}: {p.get('error') or f.get('error')}", ""]
+            continue
+        pred = p["time_parts_predicted"] or {}
+        lines += [f"profile {p['case']}: step {p['step_s'] * 1e3:.1f} ms measured, kernels {f['kernel_s'] * 1e3:.1f} ms, "
+                  f"GPU busy {f['busy_s'] * 1e3:.1f} ms of a {f['span_s'] * 1e3:.1f} ms span, {f['kernels']} kernels",
+                  "| part | traced ms | predicted ms |", "|---|---|---|"]
+        model = {"matmul": "matmul_s", "attention": "attention_s", "optimizer": "optimizer_s"}
+        for part, sec in f["parts_s"].items():
+            guess = pred.get(model.get(part, ""), None)
+            lines.append(f"| {part} | {sec * 1e3:.1f} | {'' if guess is None else f'{guess * 1e3:.1f}'} |")
+        lines.append(f"| (memory-bound, predicted) | | {pred.get('memory_bound_s', 0) * 1e3:.1f} |")
+        lines += ["", "| ms | part | instruction | kernel | source |", "|---|---|---|---|---|"]
+        lines += [f"| {t['ms']:.2f} | {t['part']} | {t['hlo_op']} x{t['launches']} | {t['kernels'][0][:50]} | "
+                  f"{t['source']} |" for t in f["top"][:25]]
         lines.append("")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--parts", default="rates,train", help="rates, train")
+    p.add_argument("--parts", default="rates,layers,attention,train,profile",
+                   help="rates, layers, attention, train, profile")
+    p.add_argument("--profile", default=",".join(PROFILE), help=f"training cases to trace ({', '.join(TRAIN)})")
     p.add_argument("--train", default=",".join(TRAIN), help=", ".join(TRAIN))
     p.add_argument("--budget", type=float, default=1800, help="seconds; start no case after this")
     p.add_argument("--json", default=str(ROOT / "runs" / "bench_gpu.json"))
+    p.add_argument("--keep", metavar="DIR", help="copy the profiles' traces and optimized HLO here")
     a = p.parse_args(argv)
     parts = a.parts.split(",")
-    if bad := [x for x in parts if x not in ("rates", "train")]:
-        p.error(f"unknown part(s) {', '.join(bad)}: rates, train")
-    if bad := [x for x in a.train.split(",") if x not in TRAIN]:
+    if bad := [x for x in parts if x not in ("rates", "layers", "attention", "train", "profile")]:
+        p.error(f"unknown part(s) {', '.join(bad)}: rates, layers, attention, train, profile")
+    if bad := [x for x in a.train.split(",") + a.profile.split(",") if x not in TRAIN]:
         p.error(f"unknown training case(s) {', '.join(bad)}: {', '.join(TRAIN)}")
     start = time.perf_counter()
     out = Path(a.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result: dict = {"train": []}
+    result: dict = {"train": [], "profile": []}
 
     def save() -> None:
         out.write_text(json.dumps(result, indent=1) + "\n")
@@ -157,28 +372,42 @@ def main(argv: list[str] | None = None) -> int:
     def left() -> float:
         return a.budget - (time.perf_counter() - start)
 
-    if "rates" in parts:
-        print("rates ...", file=sys.stderr, flush=True)
+    for part, fn, args in (("rates", "rates", (MATMULS, STREAM)), ("layers", "layer_matmuls", (LAYER_MATMULS, TOKENS)),
+                           ("attention", "attention", (ATTENTION,))):
+        if part not in parts:
+            continue
+        print(f"{part} ...", file=sys.stderr, flush=True)
+        clocks = Clocks()
         # In a child process: this one must not hold the GPU while the others run.
         code = ("import json, sys; sys.path[0] = sys.argv[1]; import scripts.bench_gpu as b; "
-                "print(json.dumps(b.rates(json.loads(sys.argv[2]), int(sys.argv[3]))))")
+                f"print(json.dumps(b.{fn}(*json.loads(sys.argv[2]))))")
         try:
-            done = subprocess.run([sys.executable, "-c", code, str(ROOT), json.dumps(MATMULS), str(STREAM)],
+            done = subprocess.run([sys.executable, "-c", code, str(ROOT), json.dumps(args)],
                                   capture_output=True, text=True, timeout=max(left(), 1), cwd=ROOT)
-            result["rates"] = (json.loads(done.stdout) if done.returncode == 0
-                               else {"error": done.stderr.strip()[-2000:]})
+            result[part] = (json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0
+                            else {"error": done.stderr.strip()[-2000:]})
         except subprocess.TimeoutExpired:
-            result["rates"] = {"error": "no result within --budget"}
+            result[part] = {"error": "no result within --budget"}
+        result[part]["clocks"] = clocks.stop()
         save()
     with tempfile.TemporaryDirectory() as scratch:
         os.environ["JAXSHARD_CACHE"] = scratch  # cold compiles, timed as a user's first run
-        for name in a.train.split(",") if "train" in parts else ():
+        runs = [("train", n) for n in a.train.split(",") if "train" in parts]
+        runs += [("profile", n) for n in a.profile.split(",") if "profile" in parts]
+        for kind, name in runs:
             if left() < 30:
-                result["train"].append({"case": name, "error": "not started: out of --budget"})
+                result[kind].append({"case": name, "error": "not started: out of --budget"})
                 continue
-            print(f"train {name} ({left():.0f} s left) ...", file=sys.stderr, flush=True)
-            result["train"].append(train(name, left(), Path(scratch)))
+            print(f"{kind} {name} ({left():.0f} s left) ...", file=sys.stderr, flush=True)
+            clocks = Clocks()
+            result[kind].append(train(name, left(), Path(scratch), profile=kind == "profile"))
+            result[kind][-1]["clocks"] = clocks.stop()
             save()
+            if kind == "profile" and a.keep:
+                keep = Path(a.keep) / name
+                shutil.copytree(Path(scratch) / f"trace-{name}", keep, dirs_exist_ok=True)
+                for f in (Path(scratch) / f"hlo-{name}").glob("*jit_step*after_optimizations.txt"):
+                    shutil.copy(f, keep)
     print(tables(result))
     print(f"wrote {out}")
     return 0

@@ -1,6 +1,8 @@
 """2-byte params with a float32 master copy, and float16 with dynamic loss scaling: against
 float32 training, and what the compiled step stores and sends."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -173,3 +175,26 @@ def test_float16_through_a_pipeline_equals_float16_accumulation(schedule):
     # (float16 sums the microbatches in another order here: a few 1e-3 of rounding by step 6)
     np.testing.assert_allclose(_trajectory(piped), _trajectory(accumulated), rtol=5e-3)
     np.testing.assert_allclose(_norms(piped), _norms(fp32), rtol=3e-2)
+
+
+@pytest.mark.parametrize("preset, mesh", [("tiny", "data=1"), ("tiny-llama", "data=1"), ("tiny", "tensor=2"),
+                                          ("tiny-llama", "tensor=2")])
+def test_the_vocabulary_projection_multiplies_in_bfloat16_both_ways(preset, mesh):
+    """The head's forward matmul gives float32 logits; its two backward matmuls take the
+    cotangent rounded to bf16, not float32 (JAX's transpose of a dot with a float32 result
+    would: on an H100 those ran as TF32, a third of a layer-cut 8B step). Read from the
+    lowered step, tied (GPT-2) and untied (Llama) heads, vocab-parallel under tensor=2."""
+    cfg = get_preset(preset).replace(vocab_size=300)
+    vocab = {cfg.padded_vocab, cfg.padded_vocab // 2}  # whole, or a tensor=2 shard's
+    assert not vocab & {cfg.d_model, cfg.d_mlp, cfg.n_heads * cfg.d_head}
+    program = make_program(TransformerLM(cfg), mesh, dtype="bfloat16")
+    text = program.lower_step(4, 32).as_text()
+    dots = re.findall(r"stablehlo\.dot_general .*: \((tensor<[^>]*>), (tensor<[^>]*>)\) -> (tensor<[^>]*>)", text)
+
+    def dims(t):
+        return {int(d) for d in re.findall(r"(\d+)x", t)}
+
+    head = [d for d in dots if any(dims(t) & vocab for t in d)]
+    assert len(head) == 3, head  # forward, input gradient, weight gradient
+    assert all(a.endswith("xbf16>") and b.endswith("xbf16>") for a, b, _ in head), head
+    assert sum(out.endswith("xf32>") for *_, out in head) >= 1  # the logits (and maybe an f32-accumulated gradient)

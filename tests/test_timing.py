@@ -153,3 +153,50 @@ def test_published_runs_within_the_goal_or_with_the_reason_they_miss():
         else:
             assert 0.8 <= ratio <= 1.25, (run.model.name, run.device, ratio)
     assert sum(not run.gap for run in RUNS) == 6  # the A100 rows: Megatron's five, torchtitan's 70B
+
+
+def _llama_step(remat, software="jaxshard", **kw):
+    from scripts.bench_plan import abstract_rules, llama
+
+    cfg = llama("llama-like", 4, 4096, 32, 8, 14336, 128256, 8192)
+    return timing.step_time(TransformerLM(cfg, remat=Remat.parse(remat)), abstract_rules({"data": 1}),
+                            KNOWN_DEVICES["h100"], 2, 8192, software=timing.SOFTWARE[software],
+                            remat=Remat.parse(remat), **kw)
+
+
+def test_a_policy_that_does_not_keep_the_attention_output_runs_its_forward_again():
+    """A flash kernel's forward + backward is 3.5 forwards; ``selective`` and ``dots`` (the fused
+    kernel is a custom call, not a matmul) recompute one more, ``none`` and a ``names`` policy
+    keeping ``attn_out`` do not -- unless the caller states its own policy's share."""
+    none = _llama_step("none").attention
+    assert _llama_step("selective").attention == pytest.approx(none * 4.5 / 3.5)
+    assert _llama_step("dots").attention == pytest.approx(none * 4.5 / 3.5)
+    assert _llama_step("names:attn_out").attention == pytest.approx(none)
+    assert _llama_step("full", attention_recompute=0.0).attention == pytest.approx(none)
+
+
+def test_flash_rates_follow_head_width_and_sequence_length():
+    rate = timing.flash_tflops
+    assert rate("cudnn", "h100", 128, 4096) == 468 and rate("cudnn", "h100", 128, 8192) == 526
+    assert rate("cudnn", "h100", 128, 12000) == 526  # between two measured lengths: the shorter's
+    assert rate("cudnn", "h100", 128, 2048) == 468  # below the shortest: its rate, an upper bound
+    assert rate("cudnn", "h100", 64, 8192) == 388 and rate("cudnn", "h100", 96, 8192) == 526
+    assert rate("cudnn", "h100-a3-high", 128, 4096) == 468
+    assert rate("cudnn", "a100-80gb", 128, 8192) == 182 and rate("fa2", "h100", 64, 8192) == 308
+    # The step prices its attention at that rate: half the square, 3.5 forwards, no recompute.
+    # tokens x layers x half of q k^T and p v's 4 L N H per token x 3.5 forwards
+    cfg_flops = 2 * 8192 * 4 * (4 * 8192 * 32 * 128) / 2 * 3.5
+    assert _llama_step("none").attention == pytest.approx(cfg_flops / 526e12)
+
+
+def test_the_loss_moves_its_bytes_per_logit():
+    """The cross-entropy's passes over the float32 logits: LOSS_BYTES per logit at HBM's rate,
+    on top of the layers' memory-bound work."""
+    with_loss = _llama_step("none")
+    free = timing.with_software("jaxshard", loss_bytes=0.0)
+    from scripts.bench_plan import abstract_rules, llama
+
+    cfg = llama("llama-like", 4, 4096, 32, 8, 14336, 128256, 8192)
+    h100 = KNOWN_DEVICES["h100"]
+    bare = timing.step_time(TransformerLM(cfg), abstract_rules({"data": 1}), h100, 2, 8192, software=free)
+    assert with_loss.memory_bound - bare.memory_bound == pytest.approx(16 * 2 * 8192 * cfg.padded_vocab / h100.hbm)

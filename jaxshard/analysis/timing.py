@@ -10,12 +10,14 @@ A step's time on one device is the sum of
 * **the attention core** -- materialised (Megatron 2021: ``QK^T`` and ``PV`` as batched
   matmuls per head, the full square, on their roofline; the scores through HBM) or a flash
   kernel (causal blocks skipped: half the square; the backward recomputes the scores, 2.5
-  forwards) at that kernel's measured rate (:data:`FLASH_TFLOPS`);
+  forwards; one forward more where the remat policy does not keep its output) at that
+  kernel's measured rate by head width and sequence (:func:`flash_tflops`);
 * **memory-bound work** -- norms, activations, softmax, dropout, residual adds -- priced by the
   bytes they move at HBM's measured rate: each activation a layer stores for the backward pass
   (Korthikanti et al. 2022's count, :func:`stored_bytes`) is written and read once in the
   forward pass, twice that in the backward, and once more per recompute; in an eager framework
-  every elementwise op's own reads and writes (:func:`eager_bytes`);
+  every elementwise op's own reads and writes (:func:`eager_bytes`); and the loss's passes
+  over the logits (:data:`LOSS_BYTES`);
 * **the optimizer** -- AdamW reads and writes the optimizer state and reads the gradients once,
   at HBM's rate;
 * **communication** that the software does not hide behind compute: each collective of the
@@ -63,9 +65,33 @@ FLASH_TFLOPS = {
     "cudnn": {"a100-80gb": _FA2["a100-80gb"], "a100-40gb": _FA2["a100-40gb"], "h100": _CUDNN_HOPPER,
               "h200": _CUDNN_HOPPER},
 }
+# cuDNN on Hopper by head width and sequence length, measured: jax.nn.dot_product_attention
+# (implementation="cudnn", causal, bf16) forward + backward on an H100 SXM at 700 W,
+# scripts/bench_gpu.py --parts attention (docs/bench/gpu.json; clocks logged, no thermal
+# slowdown). Head width 128: 468 TFLOP/s at sequence 4096 (32 kv heads 475, 8 kv heads 462),
+# 526 at 8192 (two machines: 519, 533), 548 at 16384 -- FA3's 522 above, at 16k, agrees within
+# 5%. Head width 64: 388 at 8192. A sequence between two measured lengths takes the shorter's
+# rate; one below 4096 the 4096 rate, an upper bound (shorter sequences run slower still).
+# Ampere, and FA2 anywhere, keep the single figures above (head width 128, sequence 8k).
+FLASH_TFLOPS_BY_SHAPE = {"cudnn": {"h100": {128: {4096: 468.0, 8192: 526.0, 16384: 548.0}, 64: {8192: 388.0}}}}
+FLASH_TFLOPS_BY_SHAPE["cudnn"]["h200"] = FLASH_TFLOPS_BY_SHAPE["cudnn"]["h100"]  # the same chip's SMs
 for _name in ("h100-hbm2e-500w", "h100-a3-high"):  # the same chip (at 700 W: an upper bound at 500 W)
     for _kernel in FLASH_TFLOPS.values():
         _kernel[_name] = _kernel["h100"]
+    FLASH_TFLOPS_BY_SHAPE["cudnn"][_name] = FLASH_TFLOPS_BY_SHAPE["cudnn"]["h100"]
+
+
+def flash_tflops(kernel: str, device: str, head_dim: int, seq_len: int) -> float | None:
+    """A flash kernel's forward + backward TFLOP/s on ``device`` at ``head_dim`` and ``seq_len``:
+    the measured rate of the nearest head width at or above it, at the longest measured
+    sequence not above ``seq_len`` (the shortest for shorter ones); else the kernel's single
+    figure (None: unknown)."""
+    widths = FLASH_TFLOPS_BY_SHAPE.get(kernel, {}).get(device, {})
+    if fits := [w for w in sorted(widths) if w >= head_dim]:
+        by_seq = widths[fits[0]]
+        below = [n for n in sorted(by_seq) if n <= seq_len]
+        return by_seq[below[-1] if below else min(by_seq)]
+    return FLASH_TFLOPS[kernel].get(device)
 
 
 @dataclass(frozen=True)
@@ -83,28 +109,50 @@ class Software:
     # rotary embeddings, SwiGLU, casts, kv-head repeats; :func:`eager_bytes`), not fused.
     eager: bool = False
     reduce_bytes: int | None = None  # the data-parallel gradients' dtype bytes (None: the compute dtype's)
+    # HBM bytes per logit the loss moves beyond the head's matmuls (:data:`LOSS_BYTES`).
+    loss_bytes: float = 0.0
     source: str = ""
+
+
+# The cross-entropy over the logits, per logit per step, beyond the head matmul's own operands
+# and its 2-byte result (the roofline's): what each code's loss reads and writes.
+LOSS_BYTES = {
+    # jaxshard (parallel/vocab.py, optax's softmax_cross_entropy_with_integer_labels under XLA):
+    # the head writes float32 logits (2 bytes more than the roofline's result); the forward
+    # reads them twice (max, sum of exponentials); the backward reads them once and writes the
+    # gradient in bf16 for the head's backward matmuls: 2 + 4 + 4 + 4 + 2. On an H100 the
+    # loss's kernels took 10.9 ms of a 4-layer 8B step (16,384 tokens x 128,256), this count's
+    # 12 bytes of float32 passes 11.2 ms (docs/gpus.md).
+    "xla-f32": 16.0,
+    # Eager PyTorch, F.cross_entropy(logits.float(), ...) (torchtitan's loss; Megatron 2021's
+    # vocab-parallel cross entropy is likewise a chain of kernels): the float() copy (read 2,
+    # write 4), log_softmax (read 4, write 4), the backward's log_softmax gradient (read the
+    # incoming gradient 4 and the output 4, write 4), its scatter of the targets' gradient
+    # (write 4), and float()'s backward (read 4, write 2).
+    "eager": 36.0,
+}
 
 
 SOFTWARE = {
     "megatron-2021": Software(
-        "megatron-2021", "materialized", overlap_data=False, dropout=True,
+        "megatron-2021", "materialized", overlap_data=False, dropout=True, loss_bytes=LOSS_BYTES["eager"],
         source="Narayanan et al. 2021 (Megatron-LM, SC21): fused bias-GeLU, bias-dropout-add and "
                "scale-mask-softmax kernels; unfused attention; fp16 gradients all-reduced after the backward pass"),
     "torchtitan": Software(
-        "torchtitan", "fa2", overlap_data=True, eager=True, reduce_bytes=4,
+        "torchtitan", "fa2", overlap_data=True, eager=True, reduce_bytes=4, loss_bytes=LOSS_BYTES["eager"],
         source="torchtitan (Liang et al. 2024, arXiv 2410.06511): SDPA's FlashAttention-2 kernel; FSDP2 "
                "prefetches the next layer's gather and reduce-scatters in float32 (reduce_dtype); without "
                "torch.compile every elementwise op is a kernel"),
     "maxtext": Software(
-        "maxtext", "cudnn", overlap_data=True, reduce_bytes=4,
+        "maxtext", "cudnn", overlap_data=True, reduce_bytes=4, loss_bytes=LOSS_BYTES["xla-f32"],
         source="MaxText configs/a3 (GPU): cuDNN flash attention; float32 weights (weight_dtype) so float32 "
                "gradients; XLA fuses elementwise work and its latency-hiding scheduler overlaps collectives"),
     "jaxshard": Software(
-        "jaxshard", "cudnn", overlap_data=True, reduce_per_microbatch=True,
+        "jaxshard", "cudnn", overlap_data=True, reduce_per_microbatch=True, loss_bytes=LOSS_BYTES["xla-f32"],
         source="attention.gpu_kernel names cuDNN's flash kernel for 2-byte floats; XLA fuses elementwise "
-               "work and overlaps collectives. On one H100 its steps took 1.4-1.6x this model's time "
-               "(docs/gpus.md): what it misses there is not yet profiled"),
+               "work and overlaps collectives. On one H100 its steps took 1.1-1.3x this model's time; "
+               "profiled, the rest is Triton GEMM fusions below cuBLAS's rate, the layer scan's copies "
+               "and the embedding gradient's scatter (docs/gpus.md)"),
 }
 
 
@@ -208,6 +256,16 @@ def roofline(m: float, k: float, n: float, rate: float, hbm: float, c: int) -> f
     return max(2 * m * k * n / rate, c * (m * k + k * n + m * n) / hbm)
 
 
+def attention_recomputed(remat: Remat) -> float:
+    """Whether the backward pass runs the attention core's forward again: under every policy
+    but ``none`` and those that keep its output by name. (``dots`` keeps matmul outputs, and a
+    fused attention kernel is a custom call, not a matmul; ``selective`` recomputes exactly
+    it.)"""
+    if remat.kind == Kind.NONE or (remat.kind in (Kind.NAMES, Kind.OFFLOAD) and "attn_out" in remat.names):
+        return 0.0
+    return 1.0
+
+
 def recomputed(remat: Remat) -> float:
     """The share of a layer's forward matmuls the backward pass runs again: none where every
     matmul output is kept (or only the attention core is recomputed), all of them otherwise
@@ -218,18 +276,22 @@ def recomputed(remat: Remat) -> float:
 def step_time(model: Stageable, rules: ShardingRules, device: Device,
               batch_size: int, seq_len: int, *, software: Software, compute_dtype: str = "bfloat16",
               param_dtype: str | None = None, remat: Remat = Remat.NONE, recompute: float | None = None,
-              microbatches: int = 1, virtual_stages: int = 1, grad_accum: int = 1) -> StepTime:
+              attention_recompute: float | None = None, microbatches: int = 1, virtual_stages: int = 1,
+              grad_accum: int = 1) -> StepTime:
     """The predicted step time of ``model`` under ``rules`` on ``device``s laid out as the
     rules' mesh (outermost first; devices fill hosts in that order). ``microbatches`` and
     ``virtual_stages``: a pipeline's, with a stage axis;
     ``grad_accum``: microbatches without one. ``recompute`` overrides the share of forward
     matmuls the remat policy runs again (a policy of another code base, e.g. torchtitan's
-    selective "op" policy recomputes every second matmul: 0.5)."""
+    selective "op" policy recomputes every second matmul: 0.5); ``attention_recompute`` the
+    share of the attention core's forward it runs again (that policy keeps the attention
+    kernel's output: 0)."""
     cfg, mesh = model.cfg, {str(a): int(n) for a, n in rules.mesh.shape.items()}
     c = accounting.dtype_bytes(compute_dtype)
     param_dtype = param_dtype or compute_dtype
     remat = Remat.parse(remat)
     again = recomputed(remat) if recompute is None else recompute
+    attn_again = attention_recomputed(remat) if attention_recompute is None else attention_recompute
     stages = mesh.get("stage", 1)
     tensor = rules.size(rules.activation_mesh_axes(Dim.ACT_HEADS))
     sp = rules.size(rules.activation_mesh_axes(Dim.RESIDUAL_LENGTH)) > rules.size(rules.activation_mesh_axes(Dim.LENGTH))
@@ -262,16 +324,16 @@ def step_time(model: Stageable, rules: ShardingRules, device: Device,
     # The attention core, per layer per token, forward: 4 L q (the full square).
     square = 4 * L * cfg.n_heads * cfg.d_head / tensor / cp
     if software.attention == "materialized":  # per head, q k^T and p v as batched matmuls
-        attention_flops = tokens * layers * square * (3 + again)
+        attention_flops = tokens * layers * square * (3 + attn_again)
         dh, heads = cfg.d_head, cfg.n_heads / tensor / cp
         per_head = roofline(L / cp, dh, L, rate, device.hbm, c) + roofline(L / cp, L, dh, rate, device.hbm, c)
-        attention_s = tokens / (L / cp) * heads * layers * (3 + again) * per_head
+        attention_s = tokens / (L / cp) * heads * layers * (3 + attn_again) * per_head
     else:
-        kernel = FLASH_TFLOPS[software.attention].get(device.name)
+        kernel = flash_tflops(software.attention, device.name, cfg.d_head, L)
         if kernel is None:
             raise ConfigError(f"no {software.attention} attention throughput is known for {device.name}; "
                               f"known: {', '.join(FLASH_TFLOPS[software.attention])}")
-        attention_flops = tokens * layers * square / 2 * (3.5 + again)
+        attention_flops = tokens * layers * square / 2 * (3.5 + attn_again)
         attention_s = attention_flops / (kernel * 1e12)
 
     # Memory-bound work: the stored activations written and read, forward, recompute, backward.
@@ -280,6 +342,7 @@ def step_time(model: Stageable, rules: ShardingRules, device: Device,
     memory_s = stored * (2 + 2 * again + 4) / hbm
     if software.eager:  # every elementwise op its own kernel: forward, recompute, backward (2x)
         memory_s = eager_bytes(cfg, tokens, tensor, c) * layers * (1 + again + 2) / hbm
+    memory_s += software.loss_bytes * tokens * cfg.padded_vocab / tensor / hbm  # the loss (last stage's)
 
     mem = accounting.memory(model, rules, batch_size, seq_len, compute_dtype=compute_dtype, remat=remat,
                             grad_accum=grad_accum * microbatches, param_dtype=param_dtype)
