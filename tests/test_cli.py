@@ -469,3 +469,32 @@ def test_peer_benchmark_bad_input(flags, message):
     are never installed by the tests)."""
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_peers.py"), *flags]
     assert_one_line_error(subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT), message)
+
+
+def test_a_run_logging_to_a_file_writes_lines_not_a_progress_bar(tmp_path):
+    """Under a batch scheduler stdout and stderr are files: no progress-bar refreshes (carriage
+    returns) go there, only the log lines every --log-every steps, whole."""
+    log = tmp_path / "job.out"
+    with open(log, "w") as out:  # both streams into one file, as sbatch's default --output
+        cmd = [sys.executable, str(ROOT / "experiments" / "train.py"), "--platform", "cpu", "--model", "tiny",
+               "--steps", "4", "--log-every", "2", "--batch-size", "8", "--seq-len", "32", "--eval-every", "0",
+               "--compile-cache", str(CACHE)]
+        done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, timeout=240)
+    text = log.read_text()
+    assert done.returncode == 0, text
+    assert "\r" not in text and "step/s" not in text and "it/s" not in text
+    assert [m.group(1) for m in re.finditer(r"^step (\d+)/4 \| loss ", text, re.M)] == ["2", "4"]
+
+
+def test_the_progress_bar_shows_on_a_terminal_only():
+    import io
+
+    from jaxshard.training.metrics import progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    assert progress(4, True, io.StringIO()).disable
+    assert not progress(4, True, Terminal()).disable
+    assert progress(4, False, Terminal()).disable  # --no-progress

@@ -52,6 +52,11 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def progress(total: int, enabled: bool) -> tqdm:
-    return tqdm(total=total, disable=not enabled, unit="step", dynamic_ncols=True,
-                file=sys.stderr, mininterval=0.5, smoothing=0.1)
+def progress(total: int, enabled: bool, stream: IO[str] | None = None) -> tqdm:
+    """The progress bar, on ``stream`` (stderr) and only where that is a terminal: under a batch
+    scheduler it is a file, where every refresh of a bar would be one more carriage-return
+    update. The run's log lines (``--log-every``) are printed either way."""
+    stream = stream or sys.stderr
+    terminal = bool(getattr(stream, "isatty", None) and stream.isatty())
+    return tqdm(total=total, disable=not (enabled and terminal), unit="step", dynamic_ncols=True,
+                file=stream, mininterval=0.5, smoothing=0.1)

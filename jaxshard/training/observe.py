@@ -25,7 +25,8 @@ class OutputConfig:
 
     metrics: str | None = option(None, "JSON lines, one per step", run_only=True)
     report: str | None = option(None, "JSON summary written at the end", run_only=True)
-    no_progress: bool = option(False, "no progress bar", run_only=True)
+    no_progress: bool = option(False, "no progress bar (there is one only where stderr is a terminal)",
+                               run_only=True)
     log_every: int = option(0, "print a line (loss, tokens/s, MFU) every N steps; 0: about ten per run",
                             run_only=True)
     tensorboard: str | None = option(None, "write TensorBoard scalars (loss, val loss, lr, grad norm, "
