@@ -30,6 +30,7 @@ from jaxshard.training import local_sgd
 from jaxshard.training.checkpoint import Checkpointer, check_export_path, export_params, param_shapes
 from jaxshard.training.metrics import MetricsLog, progress, write_json_atomic
 from jaxshard.training.observe import ProfileWindow, TensorBoardLog
+from jaxshard.training.watchdog import EXIT_STATUS, Watchdog
 from jaxshard.training.step import Program, balance_stages, build_program, check_batch
 
 
@@ -51,8 +52,11 @@ def _fault(kind: str, step: int) -> None:
     """Fault injection for the crash tests: JAXSHARD_FAULT=kill-after-save:STEP kills this
     process (SIGKILL) while that step's checkpoint is being written; exit:PROCESS:STEP makes
     process PROCESS exit with status 17 at that step; term:STEP sends this process SIGTERM (a
-    scheduler's preemption notice) as that step is dispatched."""
+    scheduler's preemption notice) as that step is dispatched; stall:PROCESS:STEP makes process
+    PROCESS sleep as it dispatches that step (a hung peer, for the watchdog)."""
     spec = os.environ.get("JAXSHARD_FAULT", "").split(":")
+    if kind == "step" and spec[0] == "stall" and int(spec[1]) == jax.process_index() and int(spec[2]) == step:
+        time.sleep(10**6)
     if kind == "step" and spec[0] == "term" and int(spec[1]) == step:
         os.kill(os.getpid(), signal.SIGTERM)
     if kind == "save" and spec[0] == "kill-after-save" and int(spec[1]) == step:
@@ -217,12 +221,25 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
     val_data = data_lib.Batches(corpus.val, L, B, cfg.step.seed, rows, shuffle=False, cols=cols,
                                 what="validation split")
 
+    dog = Watchdog(cfg.step_timeout)
+    if cfg.step_timeout is not None:  # (the automatic limit is the module's; said in --help)
+        _log(f"watchdog: a step that takes over {cfg.step_timeout:g} s stops the run (exit status "
+             f"{EXIT_STATUS})" if dog.enabled else "watchdog: off (--step-timeout 0)")
+
     def validate() -> float:
+        with dog.paused():
+            return _validate()
+
+    def _validate() -> float:
         losses = [program.eval(state.params, data_lib.to_global(val_data.batch_at(i * B), program.batch_sharding, (B, L)))
                   for i in range(cfg.eval_batches)]
         return float(np.mean(jax.device_get(losses)))
 
     def save(step: int, samples: int) -> None:
+        with dog.paused():
+            _save(step, samples)
+
+    def _save(step: int, samples: int) -> None:
         ckpt.save(step, program.saved(state), {"step": step, "samples_seen": samples, "seed": cfg.step.seed,
                                 "batch_size": B, "seq_len": L, "model": model.cfg.name,
                                 "mesh": axis_sizes(mesh), "strategy": rules.name,
@@ -264,6 +281,7 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
         if m.get("skipped") and jax.process_index() == 0:
             bar.write(f"step {step}: float16 gradients overflowed at loss scale "
                       f"{m['loss_scale']:g}; step skipped, scale halved")
+        dog.beat(step, dt)
         record = {"step": step, **m, "step_time_s": dt, **throughput(dt)}
         if math.isfinite(m["loss"]) and evaluates(step):
             val_loss = record["val_loss"] = validate()
@@ -305,7 +323,7 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
         return metrics, started
 
     with writer, board, bar, data_lib.Prefetch(make_batch, range(start, cfg.steps)) as batches, \
-            Termination() as term:
+            Termination() as term, dog:
         try:
             if cfg.eval_at_start:  # a record of its own: step ``start``'s weights, before any update
                 baseline = {"step": start, "val_loss": validate()}

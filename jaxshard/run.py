@@ -75,6 +75,11 @@ class RunConfig:
                "executor on tables in which only that stage works) and report the measured bubble "
                "beside the theory's (compiles stages + 3 more programs)", group="pipeline", run_only=True)
     steps: int = option(100, "optimizer steps", group="training")
+    step_timeout: float | None = option(
+        None, "seconds a training step may take before the run stops as hung (a dead peer, a stuck "
+              "collective), with one line and exit status 124 for a restart to take over; 0: never",
+        default_text="10x the median step after the first 3, at least 300", metavar="S", group="training",
+        run_only=True)
     batch_size: int = option(16, "global batch, in sequences", group="training")
     seq_len: int = option(128, "tokens per sequence", group="training")
     optim: OptimConfig = section(OptimConfig, "training")
@@ -99,6 +104,9 @@ class RunConfig:
         for name in ("steps", "batch_size", "seq_len", "eval_batches"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{flag(RunConfig, name)} must be >= 1, got {getattr(self, name)}")
+        if self.step_timeout is not None and self.step_timeout < 0:
+            raise ConfigError(f"{flag(RunConfig, 'step_timeout')} must be >= 0 (0: no watchdog), "
+                              f"got {self.step_timeout:g}")
         for name in ("eval_every", "sample_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{flag(RunConfig, name)} must be >= 0, got {getattr(self, name)}")

@@ -98,6 +98,9 @@ COMMON = {
     "--data": Case(("{corpus2}",)),
     "--device": Case(("h100",)),
     "--log-every": Case(("2",), console=True),
+    # The watchdog's limit: a run within it differs only in the line that states it (a run over
+    # it exits with status 124: tests/test_watchdog.py).
+    "--step-timeout": Case(("600",), console=True),
     "--no-progress": Case(console=True),
     "--sample-tokens": Case(("1",), console=True),
     "--sample-prompt": Case(("x",)),
