@@ -30,6 +30,7 @@ from jaxshard.training import local_sgd
 from jaxshard.training.checkpoint import Checkpointer, check_export_path, export_params, param_shapes
 from jaxshard.training.metrics import MetricsLog, progress, write_json_atomic
 from jaxshard.training.observe import ProfileWindow, TensorBoardLog
+from jaxshard.training.goodput import Goodput
 from jaxshard.training.watchdog import EXIT_STATUS, Watchdog
 from jaxshard.training.step import Program, balance_stages, build_program, check_batch
 
@@ -91,15 +92,16 @@ def _start(cfg: RunConfig, program: Program, model: LanguageModel, ckpt: Checkpo
     return program.init(cfg.step.seed), 0, 0
 
 
-def _keep_metrics_until(path: str | None, step: int) -> None:
-    """On resume, drop the lines of steps after the checkpoint (they will be run again)."""
+def _keep_metrics_until(path: str | None, step: int) -> int:
+    """On resume, drop the lines of steps after the checkpoint (they will be run again); the
+    last step the file held (``step`` when none beyond it, or no file)."""
     if path is None or not Path(path).exists() or jax.process_index() != 0:
-        return
+        return step
     import json
 
-    lines = [line for line in Path(path).read_text().splitlines()
-             if line.strip() and json.loads(line).get("step", 0) <= step]
-    Path(path).write_text("".join(line + "\n" for line in lines))
+    records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    Path(path).write_text("".join(json.dumps(r) + "\n" for r in records if r.get("step", 0) <= step))
+    return max([step, *(r.get("step", 0) for r in records)])
 
 
 class Preempted(Exception):
@@ -122,10 +124,12 @@ class Family:
     generate: Callable[..., list[list[int]]]  # (model, params, prompts, n, **sampling, rules=...)
 
 
-def train(cfg: RunConfig, family: Family) -> dict[str, Any]:
+def train(cfg: RunConfig, family: Family, started: float | None = None) -> dict[str, Any]:
     """Train the model ``cfg`` names; returns (and writes, with ``--report``) the report.
     Raises :class:`Preempted` when SIGTERM ends the run early (after saving, with a checkpoint
-    folder)."""
+    folder). ``started``: the command's start (``time.perf_counter``), where goodput's wall
+    time begins (default: now)."""
+    goodput = Goodput(started)
     B, L = cfg.batch_size, cfg.seq_len
     mesh = build_mesh(cfg.mesh, dcn=cfg.dcn_mesh)
     rules = ShardingRules(mesh, cfg.strategy)
@@ -159,7 +163,7 @@ def train(cfg: RunConfig, family: Family) -> dict[str, Any]:
         if cfg.measure_bubble and program.schedule is None:
             raise ConfigError("--measure-bubble needs a stage axis (a pipeline) in --mesh")
         _check_model_fits_data(model, corpus, L)
-        return _train(cfg, model, rules, corpus, program, ckpt, window, family)
+        return _train(cfg, model, rules, corpus, program, ckpt, window, family, goodput)
     finally:
         if ckpt is not None:
             ckpt.close()  # waits for the last save to be complete
@@ -167,7 +171,7 @@ def train(cfg: RunConfig, family: Family) -> dict[str, Any]:
 
 def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: data_lib.Corpus,
            program: Program, ckpt: Checkpointer | None, window: ProfileWindow | None,
-           family: Family) -> dict[str, Any]:
+           family: Family, goodput: Goodput) -> dict[str, Any]:
     B, L = cfg.batch_size, cfg.seq_len
     mesh = rules.mesh
     tokenizer = corpus.tokenizer  # None: the data came as ids
@@ -184,6 +188,7 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
     t0 = time.perf_counter()
     compiled = program.lower_step(B, L).compile()
     compile_s = time.perf_counter() - t0
+    goodput.add("compile", compile_s)
     if start >= cfg.steps:
         _log(f"the checkpoint is at step {start}, already --steps {cfg.steps}: nothing to do")
         return {}
@@ -227,7 +232,7 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
              f"{EXIT_STATUS})" if dog.enabled else "watchdog: off (--step-timeout 0)")
 
     def validate() -> float:
-        with dog.paused():
+        with dog.paused(), goodput.timed("evaluation"):
             return _validate()
 
     def _validate() -> float:
@@ -236,7 +241,7 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
         return float(np.mean(jax.device_get(losses)))
 
     def save(step: int, samples: int) -> None:
-        with dog.paused():
+        with dog.paused(), goodput.timed("checkpoint"):
             _save(step, samples)
 
     def _save(step: int, samples: int) -> None:
@@ -256,7 +261,7 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
         return ckpt is not None and (step == cfg.steps or bool(
             cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0))
 
-    _keep_metrics_until(cfg.outputs.metrics, start)
+    done_before = _keep_metrics_until(cfg.outputs.metrics, start)  # a crashed run's steps past its checkpoint
     records: list[dict[str, Any]] = []
     val_loss = None
     last_done = 0.0  # when the previous step's metrics arrived
@@ -282,6 +287,7 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
             bar.write(f"step {step}: float16 gradients overflowed at loss scale "
                       f"{m['loss_scale']:g}; step skipped, scale halved")
         dog.beat(step, dt)
+        goodput.add("recomputed" if step <= done_before else "steps", dt)
         record = {"step": step, **m, "step_time_s": dt, **throughput(dt)}
         if math.isfinite(m["loss"]) and evaluates(step):
             val_loss = record["val_loss"] = validate()
@@ -331,11 +337,14 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
                 board.write(start, baseline)
                 if jax.process_index() == 0:
                     bar.write(f"step {start}/{cfg.steps} | val {baseline['val_loss']:.4f} (before training)")
+            # Start-up: everything before the first step but its compilation (and a first evaluation).
+            goodput.add("startup", time.perf_counter() - goodput.start - sum(goodput.seconds.values()))
             stopped = run_pipelined(range(start, cfg.steps), dispatch, lambda i, out: complete(i, *out),
                                     waits=lambda i: evaluates(i + 1) or saves(i + 1), stop=term.agreed)
         finally:
             if window is not None:
                 window.close()
+    finished = time.perf_counter()
     if stopped is not None:
         _preempted(stopped, samples + (stopped - start) * B, ckpt, save)
     saved = program.saved(state)
@@ -367,6 +376,11 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
         _log(f"time model ({predicted['device']}): {predicted['step_time_s']:.4f} s per step, MFU "
              f"{predicted['mfu']:.1%} predicted; measured {report['step_time_s_median']:.4f} s"
              + (f", MFU {report['mfu']:.1%}" if report["mfu"] is not None else ""))
+    goodput.add("finish", time.perf_counter() - finished)
+    report["goodput"] = spent = goodput.summary()
+    _log(goodput.line(spent))
+    with TensorBoardLog(cfg.outputs.tensorboard) as board:  # (a file of its own: the steps' is closed)
+        board.write(records[-1]["step"], {f"goodput_{k}": v for k, v in spent["fractions"].items()})
     if cfg.outputs.report and jax.process_index() == 0:
         write_json_atomic(cfg.outputs.report, report)
     return report

@@ -7,6 +7,7 @@ the strategies with this project's model families -- as the experiment scripts d
 from __future__ import annotations
 
 import sys
+import time
 
 from jaxshard import cli, distributed, runtime
 from jaxshard.errors import ConfigError
@@ -106,6 +107,7 @@ def restore_model(directory: str, rules, step: int | None = None):
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()  # goodput's wall time starts here
     with cli.one_line_errors():
         cfg = cli.parse_train(argv)
         runtime.configure(cfg.runtime)  # before anything touches a device
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         from jaxshard import loop
 
         try:
-            loop.train(cfg, family())
+            loop.train(cfg, family(), started=started)
         except loop.Preempted as e:
             print(e, file=sys.stderr, flush=True)
             return e.code
