@@ -54,8 +54,14 @@ def _fault(kind: str, step: int) -> None:
     process (SIGKILL) while that step's checkpoint is being written; exit:PROCESS:STEP makes
     process PROCESS exit with status 17 at that step; term:STEP sends this process SIGTERM (a
     scheduler's preemption notice) as that step is dispatched; stall:PROCESS:STEP makes process
-    PROCESS sleep as it dispatches that step (a hung peer, for the watchdog)."""
+    PROCESS sleep as it dispatches that step (a hung peer, for the watchdog); kill:PROCESS:STEP
+    SIGKILLs it there. Only on a job's first attempt (``JAXSHARD_ATTEMPT``, set by a launcher
+    that restarts it)."""
+    if os.environ.get("JAXSHARD_ATTEMPT", "0") != "0":  # a launcher's restart: the fault has happened
+        return
     spec = os.environ.get("JAXSHARD_FAULT", "").split(":")
+    if kind == "step" and spec[0] == "kill" and int(spec[1]) == jax.process_index() and int(spec[2]) == step:
+        os.kill(os.getpid(), signal.SIGKILL)
     if kind == "step" and spec[0] == "stall" and int(spec[1]) == jax.process_index() and int(spec[2]) == step:
         time.sleep(10**6)
     if kind == "step" and spec[0] == "term" and int(spec[1]) == step:

@@ -8,6 +8,12 @@ Every process runs experiments/train.py (or --script) with the flags after ``--`
 cpu`` on a free port. Output is streamed with a ``[pI]`` prefix. If one process fails, the
 others are stopped and the launcher exits with that status, naming the process; past
 --timeout all are stopped.
+
+``--max-restarts N``: a job whose process failed (killed, crashed, or stopped by the hang
+watchdog -- anything but bad input, exit status 2) is started again, all its processes on a
+fresh port with ``--resume``, from the last complete checkpoint of its ``--checkpoint-dir``,
+up to N times. Each attempt's processes see ``JAXSHARD_ATTEMPT`` (0, 1, ...); the test faults
+(``JAXSHARD_FAULT``) fire on attempt 0 only.
 """
 
 from __future__ import annotations
@@ -58,33 +64,25 @@ def _describe(code: int) -> str:
     return f"status {code}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    own, rest = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--processes", type=int, required=True)
-    p.add_argument("--devices-per-process", type=int, default=4)
-    p.add_argument("--script", default=os.path.join(ROOT, "experiments", "train.py"))
-    p.add_argument("--timeout", type=float, default=3600, help="seconds before every process is stopped")
-    p.add_argument("--init-timeout", type=float, default=60, help="seconds for all processes to join")
-    a = p.parse_args(own)
-    if a.processes < 1 or a.devices_per_process < 1:
-        print("error: --processes and --devices-per-process must be >= 1", file=sys.stderr)
-        return 2
+BAD_INPUT = 2  # a one-line error: the same flags would fail again
+
+
+def attempt(a: argparse.Namespace, rest: list[str], number: int, deadline: float) -> tuple[int, str]:
+    """One run of the job's processes: (its status, the line naming a failure or "")."""
     port = free_port()
     procs = []
+    env = {**os.environ, "JAXSHARD_ATTEMPT": str(number)}
     for i in range(a.processes):
         cmd = [sys.executable, "-u", a.script, *rest, "--coordinator", f"127.0.0.1:{port}",
                "--num-processes", str(a.processes), "--process-id", str(i),
                "--cpu-devices", str(a.devices_per_process), "--platform", "cpu",
                "--init-timeout", str(a.init_timeout)]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, cwd=ROOT, bufsize=1))
+                                      text=True, cwd=ROOT, bufsize=1, env=env))
     threads = [threading.Thread(target=_stream, args=(proc, f"[p{i}]", sys.stdout), daemon=True)
                for i, proc in enumerate(procs)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + a.timeout
     failed = None
     try:
         while True:
@@ -95,23 +93,60 @@ def main(argv: list[str] | None = None) -> int:
             if time.monotonic() > deadline:
                 running = [str(i) for i, c in enumerate(codes) if c is None]
                 _stop(procs)
-                print(f"error: timed out after {a.timeout:g} s; process(es) {', '.join(running)} "
-                      "still running were stopped", file=sys.stderr)
-                return 124
+                return 124, (f"error: timed out after {a.timeout:g} s; process(es) {', '.join(running)} "
+                             "still running were stopped")
             time.sleep(0.1)
     except KeyboardInterrupt:
         _stop(procs)
-        return 130
+        return 130, ""
     if failed:
         _stop(procs)
     for t in threads:
         t.join(timeout=2)
-    if failed:
-        i, code = failed
-        print(f"error: process {i} of {a.processes} exited with {_describe(code)}; stopped the others",
-              file=sys.stderr)
-        return code if code > 0 else 128 - code
-    return 0
+    if not failed:
+        return 0, ""
+    i, code = failed
+    return (code if code > 0 else 128 - code,
+            f"process {i} of {a.processes} exited with {_describe(code)}; stopped the others")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    own, rest = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--processes", type=int, required=True)
+    p.add_argument("--devices-per-process", type=int, default=4)
+    p.add_argument("--script", default=os.path.join(ROOT, "experiments", "train.py"))
+    p.add_argument("--timeout", type=float, default=3600, help="seconds before every process is stopped "
+                   "(all attempts together)")
+    p.add_argument("--init-timeout", type=float, default=60, help="seconds for all processes to join")
+    p.add_argument("--max-restarts", type=int, default=0, help="start a failed job again from its last "
+                   "complete checkpoint (with --resume) up to N times; needs --checkpoint-dir in its flags")
+    a = p.parse_args(own)
+    if a.processes < 1 or a.devices_per_process < 1:
+        print("error: --processes and --devices-per-process must be >= 1", file=sys.stderr)
+        return 2
+    if a.max_restarts < 0:
+        print("error: --max-restarts must be >= 0", file=sys.stderr)
+        return 2
+    if a.max_restarts and not any(x == "--checkpoint-dir" or x.startswith("--checkpoint-dir=") for x in rest):
+        print("error: --max-restarts needs --checkpoint-dir in the job's flags: a restart resumes from its "
+              "last complete checkpoint", file=sys.stderr)
+        return 2
+    deadline = time.monotonic() + a.timeout
+    for number in range(a.max_restarts + 1):
+        code, why = attempt(a, rest, number, deadline)
+        if code in (0, 130, BAD_INPUT) or code == 124 and why.startswith("error: timed out"):
+            break
+        if number == a.max_restarts:
+            break
+        print(f"restart {number + 1}/{a.max_restarts}: {why}; starting the job again from its last complete "
+              "checkpoint", file=sys.stderr, flush=True)
+        if "--resume" not in rest:
+            rest = [*rest, "--resume"]
+    if why:
+        print(why if why.startswith("error: ") else f"error: {why}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ def uninterrupted(tmp_path_factory):
     """Ten steps on data=2,fsdp=2,tensor=2 with a checkpoint every five."""
     d = tmp_path_factory.mktemp("uninterrupted")
     r = run(["--mesh", "data=2,fsdp=2,tensor=2", "--steps", "10", "--save-every", "5", "--keep", "5",
-             "--checkpoint-dir", str(d / "ck"), "--metrics", str(d / "m.jsonl")])
+             "--checkpoint-dir", str(d / "ck"), "--metrics", str(d / "m.jsonl"), "--export", str(d / "params.npz")])
     assert r.returncode == 0, r.stderr
     return d, losses(d / "m.jsonl")
 
@@ -243,6 +243,40 @@ def test_a_worker_that_dies_stops_the_job_naming_it():
     assert r.returncode == 17
     assert "error: process 1 of 2 exited with status 17; stopped the others" in r.stderr
     assert time.monotonic() - t < 180
+
+
+def test_a_killed_process_restarts_the_job_from_its_checkpoint_and_loses_nothing(tmp_path, uninterrupted):
+    """Process 1 of 2 is SIGKILLed as it dispatches step 8 (after the checkpoint of step 5):
+    the launcher stops the other, starts both again with --resume, and the job ends as the
+    uninterrupted run: the same losses, each step once in the metrics file, the same params."""
+    _, want = uninterrupted
+    metrics = tmp_path / "m.jsonl"
+    cmd = [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--processes", "2",
+           "--devices-per-process", "4", "--timeout", "300", "--init-timeout", "60", "--max-restarts", "2", "--",
+           *COMMON, "--mesh", "data=2,fsdp=2,tensor=2", "--steps", "10", "--save-every", "5", "--keep", "5",
+           "--checkpoint-dir", str(tmp_path / "ck"), "--metrics", str(metrics), "--export", str(tmp_path / "p.npz")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=320, cwd=ROOT,
+                       env={**os.environ, "JAXSHARD_FAULT": "kill:1:8"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert ("restart 1/2: process 1 of 2 exited with signal SIGKILL; stopped the others; starting the job "
+            "again from its last complete checkpoint") in r.stderr
+    assert "restart 2/2" not in r.stderr and f"resumed from {tmp_path / 'ck'}/5" in r.stdout
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == list(range(1, 11))  # none missing, none twice
+    assert_close(losses(metrics), want, range(1, 11))
+    source, _ = uninterrupted
+    assert_params_close(tmp_path / "p.npz", source / "params.npz")
+
+
+def test_a_bad_flag_is_not_restarted(tmp_path):
+    cmd = [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--processes", "2", "--max-restarts", "3",
+           "--", *COMMON, "--mesh", "data=3", "--checkpoint-dir", str(tmp_path / "ck")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=200, cwd=ROOT)
+    assert r.returncode == 2 and "restart" not in r.stderr, r.stderr
+    no_dir = subprocess.run(cmd[:cmd.index("--checkpoint-dir")], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert no_dir.returncode == 2 and no_dir.stderr.strip() == (
+        "error: --max-restarts needs --checkpoint-dir in the job's flags: a restart resumes from its last "
+        "complete checkpoint")
 
 
 def test_the_launcher_names_a_worker_that_never_starts():
