@@ -251,6 +251,7 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
             _save(step, samples)
 
     def _save(step: int, samples: int) -> None:
+        timer.saved()
         ckpt.save(step, program.saved(state), {"step": step, "samples_seen": samples, "seed": cfg.step.seed,
                                 "batch_size": B, "seq_len": L, "model": model.cfg.name,
                                 "mesh": axis_sizes(mesh), "strategy": rules.name,
@@ -263,9 +264,11 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
     def evaluates(step: int) -> bool:
         return step == cfg.steps or bool(cfg.eval_every and step % cfg.eval_every == 0)
 
+    timer = SaveTimer(cfg.checkpoint.save_every_minutes)
+
     def saves(step: int) -> bool:
         return ckpt is not None and (step == cfg.steps or bool(
-            cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0))
+            cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0) or timer.due(step))
 
     done_before = _keep_metrics_until(cfg.outputs.metrics, start)  # a crashed run's steps past its checkpoint
     records: list[dict[str, Any]] = []
@@ -413,6 +416,33 @@ def run_pipelined(steps: range, dispatch: Callable[[int], Any], complete: Callab
             complete(i, out)
         else:
             pending = (i, out)
+
+
+class SaveTimer:
+    """``--save-every-minutes``: whether a step saves because that long has passed since the last
+    save, decided once per step. With several processes (whose clocks differ, and which must save
+    the same step) only every ``every``-th step decides, by a small all-gather: any process late
+    makes all save."""
+
+    def __init__(self, minutes: float, every: int = 10, clock: Callable[[], float] = time.monotonic):
+        self.seconds, self.every, self.clock = minutes * 60, every, clock
+        self.last = clock()
+        self._decided: dict[int, bool] = {}
+
+    def saved(self) -> None:
+        self.last = self.clock()
+
+    def due(self, step: int) -> bool:
+        if not self.seconds:
+            return False
+        if step not in self._decided:
+            late = self.clock() - self.last >= self.seconds
+            if jax.process_count() > 1:
+                from jax.experimental import multihost_utils
+
+                late = step % self.every == 0 and bool(np.any(multihost_utils.process_allgather(np.int32(late))))
+            self._decided[step] = late
+        return self._decided[step]
 
 
 class Termination:

@@ -498,3 +498,30 @@ def test_the_progress_bar_shows_on_a_terminal_only():
     assert progress(4, True, io.StringIO()).disable
     assert not progress(4, True, Terminal()).disable
     assert progress(4, False, Terminal()).disable  # --no-progress
+
+
+def test_save_every_minutes_saves_by_the_clock(tmp_path):
+    """A limit far below a step's time: every step is saved (kept: --keep 10), where --save-every
+    would save only the last. Decided once per step, reset by each save."""
+    r = train("--model", "tiny", "--steps", "5", "--batch-size", "8", "--seq-len", "32", "--eval-every", "0",
+              "--checkpoint-dir", str(tmp_path / "ck"), "--save-every-minutes", "0.00001", "--keep", "10")
+    assert r.returncode == 0, r.stderr
+    assert sorted(int(p.name) for p in (tmp_path / "ck").iterdir() if p.name.isdigit()) == [1, 2, 3, 4, 5]
+    assert_one_line_error(train("--save-every-minutes", "1"), "--save-every-minutes needs --checkpoint-dir")
+    assert_one_line_error(train("--save-every-minutes", "-1", "--checkpoint-dir", str(tmp_path / "x")),
+                          "--save-every-minutes must be >= 0, got -1")
+
+
+def test_the_save_timer_decides_once_per_step_and_restarts_at_each_save():
+    from jaxshard.loop import SaveTimer
+
+    now = [0.0]
+    t = SaveTimer(1.0, clock=lambda: now[0])  # a minute
+    assert not t.due(1)
+    now[0] = 61.0
+    assert not t.due(1)  # decided already
+    assert t.due(2)
+    t.saved()
+    now[0] = 100.0
+    assert not t.due(3)
+    assert not SaveTimer(0.0).due(1)

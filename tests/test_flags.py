@@ -111,6 +111,7 @@ COMMON = {
     "--profile-dir": Case(("prof",)),
     "--checkpoint-dir": Case(("ck",)),
     "--save-every": Case(("1",), context=("--checkpoint-dir", "ck")),
+    "--save-every-minutes": Case(("0.00001",), context=("--checkpoint-dir", "ck")),
     "--keep": Case(("1",), context=("--checkpoint-dir", "ck", "--save-every", "1")),
     "--resume": Case(),
     "--export": Case(("p.npz",)),
@@ -120,6 +121,7 @@ COMMON = {
 INSPECT = {
     **COMMON,
     "--save-every": Case(("1",)),  # (--checkpoint-dir is refused first)
+    "--save-every-minutes": Case(("1",)),
     "--keep": Case(("1",)),
     "--seed": Case(("1",), context=("--dropout", "0.1")),  # the seed draws dropout masks
     # A step the verifier flags (XLA keeps gathered expert weights the accounting expects

@@ -36,6 +36,9 @@ class CheckpointConfig:
     directory: str | None = option(None, "where sharded checkpoints go", flag="--checkpoint-dir",
                                    run_only=True)
     save_every: int = option(0, "steps between saves (0: at the end only)", run_only=True)
+    save_every_minutes: float = option(
+        0.0, "also save when this many minutes have passed since the last save (checked every step; "
+             "with several processes every 10th, where they agree); 0: not by time", metavar="T", run_only=True)
     keep: int | None = option(None, "most recent checkpoints kept", default_text=str(KEEP), run_only=True)
     resume: bool = option(False, "continue from the latest complete checkpoint in --checkpoint-dir, "
                                  "on any mesh", run_only=True)
@@ -45,6 +48,11 @@ class CheckpointConfig:
               "tokenizer.json) that transformers loads as it is", metavar="DIR", run_only=True)
 
     def __post_init__(self) -> None:
+        if self.save_every_minutes and not self.directory:
+            raise ConfigError(f"{flag(CheckpointConfig, 'save_every_minutes')} needs --checkpoint-dir (where to save)")
+        if self.save_every_minutes < 0:
+            raise ConfigError(f"{flag(CheckpointConfig, 'save_every_minutes')} must be >= 0, got "
+                              f"{self.save_every_minutes:g}")
         if (self.save_every or self.resume or self.keep is not None) and not self.directory:
             raise ConfigError(f"{flag(CheckpointConfig, 'save_every')}, {flag(CheckpointConfig, 'keep')} and "
                               f"{flag(CheckpointConfig, 'resume')} need {flag(CheckpointConfig, 'directory')}")
