@@ -329,12 +329,14 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
         nonlocal state
         _fault("step", i + 1)
         if window is not None:
-            window.before(i + 1)
+            with dog.paused():  # starting a trace, and below writing it, are not the step's
+                window.before(i + 1)
         started = time.perf_counter()
         batch = batches.get(i)
         state, metrics = compiled(state, batch)
         if window is not None:
-            window.after(i + 1, lambda: jax.block_until_ready(state))
+            with dog.paused():
+                window.after(i + 1, lambda: jax.block_until_ready(state))
         return metrics, started
 
     with writer, board, bar, data_lib.Prefetch(make_batch, range(start, cfg.steps)) as batches, \
@@ -354,6 +356,10 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
             if window is not None:
                 window.close()
     finished = time.perf_counter()
+    if ckpt is not None and stopped is None:  # the last save's background write, waited for here
+        with goodput.timed("checkpoint"):
+            ckpt.wait()
+        finished = time.perf_counter()
     if stopped is not None:
         _preempted(stopped, samples + (stopped - start) * B, ckpt, save)
     saved = program.saved(state)

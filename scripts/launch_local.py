@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         code, why = attempt(a, rest, number, deadline)
         if code in (0, 130, BAD_INPUT) or code == 124 and why.startswith("error: timed out"):
             break
-        if number == a.max_restarts:
+        if number == a.max_restarts or time.monotonic() > deadline:  # (no time left to start again)
             break
         print(f"restart {number + 1}/{a.max_restarts}: {why}; starting the job again from its last complete "
               "checkpoint", file=sys.stderr, flush=True)

@@ -525,3 +525,25 @@ def test_the_save_timer_decides_once_per_step_and_restarts_at_each_save():
     now[0] = 100.0
     assert not t.due(3)
     assert not SaveTimer(0.0).due(1)
+
+
+def test_the_save_timer_of_several_processes_decides_every_tenth_step_together(monkeypatch):
+    """Their clocks differ: only every 10th step decides, and any process late makes all save
+    (the all-gather's answer is the same everywhere)."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from jaxshard.loop import SaveTimer
+
+    monkeypatch.setattr("jax.process_count", lambda: 2)
+    gathered = []
+
+    def allgather(x):
+        gathered.append(int(x))
+        return np.array([int(x), 1])  # the other process is late
+
+    monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+    now = [0.0]
+    t = SaveTimer(1.0, clock=lambda: now[0])
+    assert not t.due(9) and gathered == []  # not a deciding step: no all-gather
+    assert t.due(10) and gathered == [0]  # this one is not late, its peer is

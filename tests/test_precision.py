@@ -178,7 +178,7 @@ def test_float16_through_a_pipeline_equals_float16_accumulation(schedule):
 
 
 @pytest.mark.parametrize("preset, mesh", [("tiny", "data=1"), ("tiny-llama", "data=1"), ("tiny", "tensor=2"),
-                                          ("tiny-llama", "tensor=2")])
+                                          ("tiny-llama", "tensor=2"), ("tiny", "data=2,tensor=2")])
 def test_the_vocabulary_projection_multiplies_in_bfloat16_both_ways(preset, mesh):
     """The head's forward matmul gives float32 logits; its two backward matmuls take the
     cotangent rounded to bf16, not float32 (JAX's transpose of a dot with a float32 result

@@ -32,10 +32,10 @@ FileLocations
 3 {file_name_id=3 function_name_id=3 line=120 end_line=120 column=1 end_column=9}
 
 StackFrames
-1 {file_location_id=1 parent_frame_id=1}
-2 {file_location_id=2 parent_frame_id=2}
-3 {file_location_id=3 parent_frame_id=3}
-4 {file_location_id=1 parent_frame_id=3}
+1 {file_location_id=1 parent_frame_id=0}
+2 {file_location_id=2 parent_frame_id=0}
+3 {file_location_id=3 parent_frame_id=0}
+4 {file_location_id=1 parent_frame_id=4}
 
 ENTRY %main.1 (p.0: f32[4], p.1: f32[4]) -> f32[4] {
   %custom-call.3 = (bf16[8,16]{1,0}, s8[0]{0}) custom-call(%a, %b), custom_call_target="__cublas$gemm", metadata={op_name="jit(step)/dot_general" stack_frame_id=1}
@@ -88,6 +88,17 @@ def test_summarize_sums_kernels_into_the_time_models_parts():
     # Library kernels inside a graph keep their own names as rows.
     assert top["cudnn_generated_fort_native_sdpa_sm90_flash_fprop"]["part"] == "attention"
 
+    # Two devices traced: the same per device. A kernel of another module (an evaluation
+    # program's fusion of the same name) is not credited to the step's instructions.
+    from dataclasses import replace
+
+    two = profile.summarize(ks + [replace(k, plane="/device:GPU:1") for k in ks], src, steps=2, module="jit_step")
+    assert two["devices"] == 2 and two["parts_s"] == pytest.approx(out["parts_s"])
+    assert two["busy_s"] == pytest.approx(out["busy_s"])
+    other = profile.summarize([Kernel("loop_add_fusion_3", "command_buffer_9", 0, 1e6, "s", "", "jit_eval")], src,
+                              steps=1, module="jit_step")
+    assert other["parts_s"]["optimizer"] == 0 and other["parts_s"]["other"] == pytest.approx(1e-3)
+
 
 def test_a_training_steps_trace_is_tied_to_its_source(tmp_path, capsys):
     """CPU: XLA's thunks stand in for kernels. The optimizer's and the loss's work are found by
@@ -113,3 +124,24 @@ def test_a_training_steps_trace_is_tied_to_its_source(tmp_path, capsys):
     assert f"{out['kernels']} kernels a step" in printed and "optimizer" in printed
     assert profile.main([str(tmp_path / "nothing"), "--steps", "2"]) == 1
     assert capsys.readouterr().out.startswith("error: no .xplane.pb under")
+
+
+def test_stack_frames_of_a_real_compiled_module(tmp_path, monkeypatch):
+    """The chain of files behind each instruction, read from the module text XLA prints: sin is
+    made in one file, called from a second, called from this one; cos in this file alone."""
+    import jax
+    import jax.numpy as jnp
+
+    (tmp_path / "inner_mod.py").write_text("import jax.numpy as jnp\n\n\ndef inner(x):\n    return jnp.sin(x)\n")
+    (tmp_path / "middle_mod.py").write_text("import inner_mod\n\n\ndef middle(x):\n    return inner_mod.inner(x) * 3.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import middle_mod
+
+    def step(x):
+        return middle_mod.middle(x) + jnp.cos(x)
+
+    src = profile.hlo_sources(jax.jit(step).lower(jnp.ones(4)).compile().as_text())
+    sin = [v for v in src.values() if v.source == "inner_mod.py:5"]
+    assert sin and sin[0].files[:3] == ("inner_mod.py", "middle_mod.py", "test_profile.py"), sin
+    cos = [v for v in src.values() if v.op_name.endswith("/cos")]
+    assert cos and cos[0].files[0] == "test_profile.py" and "inner_mod.py" not in cos[0].files, cos

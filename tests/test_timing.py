@@ -155,24 +155,31 @@ def test_published_runs_within_the_goal_or_with_the_reason_they_miss():
     assert sum(not run.gap for run in RUNS) == 6  # the A100 rows: Megatron's five, torchtitan's 70B
 
 
-def _llama_step(remat, software="jaxshard", **kw):
+def _llama_step(remat, software: str | timing.Software = "jaxshard", **kw):
     from scripts.bench_plan import abstract_rules, llama
 
     cfg = llama("llama-like", 4, 4096, 32, 8, 14336, 128256, 8192)
     return timing.step_time(TransformerLM(cfg, remat=Remat.parse(remat)), abstract_rules({"data": 1}),
-                            KNOWN_DEVICES["h100"], 2, 8192, software=timing.SOFTWARE[software],
+                            KNOWN_DEVICES["h100"], 2, 8192,
+                            software=timing.SOFTWARE[software] if isinstance(software, str) else software,
                             remat=Remat.parse(remat), **kw)
 
 
 def test_a_policy_that_does_not_keep_the_attention_output_runs_its_forward_again():
-    """A flash kernel's forward + backward is 3.5 forwards; ``selective`` and ``dots`` (the fused
-    kernel is a custom call, not a matmul) recompute one more, ``none`` and a ``names`` policy
-    keeping ``attn_out`` do not -- unless the caller states its own policy's share."""
+    """A flash kernel's forward + backward is 3.5 forwards; every policy but ``none`` recomputes
+    one more: ``selective`` by design, ``dots`` because the fused kernel is a custom call, not a
+    matmul, and ``names:attn_out`` because the kernel's backward also needs its softmax
+    statistics -- unless the caller states its own policy's share. Materialised attention's
+    batched matmuls are what ``dots`` keeps."""
     none = _llama_step("none").attention
     assert _llama_step("selective").attention == pytest.approx(none * 4.5 / 3.5)
     assert _llama_step("dots").attention == pytest.approx(none * 4.5 / 3.5)
-    assert _llama_step("names:attn_out").attention == pytest.approx(none)
+    assert _llama_step("names:attn_out").attention == pytest.approx(none * 4.5 / 3.5)
     assert _llama_step("full", attention_recompute=0.0).attention == pytest.approx(none)
+    materialized = timing.with_software("jaxshard", attention="materialized")
+    plain = _llama_step("none", software=materialized).attention
+    assert _llama_step("dots", software=materialized).attention == pytest.approx(plain)
+    assert _llama_step("dots_no_batch", software=materialized).attention == pytest.approx(plain * 4 / 3)
 
 
 def test_flash_rates_follow_head_width_and_sequence_length():

@@ -43,6 +43,14 @@ def test_the_automatic_limit_is_ten_medians_after_warm_up_with_a_floor():
     assert d2.limit() == watchdog.FLOOR_S  # fast steps: the floor
 
 
+def test_the_first_step_waits_for_the_slowest_start_up():
+    d, clock, stopped, _ = dog(5.0)
+    clock.now += 100.0  # a peer still compiling: within the first step's floor
+    assert not d.check() and d.limit() == watchdog.FLOOR_S
+    clock.now += watchdog.FLOOR_S
+    assert d.check() and stopped == [watchdog.EXIT_STATUS]
+
+
 def test_a_step_over_its_limit_stops_the_process_with_one_line():
     d, clock, stopped, out = dog(5.0)
     d.beat(7, 1.0)
@@ -57,6 +65,7 @@ def test_a_step_over_its_limit_stops_the_process_with_one_line():
 
 def test_evaluation_and_checkpoints_pause_the_watch():
     d, clock, stopped, _ = dog(5.0)
+    d.beat(1, 1.0)
     with d.paused():
         clock.now += 100.0
         assert not d.check()

@@ -77,8 +77,9 @@ def _frames(tables: dict[str, dict[int, str]]) -> dict[int, tuple[str, tuple[str
         chain, seen, at = [], set(), frame
         while at and at not in seen and at in frames:
             seen.add(at)
-            here, at = where(at)
+            here, parent = where(at)
             chain.append(here)
+            at = parent - 1  # the text prints a frame's parent id plus one (0: it has none)
         out[frame] = (chain[0], tuple(c.rsplit(":", 1)[0] for c in chain))
     return out
 
@@ -121,6 +122,8 @@ class Kernel:
     start_ns: float
     duration_ns: float
     line: str  # the stream (GPU) or thread (CPU) it ran on
+    plane: str = ""  # the device (GPU) or host it ran on
+    module: str = ""  # the HLO module that launched it ("" if not recorded)
 
 
 def kernels(xplane: str) -> list[Kernel]:
@@ -134,10 +137,12 @@ def kernels(xplane: str) -> list[Kernel]:
     for plane in devices or [p for p in data.planes if p.name.startswith("/host:")]:
         for line in plane.lines:
             for e in line.events:
-                hlo = hlo_op(dict(e.stats))
+                stats = dict(e.stats)
+                hlo = hlo_op(stats)
                 if not devices and not hlo:
                     continue
-                out.append(Kernel(e.name, hlo, float(e.start_ns), float(e.duration_ns), line.name))
+                out.append(Kernel(e.name, hlo, float(e.start_ns), float(e.duration_ns), line.name, plane.name,
+                                  str(stats.get("hlo_module", ""))))
     return out
 
 
@@ -201,17 +206,27 @@ def busy_ns(ks: list[Kernel]) -> float:
     return total
 
 
-def summarize(ks: list[Kernel], sources: dict[str, Source], steps: int, top: int = 40) -> dict[str, Any]:
-    """Per step: seconds by part, the span from first kernel to last and the busy time, and the
-    ``top`` instructions by time with their kernels and source lines."""
+def summarize(ks: list[Kernel], sources: dict[str, Source], steps: int, top: int = 40,
+              module: str | None = None) -> dict[str, Any]:
+    """Per step and device (the mean over the trace's device planes): seconds by part, the
+    span from first kernel to last and the busy time, and the ``top`` instructions by time with
+    their kernels and source lines. ``sources`` are ``module``'s instructions: a kernel another
+    module launched (recorded as such) is not looked up in them."""
     by_part: dict[str, float] = defaultdict(float)
     by_op: dict[str, dict[str, Any]] = {}
+    if module is not None:
+        mine = {k for k in ks if not k.module or k.module == module}
+        ks = [k if k in mine else replace(k, hlo_op=f"{k.module}/{k.hlo_op}") for k in ks]
     ks = [k for k in ks if not (k.hlo_op in sources and sources[k.hlo_op].opcode in CONTAINERS)]
+    planes = sorted({k.plane for k in ks}) or [""]
+    per = steps * len(planes)
     # Inside a CUDA graph (XLA's command buffers) a kernel's annotation names the graph, not the
     # instruction; an XLA kernel is named after its fusion then ("loop_add_fusion_3" for
     # "loop_add_fusion.3"). Library kernels (cuBLAS, cuDNN) keep only their own names.
     flat = {name.replace(".", "_"): name for name in sources}
-    ks = [replace(k, hlo_op=flat[k.name]) if k.hlo_op not in sources and k.name in flat else k for k in ks]
+    ours = lambda k: module is None or not k.module or k.module == module  # noqa: E731
+    ks = [replace(k, hlo_op=flat[k.name]) if k.hlo_op not in sources and k.name in flat and ours(k) else k
+          for k in ks]
     for k in ks:
         src = sources.get(k.hlo_op)
         p = part(k, src)
@@ -223,16 +238,17 @@ def summarize(ks: list[Kernel], sources: dict[str, Source], steps: int, top: int
             "opcode": src.opcode if src else "", "target": src.target if src else "",
             "source": src.source if src else "", "op_name": (src.op_name if src else "")[-160:]})
         row["kernels"].add(k.name[:100])
-        row["ms"] += k.duration_ns / 1e6 / steps
+        row["ms"] += k.duration_ns / 1e6 / per
         row["launches"] += 1
     rows = sorted(by_op.values(), key=lambda r: -r["ms"])[:top]
     for r in rows:
         r["kernels"] = sorted(r["kernels"])[:3]
-        r["launches"] //= steps
-    span = (max(k.start_ns + k.duration_ns for k in ks) - min(k.start_ns for k in ks)) if ks else 0.0
-    return {"steps": steps, "parts_s": {p: by_part.get(p, 0.0) / 1e9 / steps for p in PARTS},
-            "kernel_s": sum(by_part.values()) / 1e9 / steps, "busy_s": busy_ns(ks) / 1e9 / steps,
-            "span_s": span / 1e9 / steps, "kernels": len(ks) // max(steps, 1), "top": rows,
+        r["launches"] //= per
+    on = [[k for k in ks if k.plane == p] for p in planes]
+    span = sum(max(k.start_ns + k.duration_ns for k in p) - min(k.start_ns for k in p) for p in on if p)
+    return {"steps": steps, "devices": len(planes), "parts_s": {p: by_part.get(p, 0.0) / 1e9 / per for p in PARTS},
+            "kernel_s": sum(by_part.values()) / 1e9 / per, "busy_s": sum(busy_ns(p) for p in on) / 1e9 / per,
+            "span_s": span / 1e9 / per, "kernels": len(ks) // max(per, 1), "top": rows,
             "sources_found": sum(k.hlo_op in sources for k in ks) / max(len(ks), 1)}
 
 
@@ -241,7 +257,8 @@ def profile(trace_dir: str, dump_dir: str | None, steps: int, top: int = 40) -> 
     found = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
     if not found:
         raise FileNotFoundError(f"no .xplane.pb under {trace_dir}")
-    out = summarize(kernels(found[-1]), dumped_sources(dump_dir) if dump_dir else {}, steps, top)
+    out = summarize(kernels(found[-1]), dumped_sources(dump_dir) if dump_dir else {}, steps, top,
+                    module="jit_step" if dump_dir else None)
     out["sample_stats"] = sample_stats(found[-1])
     return out
 
@@ -249,7 +266,7 @@ def profile(trace_dir: str, dump_dir: str | None, steps: int, top: int = 40) -> 
 def table(summary: dict[str, Any], rows: int = 25) -> str:
     """The summary as text: seconds by part, then the costliest instructions."""
     s = summary
-    lines = [f"{s['kernels']} kernels a step: {s['kernel_s'] * 1e3:.1f} ms of kernels, busy {s['busy_s'] * 1e3:.1f} ms "
+    lines = [f"{s['kernels']} kernels a step per device ({s['devices']} traced): {s['kernel_s'] * 1e3:.1f} ms of kernels, busy {s['busy_s'] * 1e3:.1f} ms "
              f"of a {s['span_s'] * 1e3:.1f} ms span; {s['sources_found']:.0%} tied to an HLO instruction"]
     lines += [f"  {p:<11} {sec * 1e3:9.2f} ms" for p, sec in s["parts_s"].items()]
     lines += ["", f"{'ms':>9}  {'part':<10} {'launches':>8}  instruction / kernel  (source)"]

@@ -256,12 +256,13 @@ def roofline(m: float, k: float, n: float, rate: float, hbm: float, c: int) -> f
     return max(2 * m * k * n / rate, c * (m * k + k * n + m * n) / hbm)
 
 
-def attention_recomputed(remat: Remat) -> float:
+def attention_recomputed(remat: Remat, materialized: bool = False) -> float:
     """Whether the backward pass runs the attention core's forward again: under every policy
-    but ``none`` and those that keep its output by name. (``dots`` keeps matmul outputs, and a
-    fused attention kernel is a custom call, not a matmul; ``selective`` recomputes exactly
-    it.)"""
-    if remat.kind == Kind.NONE or (remat.kind in (Kind.NAMES, Kind.OFFLOAD) and "attn_out" in remat.names):
+    but ``none``. A fused kernel is a custom call, not a matmul ``dots`` keeps, and its backward
+    needs its softmax statistics, which no ``names`` policy keeps (``attn_out`` is its output
+    alone); ``selective`` recomputes exactly it. Materialised attention's ``q k^T`` and ``p v``
+    are batched matmuls, which ``dots`` keeps (``dots_no_batch`` does not)."""
+    if remat.kind == Kind.NONE or (materialized and remat.kind == Kind.DOTS):
         return 0.0
     return 1.0
 
@@ -291,7 +292,8 @@ def step_time(model: Stageable, rules: ShardingRules, device: Device,
     param_dtype = param_dtype or compute_dtype
     remat = Remat.parse(remat)
     again = recomputed(remat) if recompute is None else recompute
-    attn_again = attention_recomputed(remat) if attention_recompute is None else attention_recompute
+    attn_again = (attention_recomputed(remat, software.attention == "materialized") if attention_recompute is None
+                  else attention_recompute)
     stages = mesh.get("stage", 1)
     tensor = rules.size(rules.activation_mesh_axes(Dim.ACT_HEADS))
     sp = rules.size(rules.activation_mesh_axes(Dim.RESIDUAL_LENGTH)) > rules.size(rules.activation_mesh_axes(Dim.LENGTH))

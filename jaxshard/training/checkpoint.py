@@ -159,6 +159,11 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {self.directory}/{step} has no readable record")
         return meta
 
+    def wait(self) -> None:
+        """Until the saves started are complete (written in the background until then)."""
+        if self.manager is not None:
+            self.manager.wait_until_finished()
+
     def close(self) -> None:
         """Waits for the last save to be complete; closing twice is harmless."""
         if self.manager is not None:

@@ -11,7 +11,7 @@ The wall time runs from the command's start (after Python's imports) to the repo
 * ``recomputed``: of those, the steps a resumed run trains again because the run before it had
   done them after its last checkpoint (the metrics file's steps beyond it): lost to the restart;
 * ``evaluation`` and ``checkpoint`` (the blocking part of a save: orbax writes the rest in the
-  background while training goes on);
+  background while training goes on; and at the end, the wait for the last save's write);
 * ``finish``: after the last step, exports, the sample and the report's own measurements.
 
 What no part covers is reported as ``unaccounted`` (host work between the parts, e.g. writing

@@ -8,9 +8,11 @@ process with ``os._exit`` (nothing to unwind that would not also hang). Evaluati
 checkpoint writes are not steps and pause the watch; the time before the first step (start-up,
 compilation) is not watched either.
 
-The automatic limit (no ``--step-timeout``): :data:`FACTOR` times the median step once
-:data:`WARMUP` steps have finished (the first carry one-off costs), and never less than
-:data:`FLOOR_S`, which is also the limit until then."""
+The automatic limit (no ``--step-timeout``): :data:`FACTOR` times the median of the last
+:data:`RECENT` steps once :data:`WARMUP` steps have finished (the first carry one-off costs),
+and never less than :data:`FLOOR_S`, which is also the limit until then. The first step gets
+at least :data:`FLOOR_S` under any limit: the processes' start-ups (compiling, restoring) end
+at different times, and it waits for the slowest."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from typing import IO, Callable, Iterator
 EXIT_STATUS = 124  # as coreutils' timeout(1): "the command timed out"
 FACTOR = 10.0
 WARMUP = 3
+RECENT = 100  # the steps whose median sets the automatic limit
 FLOOR_S = 300.0
 
 
@@ -37,6 +40,7 @@ class Watchdog:
                  poll_s: float | None = None):
         self.fixed, self.out, self._stop, self.clock = timeout, out or sys.stderr, stop, clock
         self.times: list[float] = []
+        self._auto = FLOOR_S
         self.step = 0  # the last finished step; the one in flight is the next
         self.last = clock()
         self._paused = 0
@@ -50,12 +54,11 @@ class Watchdog:
         return self.fixed != 0
 
     def limit(self) -> float:
-        """Seconds the step in flight may take."""
+        """Seconds the step in flight may take. The first step gets at least :data:`FLOOR_S`
+        whatever the limit: it also waits for the slowest process's start-up."""
         if self.fixed:
-            return float(self.fixed)
-        if len(self.times) <= WARMUP:
-            return FLOOR_S
-        return max(FLOOR_S, FACTOR * statistics.median(self.times[WARMUP:]))
+            return float(self.fixed) if self.step else max(float(self.fixed), FLOOR_S)
+        return self._auto
 
     def beat(self, step: int, step_time_s: float | None = None) -> None:
         """Step ``step`` finished (in ``step_time_s``): the watch restarts from now."""
@@ -63,6 +66,9 @@ class Watchdog:
             self.step, self.last = step, self.clock()
             if step_time_s is not None:
                 self.times.append(step_time_s)
+                del self.times[:-(WARMUP + RECENT)]  # the warm-up's, then the recent steps'
+                if len(self.times) > WARMUP:
+                    self._auto = max(FLOOR_S, FACTOR * statistics.median(self.times[WARMUP:]))
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
