@@ -44,6 +44,7 @@ class Case:
     context: tuple[str, ...] = ()  # flags it acts with, given to both runs
     drop: tuple[str, ...] = ()  # flags of the base run it replaces (with their values)
     console: bool = False  # it changes what is printed only
+    terminal: bool = False  # ... and only on a terminal (both runs get a stderr that says it is one)
 
 
 def _experiment(name: str):
@@ -101,7 +102,7 @@ COMMON = {
     # The watchdog's limit: a run within it differs only in the line that states it (a run over
     # it exits with status 124: tests/test_watchdog.py).
     "--step-timeout": Case(("600",), console=True),
-    "--no-progress": Case(console=True),
+    "--no-progress": Case(console=True, terminal=True),  # there is no bar in a file to turn off
     "--sample-tokens": Case(("1",), console=True),
     "--sample-prompt": Case(("x",)),
     "--metrics": Case(("m2.jsonl",)),
@@ -210,8 +211,13 @@ class Outcome:
     argv: tuple[str, ...] = ()
 
 
-def run_in_process(command: str, argv: list[str], cwd: Path) -> Outcome:
-    out, err = io.StringIO(), io.StringIO()
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def run_in_process(command: str, argv: list[str], cwd: Path, terminal: bool = False) -> Outcome:
+    out, err = io.StringIO(), (_Terminal() if terminal else io.StringIO())
     cwd.mkdir(parents=True, exist_ok=True)
     with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
@@ -346,10 +352,11 @@ def check(command: str, flag: str, space) -> None:
     root, names = space
     without_argv, with_argv, case = runs(command, flag, space)
     where = root / command / flag.lstrip("-")
-    with_ = run_in_process(command, with_argv, where / "with")
+    with_ = run_in_process(command, with_argv, where / "with", terminal=case.terminal)
     if one_line_error(with_, flag):
         return  # a flag it cannot use here is refused, in one line that names it
-    without = run_once(command, without_argv, where / "without")
+    without = (run_in_process(command, without_argv, where / "without", terminal=True) if case.terminal
+               else run_once(command, without_argv, where / "without"))
     if one_line_error(without) and with_.rc in (0, 1):
         # Its context needs it (--profile-dir without --profile-steps is an error): both
         # against neither.
