@@ -2,7 +2,8 @@
 
 Flags ``--coordinator HOST:PORT --num-processes N --process-id I`` (or the environment
 variables ``JAXSHARD_COORDINATOR``, ``JAXSHARD_NUM_PROCESSES``, ``JAXSHARD_PROCESS_ID``); with
-none of them under SLURM or Open MPI, JAX's own cluster detection. A process that waits for a
+none of them under SLURM or Open MPI, JAX's own cluster detection (under SLURM with the GPUs each
+process drives chosen here: :func:`slurm_local_devices`). A process that waits for a
 peer that never comes would otherwise hang, then abort inside XLA; here a rendezvous over
 plain TCP on the coordinator's port runs first, with a bounded timeout, and fails with one
 line naming the missing process(es) or the unreachable coordinator.
@@ -116,13 +117,65 @@ def initialize(cfg: DistributedConfig, platform: str | None = None) -> None:
     if (platform or os.environ.get("JAX_PLATFORMS", "")).startswith("cpu"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if detected:
-        jax.distributed.initialize(initialization_timeout=int(cfg.timeout_s))
+        gpus = None
+        if detected == "SLURM" and not (platform or os.environ.get("JAX_PLATFORMS", "")).startswith("cpu"):
+            gpus = slurm_local_devices(os.environ, _node_gpus())
+        jax.distributed.initialize(initialization_timeout=int(cfg.timeout_s), local_device_ids=gpus)
         return
     if os.environ.get("JAXSHARD_FAULT") == f"never-start:{cfg.process_id}":
         time.sleep(10 * cfg.timeout_s)  # fault injection for the tests: a host that never comes up
     rendezvous(cfg)
     jax.distributed.initialize(coordinator_address=cfg.coordinator, num_processes=cfg.num_processes,
                                process_id=cfg.process_id, initialization_timeout=int(cfg.timeout_s))
+
+
+def _node_gpus() -> int:
+    """NVIDIA GPUs this process can open, before CUDA starts (0 where there are none)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([v for v in visible.split(",") if v.strip() and not v.strip().startswith("-")])
+    try:
+        return sum(1 for n in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", n))
+    except OSError:
+        return 0
+
+
+def _tasks_on_this_node(env) -> int:
+    """This node's processes in the SLURM step: SLURM_STEP_TASKS_PER_NODE reads like '8(x2),4',
+    one count per node in SLURM_NODEID order."""
+    counts = []
+    for part in env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "1")).split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if m is None:
+            return 1
+        counts += [int(m[1])] * int(m[2] or 1)
+    node = int(env.get("SLURM_NODEID", "0"))
+    return counts[node] if node < len(counts) else counts[-1]
+
+
+def slurm_local_devices(env, visible: int) -> list[int] | None:
+    """The GPUs (numbered as this process sees them) it drives in a SLURM job; None: JAX's choice.
+
+    JAX's own SLURM detection gives each process GPU number SLURM_LOCALID. That is right for one
+    process per GPU with every GPU of the node visible to each, and wrong otherwise: with one
+    process per node (``--ntasks-per-node=1``) it drives GPU 0 of 8 -- the job sees one GPU per
+    node -- and with GPUs bound to tasks (``--gpus-per-task=1``, ``--gpu-bind``) each process sees
+    one GPU, numbered 0, and GPU SLURM_LOCALID does not exist. Here the node's visible GPUs are
+    split evenly between its processes; a process that sees fewer GPUs than the job has on its node
+    (SLURM_GPUS_ON_NODE) has been given its own, and drives all it sees.
+    """
+    if visible <= 0:
+        return None
+    on_node = int(env.get("SLURM_GPUS_ON_NODE", visible))
+    if visible < on_node:  # bound to this task by SLURM
+        return list(range(visible))
+    tasks = _tasks_on_this_node(env)
+    if visible % tasks:
+        raise DistributedError(f"this node's {tasks} SLURM tasks cannot share its {visible} GPUs evenly: "
+                               "run one task per GPU or one per node (see scripts/slurm/train.sbatch)")
+    share = visible // tasks
+    local = int(env.get("SLURM_LOCALID", "0"))
+    return list(range(local * share, (local + 1) * share))
 
 
 def rendezvous(cfg: DistributedConfig) -> None:

@@ -105,7 +105,10 @@ def build_mesh(spec: MeshSpec | str, devices: Sequence[jax.Device] | None = None
     devices = list(all_devices if devices is None else devices)
     if dcn is not None and any(size != 1 for _, size in dcn.axes):
         return _hybrid_mesh(spec, dcn, devices)
-    sizes = spec.resolve(len(devices))
+    try:
+        sizes = spec.resolve(len(devices))
+    except MeshError as e:
+        raise MeshError(f"{e}{_per_process(devices, all_devices)}") from None
     shape = tuple(sizes.values())
     if len(devices) == len(all_devices) and len(devices) > 1:
         # Lets XLA order devices along the physical topology (rings on TPU/NVLink islands).
@@ -114,6 +117,16 @@ def build_mesh(spec: MeshSpec | str, devices: Sequence[jax.Device] | None = None
         grid = np.asarray(devices, dtype=object).reshape(shape)
     axis_types = (jax.sharding.AxisType.Auto,) * len(shape)
     return jax.sharding.Mesh(grid, tuple(str(a) for a in sizes), axis_types=axis_types)
+
+
+def _per_process(devices: list, all_devices: list) -> str:
+    """What each process of a multi-process job sees: the usual cause of a short device count."""
+    import jax
+
+    if jax.process_count() == 1 or len(devices) != len(all_devices):
+        return ""
+    return (f" (the job's {jax.process_count()} processes see {jax.local_device_count()} each: "
+            "is each process given the GPUs it should drive? see scripts/slurm/train.sbatch)")
 
 
 def _hybrid_mesh(spec: MeshSpec, dcn: MeshSpec, devices: list) -> jax.sharding.Mesh:

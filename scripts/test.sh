@@ -7,6 +7,9 @@
 # with XLA:CPU's faster-compiling elemental emitters, then the few marked default_emitters (they
 # compare differently fused programs at rounding level) with its default ones (tests/conftest.py).
 source "$(dirname "${BASH_SOURCE[0]}")/bootstrap.sh"
+# tests/test_slurm.py starts a real SLURM cluster: Debian's slurm-wlm and munge, installed once
+# (as root or with sudo; otherwise those tests say why they cannot run)
+bash "$ROOT/scripts/slurm/cluster.sh" install || echo "warning: SLURM is not installed; tests/test_slurm.py will be skipped" >&2
 cores=$(nproc 2>/dev/null || echo 2)
 workers=${JAXSHARD_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}
 status=0

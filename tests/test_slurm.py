@@ -1,0 +1,139 @@
+"""Training under a real SLURM: Debian's slurm-wlm and munge daemons on this machine
+(scripts/slurm/cluster.sh), started for this module and stopped after it whatever the outcome.
+
+Jobs run on the cluster's CPU node (partition debug) with 4 fake CPU devices per process; the
+sbatch template's GPU request is checked by the scheduler against two 8-GPU nodes (partition gpu)
+on which nothing runs.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from test_distributed import COMMON, ROOT, assert_close, assert_params_close, losses, uninterrupted  # noqa: F401
+
+from jaxshard.distributed import DistributedError, slurm_local_devices
+
+CLUSTER = ROOT / "scripts" / "slurm" / "cluster.sh"
+TEMPLATE = ROOT / "scripts" / "slurm" / "train.sbatch"
+TRAIN = [sys.executable, "-u", str(ROOT / "experiments" / "train.py"), *COMMON, "--platform", "cpu",
+         "--cpu-devices", "4"]
+# Like tests/test_distributed.py's uninterrupted run, which they must reproduce.
+TEN_STEPS = ["--mesh", "data=2,fsdp=2,tensor=2", "--steps", "10", "--save-every", "5", "--keep", "5"]
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """The environment (SLURM_CONF) of a running one-node cluster."""
+    if shutil.which("slurmctld") is None:  # scripts/test.sh installs it; a bare pytest may not have
+        install = subprocess.run(["bash", str(CLUSTER), "install"], capture_output=True, text=True, timeout=900)
+        if install.returncode and "needs root" in install.stderr:
+            pytest.skip(install.stderr.strip())  # only where this user cannot install packages
+        assert install.returncode == 0, install.stderr
+    d = tmp_path_factory.mktemp("slurm")
+    try:
+        start = subprocess.run(["bash", str(CLUSTER), "start", str(d)], capture_output=True, text=True,
+                               timeout=120)
+        assert start.returncode == 0, start.stderr
+        yield {**os.environ, "SLURM_CONF": str(d / "slurm.conf")}
+    finally:
+        subprocess.run(["bash", str(CLUSTER), "stop", str(d)], timeout=60)
+
+
+def srun(env, args, processes=2, timeout=300):
+    cmd = ["srun", "-p", "debug", "-n", str(processes), "--overcommit", "--kill-on-bad-exit=1", *TRAIN, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+def test_srun_runs_two_processes_that_train_like_one(slurm, tmp_path, uninterrupted):
+    """Two processes started by srun, with no flag saying who is who: JAX reads the layout
+    (coordinator from the node list, process ids) from SLURM, each process reads its own rows."""
+    source, want = uninterrupted
+    r = srun(slurm, [*TEN_STEPS, "--checkpoint-dir", str(tmp_path / "ck"), "--metrics", str(tmp_path / "m.jsonl"),
+                     "--export", str(tmp_path / "p.npz")])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "8 cpu devices in 2 processes" in r.stdout
+    assert_close(losses(tmp_path / "m.jsonl"), want, range(1, 11))
+    assert_params_close(tmp_path / "p.npz", source / "params.npz")
+
+
+def test_the_sbatch_template_restarts_a_killed_process_and_loses_nothing(slurm, tmp_path, uninterrupted):
+    """scripts/slurm/train.sbatch submitted for real (its GPU request overridden for the CPU
+    node): process 1 is SIGKILLed at step 8, srun stops the other, the template starts the step
+    again with --resume, and the job ends as the uninterrupted run did."""
+    source, want = uninterrupted
+    metrics, out = tmp_path / "m.jsonl", tmp_path / "job.out"
+    cmd = ["sbatch", "--wait", "-p", "debug", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0",
+           "--overcommit", f"--output={out}", str(TEMPLATE), *TRAIN[3:], *TEN_STEPS,
+           "--checkpoint-dir", str(tmp_path / "ck"), "--metrics", str(metrics), "--export", str(tmp_path / "p.npz")]
+    env = {**slurm, "JAXSHARD_PYTHON": sys.executable, "MAX_RESTARTS": "2", "JAXSHARD_FAULT": "kill:1:8"}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
+    log = out.read_text()
+    assert r.returncode == 0, r.stderr + log[-4000:]
+    assert "2 processes on 1 node(s)" in log
+    assert "restart 1/2: the job step ended with status" in log and "restart 2/2" not in log
+    assert f"resumed from {tmp_path / 'ck'}/5" in log
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == list(range(1, 11))  # none missing, none twice
+    assert_close(losses(metrics), want, range(1, 11))
+    assert_params_close(tmp_path / "p.npz", source / "params.npz")
+
+
+@pytest.mark.parametrize("layout, processors", [([], 16), (["--ntasks-per-node=1"], 2),
+                                                (["--gpus-per-node=0", "--gpus-per-task=1"], 16)])
+def test_the_sbatch_template_fits_two_eight_gpu_nodes(slurm, layout, processors):
+    r = subprocess.run(["sbatch", "--test-only", "-p", "gpu", *layout, str(TEMPLATE), "--model", "tiny"],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT, env=slurm)
+    assert r.returncode == 0, r.stderr
+    assert f"using {processors} processors on nodes gpu[1-2] in partition gpu" in r.stderr
+
+
+def test_the_scheduler_refuses_what_the_nodes_do_not_have(slurm):
+    for more in ["--gpus-per-node=9", "--nodes=3"]:
+        r = subprocess.run(["sbatch", "--test-only", "-p", "gpu", more, str(TEMPLATE), "--model", "tiny"],
+                           capture_output=True, text=True, timeout=60, cwd=ROOT, env=slurm)
+        assert r.returncode != 0 and "Requested node configuration is not available" in r.stderr, more
+
+
+def test_too_few_devices_for_the_mesh_names_what_each_process_sees(slurm, tmp_path):
+    r = srun(slurm, ["--mesh", "fsdp=16", "--steps", "1"])
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert ("error: --mesh fsdp=16 needs 16 devices but 8 are available; the sizes must multiply to the "
+            "device count (or use -1 to fill) (the job's 2 processes see 4 each: is each process given "
+            "the GPUs it should drive? see scripts/slurm/train.sbatch)") in r.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    ([], "error: give experiments/train.py's flags after the script's name"),
+    (["--model", "tiny"], "error: restarts need --checkpoint-dir"),
+])
+def test_the_template_refuses_flags_it_cannot_run(flags, message):
+    r = subprocess.run(["bash", str(TEMPLATE), *flags], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert r.returncode == 2 and r.stderr.startswith(message), r.stderr
+
+
+def slurm_env(tasks_per_node, localid, gpus_on_node=None, nodeid=0):
+    env = {"SLURM_STEP_TASKS_PER_NODE": tasks_per_node, "SLURM_LOCALID": str(localid), "SLURM_NODEID": str(nodeid)}
+    if gpus_on_node is not None:
+        env["SLURM_GPUS_ON_NODE"] = str(gpus_on_node)
+    return env
+
+
+@pytest.mark.parametrize("env, visible, want", [
+    (slurm_env("8(x2)", 3, 8), 8, [3]),  # one process per GPU, every GPU visible to each: JAX's choice
+    (slurm_env("1(x2)", 0, 8), 8, list(range(8))),  # one process per node: all of its GPUs, not GPU 0
+    (slurm_env("8(x2)", 5, 8), 1, [0]),  # --gpus-per-task=1: the one GPU it sees, not GPU 5
+    (slurm_env("2(x2)", 1, 8), 8, [4, 5, 6, 7]),  # two per node: the second half
+    (slurm_env("8,4", 2, 4, nodeid=1), 4, [2]),  # the second node runs 4 processes
+    (slurm_env("8(x2)", 3), 0, None),  # no GPU: the CPU devices
+])
+def test_slurm_processes_drive_the_gpus_of_their_layout(env, visible, want):
+    assert slurm_local_devices(env, visible) == want
+
+
+def test_gpus_that_do_not_split_between_processes_are_one_line():
+    with pytest.raises(DistributedError, match="this node's 3 SLURM tasks cannot share its 8 GPUs evenly"):
+        slurm_local_devices(slurm_env("3", 0, 8), 8)
