@@ -12,8 +12,10 @@ others are stopped and the launcher exits with that status, naming the process; 
 ``--max-restarts N``: a job whose process failed (killed, crashed, or stopped by the hang
 watchdog -- anything but bad input, exit status 2) is started again, all its processes on a
 fresh port with ``--resume``, from the last complete checkpoint of its ``--checkpoint-dir``,
-up to N times. Each attempt's processes see ``JAXSHARD_ATTEMPT`` (0, 1, ...); the test faults
-(``JAXSHARD_FAULT``) fire on attempt 0 only.
+up to N times; with ``--min-processes M`` (elastic) each restart leaves the failed process's
+host out, as a lost host would be, while M remain -- the checkpoint resumes on the smaller mesh
+(a ``--mesh`` with a -1 axis fits it). Each attempt's processes see ``JAXSHARD_ATTEMPT`` (0, 1,
+...); the test faults (``JAXSHARD_FAULT``) fire on attempt 0 only.
 """
 
 from __future__ import annotations
@@ -67,14 +69,16 @@ def _describe(code: int) -> str:
 BAD_INPUT = 2  # a one-line error: the same flags would fail again
 
 
-def attempt(a: argparse.Namespace, rest: list[str], number: int, deadline: float) -> tuple[int, str]:
-    """One run of the job's processes: (its status, the line naming a failure or "")."""
+def attempt(a: argparse.Namespace, rest: list[str], number: int, deadline: float,
+            processes: int) -> tuple[int, str, int | None]:
+    """One run of the job's processes: (its status, the line naming a failure or "", the
+    failed process or None)."""
     port = free_port()
     procs = []
     env = {**os.environ, "JAXSHARD_ATTEMPT": str(number)}
-    for i in range(a.processes):
+    for i in range(processes):
         cmd = [sys.executable, "-u", a.script, *rest, "--coordinator", f"127.0.0.1:{port}",
-               "--num-processes", str(a.processes), "--process-id", str(i),
+               "--num-processes", str(processes), "--process-id", str(i),
                "--cpu-devices", str(a.devices_per_process), "--platform", "cpu",
                "--init-timeout", str(a.init_timeout)]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -94,20 +98,20 @@ def attempt(a: argparse.Namespace, rest: list[str], number: int, deadline: float
                 running = [str(i) for i, c in enumerate(codes) if c is None]
                 _stop(procs)
                 return 124, (f"error: timed out after {a.timeout:g} s; process(es) {', '.join(running)} "
-                             "still running were stopped")
+                             "still running were stopped"), None
             time.sleep(0.1)
     except KeyboardInterrupt:
         _stop(procs)
-        return 130, ""
+        return 130, "", None
     if failed:
         _stop(procs)
     for t in threads:
         t.join(timeout=2)
     if not failed:
-        return 0, ""
+        return 0, "", None
     i, code = failed
     return (code if code > 0 else 128 - code,
-            f"process {i} of {a.processes} exited with {_describe(code)}; stopped the others")
+            f"process {i} of {processes} exited with {_describe(code)}; stopped the others", i)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--init-timeout", type=float, default=60, help="seconds for all processes to join")
     p.add_argument("--max-restarts", type=int, default=0, help="start a failed job again from its last "
                    "complete checkpoint (with --resume) up to N times; needs --checkpoint-dir in its flags")
+    p.add_argument("--min-processes", type=int, default=None, help="elastic: each restart leaves out the "
+                   "failed process's host, as if it were lost, while at least M processes remain (the "
+                   "mesh must fit fewer devices: give it a -1 axis); default: restart on all")
     a = p.parse_args(own)
     if a.processes < 1 or a.devices_per_process < 1:
         print("error: --processes and --devices-per-process must be >= 1", file=sys.stderr)
@@ -133,15 +140,27 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --max-restarts needs --checkpoint-dir in the job's flags: a restart resumes from its "
               "last complete checkpoint", file=sys.stderr)
         return 2
+    least = a.processes if a.min_processes is None else a.min_processes
+    if not 1 <= least <= a.processes:
+        print(f"error: --min-processes must be in [1, --processes {a.processes}], got {least}", file=sys.stderr)
+        return 2
+    if least < a.processes and not a.max_restarts:
+        print("error: --min-processes applies to restarts: give --max-restarts", file=sys.stderr)
+        return 2
     deadline = time.monotonic() + a.timeout
+    processes = a.processes
     for number in range(a.max_restarts + 1):
-        code, why = attempt(a, rest, number, deadline)
+        code, why, failed = attempt(a, rest, number, deadline, processes)
         if code in (0, 130, BAD_INPUT) or code == 124 and why.startswith("error: timed out"):
             break
         if number == a.max_restarts or time.monotonic() > deadline:  # (no time left to start again)
             break
-        print(f"restart {number + 1}/{a.max_restarts}: {why}; starting the job again from its last complete "
-              "checkpoint", file=sys.stderr, flush=True)
+        on = ""
+        if failed is not None and processes > least:
+            processes -= 1
+            on = f" on {processes} process{'es' if processes > 1 else ''} (process {failed}'s host left out)"
+        print(f"restart {number + 1}/{a.max_restarts}: {why}; starting the job again{on} from its last "
+              "complete checkpoint", file=sys.stderr, flush=True)
         if "--resume" not in rest:
             rest = [*rest, "--resume"]
     if why:

@@ -268,6 +268,41 @@ def test_a_killed_process_restarts_the_job_from_its_checkpoint_and_loses_nothing
     assert_params_close(tmp_path / "p.npz", source / "params.npz")
 
 
+def test_an_elastic_restart_goes_on_without_the_lost_host(tmp_path, uninterrupted):
+    """--min-processes 1: process 1 of 2 is SIGKILLed at step 8; the job restarts on process 0
+    alone (its 4 devices: the mesh's -1 axis shrinks from 2 to 1) from the checkpoint of step 5
+    and ends as the uninterrupted 8-device run did."""
+    source, want = uninterrupted
+    metrics = tmp_path / "m.jsonl"
+    cmd = [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--processes", "2",
+           "--devices-per-process", "4", "--timeout", "300", "--init-timeout", "60", "--max-restarts", "1",
+           "--min-processes", "1", "--", *COMMON, "--mesh", "data=-1,fsdp=2,tensor=2", "--steps", "10",
+           "--save-every", "5", "--keep", "5", "--checkpoint-dir", str(tmp_path / "ck"), "--metrics", str(metrics),
+           "--export", str(tmp_path / "p.npz")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=320, cwd=ROOT,
+                       env={**os.environ, "JAXSHARD_FAULT": "kill:1:8"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert ("restart 1/1: process 1 of 2 exited with signal SIGKILL; stopped the others; starting the job "
+            "again on 1 process (process 1's host left out) from its last complete checkpoint") in r.stderr
+    after = r.stdout[r.stdout.index("'data': 1, 'fsdp': 2, 'tensor': 2"):]  # the restart's mesh
+    assert "| 4 cpu devices\n" in after and "[p1]" not in after
+    assert f"resumed from {tmp_path / 'ck'}/5 (trained on mesh {{'data': 2, 'fsdp': 2, 'tensor': 2" in after
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == list(range(1, 11))
+    assert_close(losses(metrics), want, range(1, 11))
+    assert_params_close(tmp_path / "p.npz", source / "params.npz")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--min-processes", "3"], "error: --min-processes must be in [1, --processes 2], got 3"),
+    (["--min-processes", "1"], "error: --min-processes applies to restarts: give --max-restarts"),
+])
+def test_bad_elastic_flags_are_one_line(flags, message):
+    cmd = [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--processes", "2", *flags, "--", *COMMON]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 2 and r.stderr.strip() == message
+
+
 def test_a_bad_flag_is_not_restarted(tmp_path):
     cmd = [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--processes", "2", "--max-restarts", "3",
            "--", *COMMON, "--mesh", "data=3", "--checkpoint-dir", str(tmp_path / "ck")]
