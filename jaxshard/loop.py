@@ -360,8 +360,15 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
         with goodput.timed("checkpoint"):
             ckpt.wait()
         finished = time.perf_counter()
-    if stopped is not None:
-        _preempted(stopped, samples + (stopped - start) * B, ckpt, save)
+    if stopped is not None:  # the preemption's save is checkpoint time; goodput still told
+        try:
+            with goodput.timed("checkpoint"):
+                _preempted(stopped, samples + (stopped - start) * B, ckpt, save)
+        finally:
+            spent = goodput.summary()
+            _log(goodput.line(spent))
+            with TensorBoardLog(cfg.outputs.tensorboard) as board:
+                board.write(stopped, {f"goodput_{k}": v for k, v in spent["fractions"].items()})
     saved = program.saved(state)
     if isinstance(program, local_sgd.LocalSGDProgram):  # the replicas' average is the model
         saved = saved._replace(params=local_sgd.consensus(saved.params))

@@ -5,6 +5,7 @@ Processes are real (gloo collectives between them); the 'cluster' is this machin
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -193,6 +194,7 @@ def test_sigterm_saves_the_last_finished_step_and_resume_loses_nothing(tmp_path,
     stopped = run(args, env={"JAXSHARD_FAULT": "term:7"})
     assert stopped.returncode == 0, stopped.stderr
     assert f"SIGTERM: saved step 7 in {tmp_path / 'ck'}; continue with --resume" in stopped.stderr
+    assert re.search(r"goodput \d+% of [\d.]+ s in training steps; .*checkpoint [1-9]\d*%", stopped.stdout)
     assert sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.isdigit()) == ["5", "7"]
     assert sorted(losses(tmp_path / "m.jsonl")) == list(range(1, 8))
     r = run(args + ["--resume"])
