@@ -32,8 +32,9 @@ install() {
     "machine: install slurm-wlm and munge with its package manager"
   echo "installing slurm-wlm and munge (Debian packages)" >&2
   export DEBIAN_FRONTEND=noninteractive
-  "${sudo[@]}" apt-get update -qq >/dev/null
-  "${sudo[@]}" apt-get install -y -qq --no-install-recommends slurm-wlm munge >/dev/null
+  "${sudo[@]}" apt-get update -qq >/dev/null || die "apt-get update failed (no package mirror reachable?)"
+  "${sudo[@]}" apt-get install -y -qq --no-install-recommends slurm-wlm munge >/dev/null ||
+    die "apt-get install slurm-wlm munge failed"
 }
 
 free_port() {
