@@ -124,19 +124,28 @@ EOF
 }
 
 stop() {
-  local dir=$1 pid f
+  local dir=$1 pid f alive
   if [ -f "$dir/slurm.conf" ] && [ -f "$dir/slurmctld.pid" ] && kill -0 "$(cat "$dir/slurmctld.pid")" 2>/dev/null; then
     export SLURM_CONF=$dir/slurm.conf  # cancel what still runs, so no job outlives its cluster
-    scancel --user="$(id -un)" 2>/dev/null || true
-    for _ in $(seq 100); do [ -z "$(squeue -h 2>/dev/null)" ] && break; sleep 0.1; done
+    if [ -n "$(squeue -h 2>/dev/null)" ]; then
+      scancel --user="$(id -un)" 2>/dev/null || true
+      for _ in $(seq 100); do [ -z "$(squeue -h 2>/dev/null)" ] && break; sleep 0.1; done
+    fi
   fi
+  local pids=()
   for f in "$dir"/slurmd-*.pid "$dir/slurmctld.pid" "$dir/munged.pid"; do
-    [ -f "$f" ] || continue
-    pid=$(cat "$f")
-    kill "$pid" 2>/dev/null || continue
-    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-    kill -9 "$pid" 2>/dev/null || true
+    [ -f "$f" ] && pids+=("$(cat "$f")")
   done
+  if [ ${#pids[@]} -gt 0 ]; then
+    kill "${pids[@]}" 2>/dev/null || true
+    for _ in $(seq 50); do
+      alive=0
+      for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+      [ "$alive" = 0 ] && break
+      sleep 0.1
+    done
+    kill -9 "${pids[@]}" 2>/dev/null || true
+  fi
   if [ -f "$dir/munge.sockets" ]; then
     rm -rf "$(cat "$dir/munge.sockets")"
     rm -f "$dir/munge.sockets"
