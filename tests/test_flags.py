@@ -97,6 +97,7 @@ COMMON = {
     "--eval-every": Case(("1",)),
     "--eval-batches": Case(("2",)),
     "--data": Case(("{corpus2}",)),
+    "--text-field": Case(("other",), context=("--data", "{records}")),
     "--device": Case(("h100",)),
     "--log-every": Case(("2",), console=True),
     # The watchdog's limit: a run within it differs only in the line that states it (a run over
@@ -122,6 +123,7 @@ COMMON = {
 INSPECT = {
     **COMMON,
     "--save-every": Case(("1",)),  # (--checkpoint-dir is refused first)
+    "--text-field": Case(("other",)),  # (without the training run's --data, which is refused first)
     "--save-every-minutes": Case(("1",)),
     "--keep": Case(("1",)),
     "--seed": Case(("1",), context=("--dropout", "0.1")),  # the seed draws dropout masks
@@ -286,7 +288,11 @@ def space(tmp_path_factory):
         lines = [" ".join(words[(i * seed + j * 7) % len(words)] for j in range(12)) for i in range(2000)]
         (root / name).write_text("\n".join(lines))
     (root / "run.toml").write_text("lr = 0.01\n")
+    # Records whose two text fields differ: the corpora above, a line per record.
+    texts = [(root / n).read_text().splitlines() for n in ("corpus.txt", "corpus2.txt")]
+    (root / "records.jsonl").write_text("".join(json.dumps({"text": a, "other": b}) + "\n" for a, b in zip(*texts)))
     names = {"corpus": root / "corpus.txt", "corpus2": root / "corpus2.txt", "config": root / "run.toml",
+             "records": root / "records.jsonl",
              "ck": root / "ck", "ck2": root / "ck2", "hf": root / "hf"}
     names = {k: str(v) for k, v in names.items()}
     for ck, seed, extra in (("ck", "0", ["--export-hf", names["hf"]]), ("ck2", "1", [])):

@@ -2,8 +2,11 @@
 
 The default corpus needs no download: the Python standard library's source files, which every
 machine with Python has. ``--data PATH`` takes a text file (one document), a folder (its ``*.txt``,
-``*.md`` and ``*.py`` files, recursively and sorted, are the documents), a token file (``.tokens``,
-see ``jaxshard.data.token_file``) or a ``.bin`` of little-endian uint16 ids (nanoGPT's format).
+``*.md`` and ``*.py`` files, recursively and sorted, are the documents), records (JSONL, Parquet
+or Arrow shards: one document per record, its ``--text-field``; ``jaxshard.data.records``), a
+token file (``.tokens``, see ``jaxshard.data.token_file``) or a ``.bin`` of little-endian uint16
+ids (nanoGPT's format). Records are read once into a spool file in the cache (their texts with NUL
+between them), whose byte ranges are then documents like a folder's files.
 Documents are joined with the tokenizer's end-of-text id between them; the validation split is the
 corpus's tail.
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 import codecs
 import functools
 import hashlib
+import io
 import os
 import queue
 import sys
@@ -37,6 +41,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from jaxshard.data import records
 from jaxshard.data.token_file import DEFAULT_TOKEN_CACHE, TOKEN_VERSION, TokenWriter, read_tokens
 from jaxshard.errors import ConfigError, DataError
 from jaxshard.options import flag, option
@@ -55,6 +60,8 @@ class DataConfig:
         None, "a text file, a folder of .txt/.md/.py files (one document each), a .tokens file or "
               "a uint16 .bin", flag="--data", default_text="the Python standard library's source",
         run_only=True)
+    text_field: str = option("text", "the field of a JSONL/Parquet/Arrow record that holds its document",
+                             run_only=True)
     val_fraction: float = option(0.05, "the share of the data held out for validation", run_only=True)
     max_bytes: int = 16 << 20  # cap on the default corpus (the stdlib holds ~30-60 MB)
     # 'bytes', 'bpe:N' or a tokenizer.json (or a folder holding one); None: bytes (a run
@@ -114,12 +121,16 @@ class _Source:
     identity: str  # changes when the documents do; part of the token files' names
     files: Callable[[], list[Path]]  # the documents, in order
     max_bytes: int | None = None  # cap on the bytes read from them
+    ranges: Callable[[], list[tuple[Path, int, int]]] | None = None  # documents as byte ranges instead
 
 
 def _source(cfg: DataConfig) -> _Source:
     if cfg.path is None:
         identity = f"{STDLIB}:{_stdlib_root()}:{sys.version}:{cfg.max_bytes}"
         return _Source(STDLIB, identity, _stdlib_files, cfg.max_bytes)
+    shards = records.shards(cfg.path, TEXT_SUFFIXES)
+    if shards is not None:
+        return _record_source(cfg, shards)
     path = Path(cfg.path)
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
@@ -129,6 +140,64 @@ def _source(cfg: DataConfig) -> _Source:
     if not path.is_file():
         raise DataError(f"data file not found: {path}")
     return _Source(str(path), _file_id(path), lambda: [path])
+
+
+def _record_source(cfg: DataConfig, shards: list[Path]) -> _Source:
+    """Records as documents: their texts spooled once into the cache, NUL between them (what
+    the byte tokenizer reads, as it reads a folder's files joined), each a byte range of it."""
+    identity = "\n".join([f"records:{cfg.text_field}", *map(_file_id, shards)])
+    cache = Path(cfg.cache_dir) if cfg.cache_dir else DEFAULT_TOKEN_CACHE
+    spool = cache / f"docs-{_digest(identity).hex()[:24]}.txt"
+    index = spool.with_suffix(".npy")
+
+    def build() -> np.ndarray:
+        if not (spool.is_file() and index.is_file()):
+            _spool(cfg.path, shards, cfg.text_field, spool, index)
+        return np.load(index)
+
+    def ranges() -> list[_Range]:
+        return [(spool, int(a), int(b)) for a, b in build()]
+
+    def files() -> list[Path]:
+        build()
+        return [spool]
+
+    return _Source(cfg.path, identity, files, ranges=ranges)
+
+
+def _spool(name: str, shards: list[Path], field: str, spool: Path, index: Path) -> None:
+    """Write the records' non-empty texts to ``spool`` (NUL between them) and their byte ranges to
+    ``index``, streaming; each file appears whole or not at all."""
+    spool.parent.mkdir(parents=True, exist_ok=True)
+    bounds, at, rows = [], 0, 0
+    fd, tmp = tempfile.mkstemp(dir=spool.parent, prefix=spool.name + ".")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for _, _, text in records.documents(shards, field):
+                rows += 1
+                data = text.encode("utf-8")
+                if not data:
+                    continue
+                if bounds:
+                    out.write(b"\0")
+                    at += 1
+                out.write(data)
+                bounds.append((at, at + len(data)))
+                at += len(data)
+        if not bounds:
+            raise DataError(f"data {name} holds no text: {rows} record(s), all empty" if rows
+                            else f"data {name} holds no records")
+        _write_atomic(index, _npy(np.asarray(bounds, dtype=np.int64)))
+        os.replace(tmp, spool)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return buf.getvalue()
 
 
 def _file_id(path: Path) -> str:
@@ -238,7 +307,10 @@ def _split_documents(source: _Source, val_fraction: float) -> tuple[list[_Range]
     """The UTF-8 documents of ``source`` (files that are not valid UTF-8 are skipped), split so the
     validation split is their last ``val_fraction`` of bytes (cut at a character boundary)."""
     docs, total = [], 0
-    for f in source.files():
+    if source.ranges is not None:  # records: UTF-8 by construction
+        docs = source.ranges()
+        total = sum(b - a for _, a, b in docs)
+    for f in source.files() if source.ranges is None else []:
         n = _utf8_size(f)
         full = source.max_bytes is not None and total + (n or 0) >= source.max_bytes
         if n and full:

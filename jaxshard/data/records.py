@@ -1,0 +1,149 @@
+"""Corpora of records: JSONL (plain, gzip or zstd), Parquet and Arrow shards, one text field each.
+
+``--data`` names one shard, a folder of shards, or a glob of them (``'shards/*.parquet'``);
+``--text-field`` (default ``text``) says which field of a record is its document. Shards are read
+in sorted order, a record at a time or a batch of rows at a time (pyarrow), never whole; a bad
+record is one line naming the file and the row (counted from 1, as a line number is).
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import json
+from pathlib import Path
+from typing import Iterator
+
+from jaxshard.errors import DataError
+
+JSONL = (".jsonl", ".jsonl.gz", ".jsonl.zst")
+SHARD_SUFFIXES = (*JSONL, ".parquet", ".arrow")
+_ROWS = 1024  # Parquet/Arrow rows read at once
+
+
+def _kind(path: Path) -> str | None:
+    name = path.name
+    for suffix in SHARD_SUFFIXES:
+        if name.endswith(suffix):
+            return "jsonl" if suffix in JSONL else suffix[1:]
+    return None
+
+
+def shards(path: str, text_suffixes: tuple[str, ...]) -> list[Path] | None:
+    """The shards of the record corpus at ``path``, in order; None where ``path`` is not one
+    (a text file or a folder of text files)."""
+    if any(c in path for c in "*?["):
+        files = sorted(Path(p) for p in glob.glob(path, recursive=True))
+        if not files:
+            raise DataError(f"--data {path} matches no file")
+        odd = [f for f in files if not _kind(f)]
+        if odd:
+            raise DataError(f"--data {path} matches {odd[0]}, which is not a "
+                            f"{'/'.join(SHARD_SUFFIXES)} shard")
+        return files
+    p = Path(path)
+    if p.is_file():
+        return [p] if _kind(p) else None
+    if p.is_dir():
+        found = sorted(f for f in p.rglob("*") if f.is_file() and _kind(f))
+        if found and any(f.suffix in text_suffixes for f in p.rglob("*") if f.is_file()):
+            raise DataError(f"data folder {p} holds both record shards ({found[0].name}) and text files: "
+                            "give one kind")
+        return found or None
+    return None
+
+
+def documents(files: list[Path], field: str) -> Iterator[tuple[Path, int, str]]:
+    """(shard, row, text) of every record, in order."""
+    for f in files:
+        kind = _kind(f)
+        try:
+            if kind == "jsonl":
+                yield from _jsonl(f, field)
+            else:
+                yield from _columnar(f, field, kind)
+        except DataError:
+            raise
+        except (OSError, EOFError, ValueError) as e:  # unreadable, truncated or corrupt
+            raise DataError(f"cannot read {f}: {_first_line(e)}") from None
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0]
+
+
+def _open_text(path: Path):
+    if path.name.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    if path.name.endswith(".zst"):
+        import zstandard
+
+        raw = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+        return io.TextIOWrapper(raw, encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def _jsonl(path: Path, field: str) -> Iterator[tuple[Path, int, str]]:
+    with _open_text(path) as fh:
+        for row, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{row}: not a JSON record ({e.msg})") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{path}:{row}: a JSON {type(record).__name__}, not an object with a "
+                                f"'{field}' field")
+            if field not in record:
+                raise DataError(f"{path}:{row}: no field '{field}' (it has {_names(record)}; "
+                                "--text-field names the text's)")
+            yield path, row, _text(record[field], path, row, field)
+
+
+def _names(record) -> str:
+    names = list(record)
+    return ", ".join(f"'{n}'" for n in names[:8]) + (", ..." if len(names) > 8 else "") if names else "none"
+
+
+def _text(value, path: Path, row: int, field: str) -> str:
+    if not isinstance(value, str):
+        kind = "null" if value is None else type(value).__name__
+        raise DataError(f"{path}:{row}: field '{field}' is {kind}, not a string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise DataError(f"{path}:{row}: field '{field}' is not valid Unicode (a lone surrogate)") from None
+    return value
+
+
+def _columnar(path: Path, field: str, kind: str) -> Iterator[tuple[Path, int, str]]:
+    import pyarrow as pa
+
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        reader = pq.ParquetFile(path)
+        schema = reader.schema_arrow
+        batches = lambda: reader.iter_batches(batch_size=_ROWS, columns=[field])  # noqa: E731
+    else:  # an Arrow IPC file, or a stream (what `datasets` writes)
+        with open(path, "rb") as fh:
+            magic = fh.read(6)
+        source = pa.memory_map(str(path))
+        ipc = pa.ipc.open_file(source) if magic == b"ARROW1" else pa.ipc.open_stream(source)
+        schema = ipc.schema
+        batches = (lambda: (ipc.get_batch(i) for i in range(ipc.num_record_batches))) if magic == b"ARROW1" \
+            else (lambda: iter(ipc))
+    if field not in schema.names:
+        raise DataError(f"{path}: no field '{field}' (it has {_names(schema.names)}; --text-field names "
+                        "the text's)")
+    kind_of = schema.field(field).type
+    if not (pa.types.is_string(kind_of) or pa.types.is_large_string(kind_of)):
+        raise DataError(f"{path}: field '{field}' is {kind_of}, not a string")
+    row = 0
+    for batch in batches():
+        for value in batch.column(batch.schema.get_field_index(field)).to_pylist():
+            row += 1
+            yield path, row, _text(value, path, row, field)

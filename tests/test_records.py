@@ -1,0 +1,127 @@
+"""Record corpora (JSONL plain/gzip/zstd, Parquet, Arrow): the same documents give the same tokens
+as a folder of text files, in every format; bad records are one line naming the file and row."""
+
+import gzip
+import json
+import random
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+from jaxshard.data.corpus import DataConfig, load_corpus
+from jaxshard.errors import DataError
+from jaxshard.train import main
+
+WORDS = "alpha beta gamma délta ε 数据 def return class\tindent".split(" ")
+
+
+@pytest.fixture(scope="module")
+def formats(tmp_path_factory):
+    """The same 40 random documents (non-ASCII, some empty) as a text folder and as records."""
+    root = tmp_path_factory.mktemp("records")
+    rng = random.Random(0)
+    docs = ["" if i % 13 == 5 else " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 400))) + "\n"
+            for i in range(40)]
+    (root / "folder").mkdir()
+    for i, d in enumerate(docs):
+        (root / "folder" / f"{i:03d}.txt").write_text(d, encoding="utf-8")
+    lines = "".join(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(docs))
+    (root / "c.jsonl").write_text(lines, encoding="utf-8")
+    with gzip.open(root / "c.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write(lines)
+    (root / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines.encode("utf-8")))
+    (root / "pq").mkdir()
+    for part, rows in enumerate((docs[:17], docs[17:])):  # two shards, a row group each
+        pq.write_table(pa.table({"text": rows, "n": [len(r) for r in rows]}), root / "pq" / f"part-{part}.parquet")
+    with pa.OSFile(str(root / "c.arrow"), "wb") as sink, pa.ipc.new_file(sink, pa.schema([("text", pa.string())])) as w:
+        w.write_table(pa.table({"text": docs}))
+    with pa.OSFile(str(root / "stream.arrow"), "wb") as sink, \
+            pa.ipc.new_stream(sink, pa.schema([("text", pa.large_string())])) as w:
+        w.write_table(pa.table({"text": pa.array(docs, pa.large_string())}))
+    return root
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe:300"])
+def test_every_format_gives_the_folders_tokens(formats, tokenizer, tmp_path):
+    def tokens(path):
+        c = load_corpus(DataConfig(path=str(formats / path), tokenizer=tokenizer, cache_dir=str(tmp_path)))
+        return np.asarray(c.train), np.asarray(c.val)
+
+    want = tokens("folder")
+    assert len(want[0]) > 1000 and len(want[1]) > 10
+    for path in ["c.jsonl", "c.jsonl.gz", "c.jsonl.zst", "pq", "pq/*.parquet", "c.arrow", "stream.arrow"]:
+        got = tokens(path)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), path
+
+
+def test_the_text_field_chooses_the_document(formats, tmp_path):
+    by_text = load_corpus(DataConfig(path=str(formats / "c.jsonl"), cache_dir=str(tmp_path)))
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps({"body": "x" * 50, "text": "y" * 50}) + "\n"
+                                              for _ in range(20)))
+    body = load_corpus(DataConfig(path=str(tmp_path / "r.jsonl"), text_field="body", cache_dir=str(tmp_path)))
+    assert set(np.unique(body.train)) <= {ord("x"), 0} and len(by_text.train) > 1000
+
+
+BAD = [
+    ("a.jsonl", '{"text": "a"}\n{"body": "b", "id": 3}\n',
+     "a.jsonl:2: no field 'text' (it has 'body', 'id'; --text-field names the text's)"),
+    ("a.jsonl", '{"text": "a"}\n\n{"text": 5}\n', "a.jsonl:3: field 'text' is int, not a string"),
+    ("a.jsonl", '{"text": "a"}\n{oops\n', "a.jsonl:2: not a JSON record (Expecting property name enclosed in "
+                                        "double quotes)"),
+    ("a.jsonl", '["text"]\n', "a.jsonl:1: a JSON list, not an object with a 'text' field"),
+    ("a.jsonl", '{"text": "\\ud800"}\n', "a.jsonl:1: field 'text' is not valid Unicode (a lone surrogate)"),
+    ("a.jsonl", '{"text": ""}\n', "data {dir}/a.jsonl holds no text: 1 record(s), all empty"),
+    ("a.jsonl", "", "data {dir}/a.jsonl holds no records"),
+    ("a.parquet", b"PAR1 not a parquet file", "cannot read {dir}/a.parquet: Parquet magic bytes not found"),
+    ("a.jsonl.gz", b"\x1f\x8b\x08 truncated", "cannot read {dir}/a.jsonl.gz: "),
+    ("a.parquet", pa.table({"text": [1, 2]}), "a.parquet: field 'text' is int64, not a string"),
+    ("a.parquet", pa.table({"text": ["a", None]}), "a.parquet:2: field 'text' is null, not a string"),
+    ("a.parquet", pa.table({"body": ["a"]}), "a.parquet: no field 'text' (it has 'body'; --text-field"),
+]
+
+
+@pytest.mark.parametrize("name, content, message", BAD)
+def test_bad_records_are_one_line_naming_the_file_and_row(tmp_path, name, content, message):
+    path = tmp_path / "data" / name
+    path.parent.mkdir()
+    if isinstance(content, pa.Table):
+        pq.write_table(content, path)
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    with pytest.raises(DataError) as e:
+        load_corpus(DataConfig(path=str(path), tokenizer="bpe:300", cache_dir=str(tmp_path / "cache")))
+    text = str(e.value)
+    assert "\n" not in text and message.format(dir=path.parent) in text, text
+    assert not list((tmp_path / "cache").glob("docs-*")), "a failed spool left a file"
+
+
+@pytest.mark.parametrize("files, data, message", [
+    ([], "*.jsonl", "--data {d}/*.jsonl matches no file"),
+    (["x.jsonl", "x.csv"], "x.*", "--data {d}/x.* matches {d}/x.csv, which is not a "
+                                  ".jsonl/.jsonl.gz/.jsonl.zst/.parquet/.arrow shard"),
+    (["x.jsonl", "y.txt"], "", "data folder {d} holds both record shards (x.jsonl) and text files: give one kind"),
+])
+def test_paths_that_name_no_clear_corpus_are_one_line(tmp_path, files, data, message):
+    for name in files:
+        (tmp_path / name).write_text('{"text": "a"}\n')
+    with pytest.raises(DataError) as e:
+        load_corpus(DataConfig(path=str(tmp_path / data) if data else str(tmp_path), cache_dir=str(tmp_path / "c")))
+    assert str(e.value) == message.format(d=tmp_path)
+
+
+def test_a_record_corpus_trains_and_bad_records_exit_2(formats, tmp_path, capsys):
+    common = ["--model", "tiny", "--mesh", "data=8", "--cpu-devices", "8", "--platform", "cpu", "--steps", "2",
+              "--batch-size", "16", "--seq-len", "16", "--eval-batches", "1", "--no-progress"]
+    assert main([*common, "--data", str(formats / "c.jsonl.zst"), "--metrics", str(tmp_path / "m.jsonl")]) == 0
+    assert [json.loads(line)["step"] for line in (tmp_path / "m.jsonl").read_text().splitlines()] == [1, 2]
+    (tmp_path / "bad.jsonl").write_text('{"text": 1}\n')
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main([*common, "--data", str(tmp_path / "bad.jsonl")])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'bad.jsonl'}:1: field 'text' is int, not a string"
