@@ -118,7 +118,8 @@ def initialize(cfg: DistributedConfig, platform: str | None = None) -> None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if detected:
         gpus = None
-        if detected == "SLURM" and not (platform or os.environ.get("JAX_PLATFORMS", "")).startswith("cpu"):
+        if (detected == "SLURM" and "JAX_LOCAL_DEVICE_IDS" not in os.environ  # (the user's choice wins)
+                and not (platform or os.environ.get("JAX_PLATFORMS", "")).startswith("cpu")):
             gpus = slurm_local_devices(os.environ, _node_gpus())
         jax.distributed.initialize(initialization_timeout=int(cfg.timeout_s), local_device_ids=gpus)
         return
@@ -132,8 +133,8 @@ def initialize(cfg: DistributedConfig, platform: str | None = None) -> None:
 def _node_gpus() -> int:
     """NVIDIA GPUs this process can open, before CUDA starts (0 where there are none)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([v for v in visible.split(",") if v.strip() and not v.strip().startswith("-")])
+    if visible is not None:  # (SLURM writes NoDevFiles where a job has no GPU)
+        return len([v for v in visible.split(",") if re.fullmatch(r"\d+|GPU-[\w-]+|MIG-[\w/-]+", v.strip())])
     try:
         return sum(1 for n in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", n))
     except OSError:
@@ -166,10 +167,14 @@ def slurm_local_devices(env, visible: int) -> list[int] | None:
     """
     if visible <= 0:
         return None
-    on_node = int(env.get("SLURM_GPUS_ON_NODE", visible))
-    if visible < on_node:  # bound to this task by SLURM
-        return list(range(visible))
+    on_node = _int(env.get("SLURM_GPUS_ON_NODE", str(visible)), "SLURM_GPUS_ON_NODE")
     tasks = _tasks_on_this_node(env)
+    if visible < on_node:  # bound to this task by SLURM: its own share, all of it
+        if visible * tasks != on_node:
+            raise DistributedError(f"this process sees {visible} of its node's {on_node} GPUs, shared by "
+                                   f"{tasks} SLURM tasks: bind a GPU share to each task (--gpus-per-task) "
+                                   "or let each see all (see scripts/slurm/train.sbatch)")
+        return list(range(visible))
     if visible % tasks:
         raise DistributedError(f"this node's {tasks} SLURM tasks cannot share its {visible} GPUs evenly: "
                                "run one task per GPU or one per node (see scripts/slurm/train.sbatch)")

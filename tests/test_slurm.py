@@ -108,10 +108,30 @@ def test_too_few_devices_for_the_mesh_names_what_each_process_sees(slurm, tmp_pa
 @pytest.mark.parametrize("flags, message", [
     ([], "error: give experiments/train.py's flags after the script's name"),
     (["--model", "tiny"], "error: restarts need --checkpoint-dir"),
+    (["--model", "tiny", "--checkpoint-dir", "ck"], "error: submit this with sbatch"),
 ])
 def test_the_template_refuses_flags_it_cannot_run(flags, message):
     r = subprocess.run(["bash", str(TEMPLATE), *flags], capture_output=True, text=True, timeout=30, cwd=ROOT)
     assert r.returncode == 2 and r.stderr.startswith(message), r.stderr
+
+
+@pytest.mark.parametrize("layout, visible, want", [
+    (["-N1", "-n8", "--gpus-per-node=8"], 8, [[i] for i in range(8)]),  # one process per GPU
+    (["-N1", "-n1", "--gpus-per-node=8"], 8, [list(range(8))]),  # one per node: all eight
+    (["-N1", "-n8", "--gpus-per-task=1"], 1, [[0]] * 8),  # bound: each the one it sees
+    (["-N2", "--ntasks-per-node=2", "--gpus-per-node=8"], 8, [[0, 1, 2, 3], [4, 5, 6, 7]] * 2),
+])
+def test_each_slurm_layout_gives_each_process_its_gpus(slurm, layout, visible, want):
+    """SLURM's own variables for each layout, from job steps on the two 8-GPU nodes. Their GPUs
+    are files, so SLURM sets no CUDA_VISIBLE_DEVICES: ``visible`` is what it would list (all the
+    node's GPUs, or the task's one under --gpus-per-task)."""
+    names = ["SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_STEP_TASKS_PER_NODE", "SLURM_GPUS_ON_NODE"]
+    r = subprocess.run(["srun", "-p", "gpu", *layout, sys.executable, "-c",
+                        f"import json, os; print(json.dumps({{k: os.environ[k] for k in {names}}}))"],
+                       capture_output=True, text=True, timeout=120, env=slurm)
+    assert r.returncode == 0, r.stderr
+    envs = sorted(map(json.loads, r.stdout.splitlines()), key=lambda e: int(e["SLURM_PROCID"]))
+    assert [slurm_local_devices(e, visible) for e in envs] == want
 
 
 def slurm_env(tasks_per_node, localid, gpus_on_node=None, nodeid=0):
@@ -136,3 +156,6 @@ def test_slurm_processes_drive_the_gpus_of_their_layout(env, visible, want):
 def test_gpus_that_do_not_split_between_processes_are_one_line():
     with pytest.raises(DistributedError, match="this node's 3 SLURM tasks cannot share its 8 GPUs evenly"):
         slurm_local_devices(slurm_env("3", 0, 8), 8)
+    # --gpu-bind=closest: each of 8 tasks sees its socket's 4 GPUs, which 4 tasks share
+    with pytest.raises(DistributedError, match="this process sees 4 of its node's 8 GPUs, shared by 8 SLURM tasks"):
+        slurm_local_devices(slurm_env("8", 0, 8), 4)

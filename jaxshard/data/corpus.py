@@ -97,6 +97,7 @@ def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> Corpus:
     """The corpus ``cfg`` names, tokenized by ``tokenizer`` if given (a resumed run passes its
     checkpoint's), else by the one ``cfg.tokenizer`` names or trains."""
     if cfg.path is not None and Path(cfg.path).suffix in (".bin", ".tokens"):
+        _no_text_field(cfg)
         return _pretokenized(Path(cfg.path), cfg, tokenizer)
     source = _source(cfg)
     spec = parse_spec(cfg.spec)
@@ -126,11 +127,13 @@ class _Source:
 
 def _source(cfg: DataConfig) -> _Source:
     if cfg.path is None:
+        _no_text_field(cfg)
         identity = f"{STDLIB}:{_stdlib_root()}:{sys.version}:{cfg.max_bytes}"
         return _Source(STDLIB, identity, _stdlib_files, cfg.max_bytes)
     shards = records.shards(cfg.path, TEXT_SUFFIXES)
     if shards is not None:
         return _record_source(cfg, shards)
+    _no_text_field(cfg)
     path = Path(cfg.path)
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
@@ -142,6 +145,12 @@ def _source(cfg: DataConfig) -> _Source:
     return _Source(str(path), _file_id(path), lambda: [path])
 
 
+def _no_text_field(cfg: DataConfig) -> None:
+    if cfg.text_field != "text":
+        raise DataError(f"{flag(DataConfig, 'text_field')} names a field of JSONL/Parquet/Arrow records; "
+                        f"{'--data ' + cfg.path if cfg.path else 'the default corpus'} is not records")
+
+
 def _record_source(cfg: DataConfig, shards: list[Path]) -> _Source:
     """Records as documents: their texts spooled once into the cache, NUL between them (what
     the byte tokenizer reads, as it reads a folder's files joined), each a byte range of it."""
@@ -151,8 +160,11 @@ def _record_source(cfg: DataConfig, shards: list[Path]) -> _Source:
     index = spool.with_suffix(".npy")
 
     def build() -> np.ndarray:
-        if not (spool.is_file() and index.is_file()):
-            _spool(cfg.path, shards, cfg.text_field, spool, index)
+        if spool.is_file() and index.is_file():
+            bounds = np.load(index)
+            if len(bounds) and bounds[-1, 1] == spool.stat().st_size:  # a pair that belongs together
+                return bounds
+        _spool(cfg.path, shards, cfg.text_field, spool, index)
         return np.load(index)
 
     def ranges() -> list[_Range]:
@@ -184,6 +196,8 @@ def _spool(name: str, shards: list[Path], field: str, spool: Path, index: Path) 
                 out.write(data)
                 bounds.append((at, at + len(data)))
                 at += len(data)
+            out.flush()
+            os.fsync(out.fileno())  # on disk before the name says it is complete
         if not bounds:
             raise DataError(f"data {name} holds no text: {rows} record(s), all empty" if rows
                             else f"data {name} holds no records")

@@ -8,9 +8,9 @@ record is one line naming the file and the row (counted from 1, as a line number
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import gzip
-import io
 import json
 from pathlib import Path
 from typing import Iterator
@@ -33,7 +33,7 @@ def _kind(path: Path) -> str | None:
 def shards(path: str, text_suffixes: tuple[str, ...]) -> list[Path] | None:
     """The shards of the record corpus at ``path``, in order; None where ``path`` is not one
     (a text file or a folder of text files)."""
-    if any(c in path for c in "*?["):
+    if any(c in path for c in "*?[") and not Path(path).exists():
         files = sorted(Path(p) for p in glob.glob(path, recursive=True))
         if not files:
             raise DataError(f"--data {path} matches no file")
@@ -74,33 +74,55 @@ def _first_line(e: Exception) -> str:
     return text.splitlines()[0]
 
 
-def _open_text(path: Path):
-    if path.name.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8")
-    if path.name.endswith(".zst"):
-        import zstandard
+def _zstd_lines(path: Path) -> Iterator[str]:
+    """The lines of a zstd-compressed text file (its frames one after another), streaming. Unlike
+    zstandard's stream reader, a file cut short is an error, not a quiet end."""
+    import zstandard
 
-        raw = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
-        return io.TextIOWrapper(raw, encoding="utf-8")
-    return open(path, encoding="utf-8")
+    try:
+        decoder, rest = zstandard.ZstdDecompressor().decompressobj(), b""
+        with open(path, "rb") as fh:
+            while chunk := fh.read(1 << 20):
+                while chunk:
+                    if decoder.eof:  # the next frame
+                        decoder = zstandard.ZstdDecompressor().decompressobj()
+                    rest += decoder.decompress(chunk)
+                    chunk = decoder.unused_data if decoder.eof else b""
+                *lines, rest = rest.split(b"\n")
+                for line in lines:
+                    yield line.decode("utf-8") + "\n"
+        if not decoder.eof:
+            raise DataError(f"cannot read {path}: the zstd stream ends early (a truncated file?)")
+    except zstandard.ZstdError as e:
+        raise DataError(f"cannot read {path}: {_first_line(e)}") from None
+    if rest:
+        yield rest.decode("utf-8")
+
+
+def _lines(path: Path) -> Iterator[str]:
+    if path.name.endswith(".zst"):
+        yield from _zstd_lines(path)
+        return
+    with (gzip.open(path, "rt", encoding="utf-8") if path.name.endswith(".gz")
+          else open(path, encoding="utf-8")) as fh:
+        yield from fh
 
 
 def _jsonl(path: Path, field: str) -> Iterator[tuple[Path, int, str]]:
-    with _open_text(path) as fh:
-        for row, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{row}: not a JSON record ({e.msg})") from None
-            if not isinstance(record, dict):
-                raise DataError(f"{path}:{row}: a JSON {type(record).__name__}, not an object with a "
-                                f"'{field}' field")
-            if field not in record:
-                raise DataError(f"{path}:{row}: no field '{field}' (it has {_names(record)}; "
-                                "--text-field names the text's)")
-            yield path, row, _text(record[field], path, row, field)
+    for row, line in enumerate(_lines(path), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{row}: not a JSON record ({e.msg})") from None
+        if not isinstance(record, dict):
+            raise DataError(f"{path}:{row}: a JSON {type(record).__name__}, not an object with a "
+                            f"'{field}' field")
+        if field not in record:
+            raise DataError(f"{path}:{row}: no field '{field}' (it has {_names(record)}; "
+                            "--text-field names the text's)")
+        yield path, row, _text(record[field], path, row, field)
 
 
 def _names(record) -> str:
@@ -122,28 +144,35 @@ def _text(value, path: Path, row: int, field: str) -> str:
 def _columnar(path: Path, field: str, kind: str) -> Iterator[tuple[Path, int, str]]:
     import pyarrow as pa
 
-    if kind == "parquet":
-        import pyarrow.parquet as pq
+    with contextlib.ExitStack() as stack:
+        if kind == "parquet":
+            import pyarrow.parquet as pq
 
-        reader = pq.ParquetFile(path)
-        schema = reader.schema_arrow
-        batches = lambda: reader.iter_batches(batch_size=_ROWS, columns=[field])  # noqa: E731
-    else:  # an Arrow IPC file, or a stream (what `datasets` writes)
-        with open(path, "rb") as fh:
-            magic = fh.read(6)
-        source = pa.memory_map(str(path))
-        ipc = pa.ipc.open_file(source) if magic == b"ARROW1" else pa.ipc.open_stream(source)
-        schema = ipc.schema
-        batches = (lambda: (ipc.get_batch(i) for i in range(ipc.num_record_batches))) if magic == b"ARROW1" \
-            else (lambda: iter(ipc))
-    if field not in schema.names:
-        raise DataError(f"{path}: no field '{field}' (it has {_names(schema.names)}; --text-field names "
-                        "the text's)")
-    kind_of = schema.field(field).type
-    if not (pa.types.is_string(kind_of) or pa.types.is_large_string(kind_of)):
-        raise DataError(f"{path}: field '{field}' is {kind_of}, not a string")
-    row = 0
-    for batch in batches():
-        for value in batch.column(batch.schema.get_field_index(field)).to_pylist():
-            row += 1
-            yield path, row, _text(value, path, row, field)
+            reader = pq.ParquetFile(path)
+            stack.callback(reader.close)
+            schema = reader.schema_arrow
+            batches = reader.iter_batches(batch_size=_ROWS, columns=[field]) if field in schema.names else ()
+        else:  # an Arrow IPC file, or a stream (what `datasets` writes)
+            with open(path, "rb") as fh:
+                magic = fh.read(6)
+            source = stack.enter_context(pa.memory_map(str(path)))
+            if magic == b"ARROW1":
+                ipc = pa.ipc.open_file(source)
+                batches = (ipc.get_batch(i) for i in range(ipc.num_record_batches))
+            else:
+                ipc = pa.ipc.open_stream(source)
+                batches = iter(ipc)
+            schema = ipc.schema
+        if field not in schema.names:
+            raise DataError(f"{path}: no field '{field}' (it has {_names(schema.names)}; --text-field names "
+                            "the text's)")
+        kind_of = schema.field(field).type
+        if not (pa.types.is_string(kind_of) or pa.types.is_large_string(kind_of)):
+            raise DataError(f"{path}: field '{field}' is {kind_of}, not a string")
+        row = 0
+        for batch in batches:
+            column = batch.column(batch.schema.get_field_index(field))
+            for start in range(0, len(column), _ROWS):  # (a writer's batch may be the whole file)
+                for value in column.slice(start, _ROWS).to_pylist():
+                    row += 1
+                    yield path, row, _text(value, path, row, field)

@@ -10,9 +10,9 @@
 # Nothing outside DIR is touched but munged's socket (a folder of /tmp, removed by stop): munged
 # gets a key of its own, the daemons run as the calling user on free ports. Partition "debug" (the
 # default) is this host with all its CPUs, shared by jobs. Partition "gpu" is two more slurmd on
-# this host, nodes gpu1 and gpu2 with 64 CPUs and 8 GPUs each (the GPUs are empty files in DIR/dev:
-# nothing may run there, but the scheduler checks a GPU job's request against them, e.g.
-# `sbatch --test-only -p gpu JOB`).
+# this host, nodes gpu1 and gpu2 with 64 CPUs and 8 GPUs each: the scheduler checks a GPU job's
+# request against them (`sbatch --test-only -p gpu JOB`), and a job step there gets SLURM's
+# variables for its layout, but its GPUs are empty files in DIR/dev (no CUDA_VISIBLE_DEVICES).
 set -euo pipefail
 
 die() { echo "error: $*" >&2; exit 1; }
@@ -24,11 +24,11 @@ install() {
   fi
   local sudo=()
   if [ "$(id -u)" != 0 ]; then
-    sudo -n true 2>/dev/null || die "SLURM is not installed and installing it needs root: " \
-      "run 'sudo apt-get install slurm-wlm munge'"
+    sudo -n true 2>/dev/null ||
+      die "SLURM is not installed and installing it needs root: run 'sudo apt-get install slurm-wlm munge'"
     sudo=(sudo -n)
   fi
-  command -v apt-get >/dev/null || die "SLURM is not installed and this is not a Debian/Ubuntu " \
+  command -v apt-get >/dev/null || die "SLURM is not installed and this is not a Debian/Ubuntu" \
     "machine: install slurm-wlm and munge with its package manager"
   echo "installing slurm-wlm and munge (Debian packages)" >&2
   export DEBIAN_FRONTEND=noninteractive
@@ -37,8 +37,12 @@ install() {
     die "apt-get install slurm-wlm munge failed"
 }
 
-free_port() {
-  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+free_ports() {  # N distinct free TCP ports
+  python3 -c 'import socket, sys
+held = [socket.socket() for _ in range(int(sys.argv[1]))]
+for s in held:
+    s.bind(("127.0.0.1", 0))
+print(" ".join(str(s.getsockname()[1]) for s in held))' "$1"
 }
 
 start() {
@@ -47,7 +51,7 @@ start() {
   mkdir -p "$dir"
   dir=$(cd "$dir" && pwd)
   [ -e "$dir/slurm.conf" ] && die "$dir already holds a cluster (stop it first, or pick another folder)"
-  trap 'stop "$dir"' ERR EXIT  # a cluster that did not come up whole is taken down
+  trap "stop '$dir'" EXIT  # a cluster that did not come up whole is taken down
   mkdir -p "$dir/state" "$dir/spool" "$dir/log"
   head -c 1024 /dev/urandom > "$dir/munge.key"
   chmod 400 "$dir/munge.key"
@@ -60,7 +64,8 @@ start() {
     --log-file="$dir/log/munged.log" --seed-file="$dir/munged.seed" ||
     die "munged did not start (see $dir/log/munged.log)"
 
-  local host user cpus
+  local host user cpus ports
+  read -r -a ports <<< "$(free_ports 4)"
   host=$(hostname -s)
   user=$(id -un)
   cpus=$(nproc)
@@ -71,8 +76,8 @@ ClusterName=jaxshard
 # clusters on one machine, each counting from its own, off each other's ports)
 FirstJobId=$((1000 + RANDOM % 30000))
 SlurmctldHost=$host
-SlurmctldPort=$(free_port)
-SlurmdPort=$(free_port)
+SlurmctldPort=${ports[0]}
+SlurmdPort=${ports[1]}
 SlurmUser=$user
 SlurmdUser=$user
 AuthType=auth/munge
@@ -93,12 +98,13 @@ GresTypes=gpu
 ReturnToService=2
 SlurmdParameters=config_overrides
 SlurmdTimeout=30
+KillWait=5
 MpiDefault=none
 JobCompType=jobcomp/none
 AccountingStorageType=accounting_storage/none
 NodeName=$host CPUs=$cpus State=UNKNOWN
-NodeName=gpu1 NodeAddr=127.0.0.1 Port=$(free_port) CPUs=64 Gres=gpu:8 State=UNKNOWN
-NodeName=gpu2 NodeAddr=127.0.0.1 Port=$(free_port) CPUs=64 Gres=gpu:8 State=UNKNOWN
+NodeName=gpu1 NodeAddr=127.0.0.1 Port=${ports[2]} CPUs=64 Gres=gpu:8 State=UNKNOWN
+NodeName=gpu2 NodeAddr=127.0.0.1 Port=${ports[3]} CPUs=64 Gres=gpu:8 State=UNKNOWN
 PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 PartitionName=gpu Nodes=gpu[1-2] MaxTime=INFINITE State=UP
 EOF
@@ -119,7 +125,7 @@ EOF
     [ "$waited" -gt 60 ] && die "the nodes did not come up within 30 s (see $dir/log/)"
     sleep 0.5
   done
-  trap - ERR EXIT
+  trap - EXIT
   echo "export SLURM_CONF=$SLURM_CONF"
 }
 
@@ -134,7 +140,10 @@ stop() {
   fi
   local pids=()
   for f in "$dir"/slurmd-*.pid "$dir/slurmctld.pid" "$dir/munged.pid"; do
-    [ -f "$f" ] && pids+=("$(cat "$f")")
+    [ -f "$f" ] || continue
+    pid=$(cat "$f")
+    rm -f "$f"  # (a second stop must not signal a pid reused since)
+    grep -qE '^(slurmd|slurmctld|munged)$' "/proc/$pid/comm" 2>/dev/null && pids+=("$pid")
   done
   if [ ${#pids[@]} -gt 0 ]; then
     kill "${pids[@]}" 2>/dev/null || true
