@@ -365,10 +365,7 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
             with goodput.timed("checkpoint"):
                 _preempted(stopped, samples + (stopped - start) * B, ckpt, save)
         finally:
-            spent = goodput.summary()
-            _log(goodput.line(spent))
-            with TensorBoardLog(cfg.outputs.tensorboard) as board:
-                board.write(stopped, {f"goodput_{k}": v for k, v in spent["fractions"].items()})
+            _tell_goodput(goodput, cfg.outputs.tensorboard, stopped)
     saved = program.saved(state)
     if isinstance(program, local_sgd.LocalSGDProgram):  # the replicas' average is the model
         saved = saved._replace(params=local_sgd.consensus(saved.params))
@@ -399,13 +396,19 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
              f"{predicted['mfu']:.1%} predicted; measured {report['step_time_s_median']:.4f} s"
              + (f", MFU {report['mfu']:.1%}" if report["mfu"] is not None else ""))
     goodput.add("finish", time.perf_counter() - finished)
-    report["goodput"] = spent = goodput.summary()
-    _log(goodput.line(spent))
-    with TensorBoardLog(cfg.outputs.tensorboard) as board:  # (a file of its own: the steps' is closed)
-        board.write(records[-1]["step"], {f"goodput_{k}": v for k, v in spent["fractions"].items()})
+    report["goodput"] = _tell_goodput(goodput, cfg.outputs.tensorboard, records[-1]["step"])
     if cfg.outputs.report and jax.process_index() == 0:
         write_json_atomic(cfg.outputs.report, report)
     return report
+
+
+def _tell_goodput(goodput: Goodput, tensorboard: str | None, step: int) -> dict[str, Any]:
+    """Goodput's summary, printed as one line and written to TensorBoard at ``step``."""
+    spent = goodput.summary()
+    _log(goodput.line(spent))
+    with TensorBoardLog(tensorboard) as board:  # (a file of its own: the steps' is closed)
+        board.write(step, {f"goodput_{k}": v for k, v in spent["fractions"].items()})
+    return spent
 
 
 def run_pipelined(steps: range, dispatch: Callable[[int], Any], complete: Callable[[int, Any], None],

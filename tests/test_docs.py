@@ -171,10 +171,8 @@ KINDS = {
     "experiments/inspect.py": Kind("experiments.inspect"),
     "experiments/plan.py": Kind("experiments.plan", runtime=()),
     "experiments/generate.py": Kind("experiments.generate", ("--max-new-tokens", "4")),
-    # (its page does not depend on the model's size: tests/test_cli.py checks it on tiny too)
     "experiments/compare_strategies.py": Kind("experiments.compare_strategies",
-                                              ("--model", "tiny", "--batch-size", "16", "--seq-len", "16"),
-                                              runtime=EIGHT),
+                                              ("--batch-size", "16", "--seq-len", "16"), runtime=EIGHT),
     "experiments/collectives_demo.py": Kind("experiments.collectives_demo", runtime=(*EIGHT, "--platform", "cpu")),
     "experiments/data_parallel_demo.py": Kind("experiments.data_parallel_demo", ("--steps", "2", "--seq-len", "16")),
     "experiments/batchnorm_demo.py": Kind("experiments.batchnorm_demo", ("--steps", "2", "--eval-size", "64"),
