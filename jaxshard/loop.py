@@ -169,7 +169,8 @@ def train(cfg: RunConfig, family: Family, started: float | None = None) -> dict[
         if cfg.measure_bubble and program.schedule is None:
             raise ConfigError("--measure-bubble needs a stage axis (a pipeline) in --mesh")
         _check_model_fits_data(model, corpus, L)
-        return _train(cfg, model, rules, corpus, program, ckpt, window, family, goodput)
+        eval_sets = data_lib.load_eval_sets(cfg.data, corpus)
+        return _train(cfg, model, rules, corpus, program, ckpt, window, family, goodput, eval_sets)
     finally:
         if ckpt is not None:
             ckpt.close()  # waits for the last save to be complete
@@ -177,7 +178,7 @@ def train(cfg: RunConfig, family: Family, started: float | None = None) -> dict[
 
 def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: data_lib.Corpus,
            program: Program, ckpt: Checkpointer | None, window: ProfileWindow | None,
-           family: Family, goodput: Goodput) -> dict[str, Any]:
+           family: Family, goodput: Goodput, eval_sets: dict[str, np.ndarray]) -> dict[str, Any]:
     B, L = cfg.batch_size, cfg.seq_len
     mesh = rules.mesh
     tokenizer = corpus.tokenizer  # None: the data came as ids
@@ -231,20 +232,35 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
     train_data = data_lib.Batches(corpus.train, L, B, cfg.step.seed, rows, cols=cols, what="training split")
     val_data = data_lib.Batches(corpus.val, L, B, cfg.step.seed, rows, shuffle=False, cols=cols,
                                 what="validation split")
+    more_val = {name: data_lib.Batches(tokens, L, B, cfg.step.seed, rows, shuffle=False, cols=cols,
+                                       what=f"--eval-data set {name}") for name, tokens in eval_sets.items()}
+    if eval_sets:
+        _log("validation sets: the data's tail split" + "".join(
+            f", {name} ({len(tokens):,} tokens)" for name, tokens in eval_sets.items()))
 
     dog = Watchdog(cfg.step_timeout)
     if cfg.step_timeout is not None:  # (the automatic limit is the module's; said in --help)
         _log(f"watchdog: a step that takes over {cfg.step_timeout:g} s stops the run (exit status "
              f"{EXIT_STATUS})" if dog.enabled else "watchdog: off (--step-timeout 0)")
 
-    def validate() -> float:
+    def validate() -> dict[str, float]:
+        """``val_loss`` (the tail split's), and ``val/NAME/loss`` and ``val/NAME/perplexity`` of
+        each ``--eval-data`` set."""
         with dog.paused(), goodput.timed("evaluation"):
-            return _validate()
+            out = {"val_loss": _validate(val_data)}
+            for name, data in more_val.items():
+                out[f"val/{name}/loss"] = loss = _validate(data)
+                out[f"val/{name}/perplexity"] = math.exp(min(loss, 700.0))
+            return out
 
-    def _validate() -> float:
-        losses = [program.eval(state.params, data_lib.to_global(val_data.batch_at(i * B), program.batch_sharding, (B, L)))
+    def _validate(data: data_lib.Batches) -> float:
+        losses = [program.eval(state.params, data_lib.to_global(data.batch_at(i * B), program.batch_sharding, (B, L)))
                   for i in range(cfg.eval_batches)]
         return float(np.mean(jax.device_get(losses)))
+
+    def val_text(record: dict[str, Any]) -> str:
+        return f" | val {record['val_loss']:.4f}" + "".join(
+            f" | {name} {record[f'val/{name}/loss']:.4f}" for name in more_val)
 
     def save(step: int, samples: int) -> None:
         with dog.paused(), goodput.timed("checkpoint"):
@@ -299,7 +315,8 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
         goodput.add("recomputed" if step <= done_before else "steps", dt)
         record = {"step": step, **m, "step_time_s": dt, **throughput(dt)}
         if math.isfinite(m["loss"]) and evaluates(step):
-            val_loss = record["val_loss"] = validate()
+            record.update(validate())
+            val_loss = record["val_loss"]
         writer.write(record)
         board.write(step, record)
         records.append(record)
@@ -314,7 +331,7 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
                         **{"mfu" if "mfu" in record else "speed": speed}, refresh=False)
         bar.update()
         if (step % log_every == 0 or "val_loss" in record) and jax.process_index() == 0:
-            val = f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""
+            val = val_text(record) if "val_loss" in record else ""
             bar.write(f"step {step}/{cfg.steps} | loss {m['loss']:.4f}{val} | "
                       f"{record['tokens_per_s']:,.0f} tokens/s | {'MFU ' if 'mfu' in record else ''}{speed}")
 
@@ -343,11 +360,11 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
             Termination() as term, dog:
         try:
             if cfg.eval_at_start:  # a record of its own: step ``start``'s weights, before any update
-                baseline = {"step": start, "val_loss": validate()}
+                baseline = {"step": start, **validate()}
                 writer.write(baseline)
                 board.write(start, baseline)
                 if jax.process_index() == 0:
-                    bar.write(f"step {start}/{cfg.steps} | val {baseline['val_loss']:.4f} (before training)")
+                    bar.write(f"step {start}/{cfg.steps}{val_text(baseline)} (before training)")
             # Start-up: everything before the first step but its compilation (and a first evaluation).
             goodput.add("startup", time.perf_counter() - goodput.start - sum(goodput.seconds.values()))
             stopped = run_pipelined(range(start, cfg.steps), dispatch, lambda i, out: complete(i, *out),
@@ -388,7 +405,7 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
             schedule, B, L, model.cfg.vocab_size, steps=5)
         _log(measured.line())
     report = _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compile_s,
-                     throughput, flops, peak_source, program, measured)
+                     throughput, flops, peak_source, program, measured, eval_sets)
     report["matmul_flops_per_device"] = waste  # accounting.Flops.waste; None where not counted
     report["predicted"]["time_model"] = predicted = _time_model(cfg, model, rules, schedule, flops)
     if predicted:
@@ -537,8 +554,10 @@ def _time_model(cfg: RunConfig, model: Stageable, rules, schedule, flops) -> dic
 
 
 def _report(cfg: RunConfig, model: Stageable, rules, compiled, held, records, val_loss, corpus, compile_s,
-            throughput, flops, peak_source, program: Program, measured=None) -> dict[str, Any]:
+            throughput, flops, peak_source, program: Program, measured=None,
+            eval_sets: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
     B, L = cfg.batch_size, cfg.seq_len
+    last = next((r for r in reversed(records) if "val_loss" in r), {})
     schedule, program_buckets = program.schedule, program.buckets
     timed = [r["step_time_s"] for r in records[1:]] or [records[0]["step_time_s"]]
     median = throughput(float(np.median(timed)))
@@ -618,6 +637,10 @@ def _report(cfg: RunConfig, model: Stageable, rules, compiled, held, records, va
         "first_loss": records[0]["loss"],
         "final_loss": records[-1]["loss"],
         "final_val_loss": val_loss,
+        # --eval-data: each set's loss and perplexity at the last evaluation
+        "eval_sets": {name: {"tokens": len(tokens), "final_loss": last.get(f"val/{name}/loss"),
+                             "final_perplexity": last.get(f"val/{name}/perplexity")}
+                      for name, tokens in (eval_sets or {}).items()},
         "data": corpus.name,
         "tokenizer": corpus.tokenizer and {"spec": corpus.tokenizer.spec,
                                            "vocab_size": corpus.tokenizer.vocab_size},
@@ -626,6 +649,8 @@ def _report(cfg: RunConfig, model: Stageable, rules, compiled, held, records, va
     }
     speed = f"MFU {report['mfu']:.1%}" if report["mfu"] is not None else \
         f"{report['tflops_per_device'] * 1e3:,.2f} GFLOP/s per device"
-    _log(f"done: loss {report['first_loss']:.3f} -> {report['final_loss']:.3f}, val {val_loss:.3f}, "
+    more = "".join(f", {name} {r['final_loss']:.3f}" for name, r in report["eval_sets"].items()
+                   if r["final_loss"] is not None)
+    _log(f"done: loss {report['first_loss']:.3f} -> {report['final_loss']:.3f}, val {val_loss:.3f}{more}, "
          f"{report['tokens_per_s']:,.0f} tokens/s, {speed}")
     return report

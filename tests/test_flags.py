@@ -98,6 +98,7 @@ COMMON = {
     "--eval-batches": Case(("2",)),
     "--data": Case(("{corpus2}",)),
     "--text-field": Case(("other",), context=("--data", "{records}")),
+    "--eval-data": Case(("more={corpus2}",)),
     "--device": Case(("h100",)),
     "--log-every": Case(("2",), console=True),
     # The watchdog's limit: a run within it differs only in the line that states it (a run over

@@ -26,11 +26,13 @@ the rows its devices hold (the DistributedSampler idea) and
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import functools
 import hashlib
 import io
 import os
 import queue
+import re
 import sys
 import sysconfig
 import tempfile
@@ -63,6 +65,10 @@ class DataConfig:
     text_field: str = option("text", "the field of a JSONL/Parquet/Arrow record that holds its document",
                              run_only=True)
     val_fraction: float = option(0.05, "the share of the data held out for validation", run_only=True)
+    eval_data: str | None = option(
+        None, "more validation sets, each read whole (as --data reads its path), evaluated at "
+              "--eval-every and logged as val/NAME/loss and val/NAME/perplexity",
+        metavar="NAME=PATH,...", run_only=True)
     max_bytes: int = 16 << 20  # cap on the default corpus (the stdlib holds ~30-60 MB)
     # 'bytes', 'bpe:N' or a tokenizer.json (or a folder holding one); None: bytes (a run
     # starting from a Hugging Face folder takes the folder's tokenizer.json instead).
@@ -77,6 +83,25 @@ class DataConfig:
         if not 0.0 < self.val_fraction < 1.0:
             raise DataError(f"{flag(DataConfig, 'val_fraction')} must be in (0, 1), got {self.val_fraction}")
         parse_spec(self.spec)
+        _ = self.eval_sets
+
+    @property
+    def eval_sets(self) -> tuple[tuple[str, str], ...]:
+        """``--eval-data``'s (name, path) pairs, in the order given."""
+        if self.eval_data is None:
+            return ()
+        pairs, what = [], flag(DataConfig, "eval_data")
+        for item in self.eval_data.split(","):
+            name, eq, path = item.strip().partition("=")
+            if not eq or not path.strip():
+                raise DataError(f"{what} takes NAME=PATH,...; got {item.strip()!r}")
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+                raise DataError(f"{what}: the name {name!r} must be letters, digits, '_', '.' or '-' "
+                                "(it becomes the metric val/NAME/loss)")
+            if name in dict(pairs):
+                raise DataError(f"{what} names {name} twice")
+            pairs.append((name, path.strip()))
+        return tuple(pairs)
 
     @property
     def spec(self) -> str:
@@ -290,19 +315,27 @@ def _text_corpus(source: _Source, cfg: DataConfig, tokenizer: Tokenizer | None) 
     digest = _digest(source.identity, _tokenizer_id(tokenizer), split)
     parts = []
     for i, part in enumerate(("train", "val")):
-        file = cache / f"{digest.hex()[:24]}.{part}.tokens"
-        if not file.is_file():
+        def documents(i=i) -> list[_Range]:
+            nonlocal docs
             docs = docs or _split_documents(source, cfg.val_fraction)
-            with TokenWriter(file, tokenizer.vocab_size, digest) as w:
-                for ids in _encode(tokenizer, docs[i]):
-                    w.write(ids)
-        tf = read_tokens(file)
-        if tf.digest != digest or tf.vocab_size != tokenizer.vocab_size:
-            raise DataError(f"token file {file} was written for other data or another tokenizer; delete it")
-        parts.append(tf.tokens)
+            return docs[i]
+        parts.append(_token_file(cache / f"{digest.hex()[:24]}.{part}.tokens", digest, tokenizer, documents))
     if len(parts[0]) < 2:
         raise DataError(f"data {source.name} has only {len(parts[0])} training tokens; too few to train on")
     return Corpus(source.name, parts[0], parts[1], tokenizer.vocab_size, tokenizer)
+
+
+def _token_file(file: Path, digest: bytes, tokenizer: Tokenizer,
+                documents: Callable[[], list[_Range]]) -> np.ndarray:
+    """The ids in token file ``file``, written first (from ``documents()``) if it is not there."""
+    if not file.is_file():
+        with TokenWriter(file, tokenizer.vocab_size, digest) as w:
+            for ids in _encode(tokenizer, documents()):
+                w.write(ids)
+    tf = read_tokens(file)
+    if tf.digest != digest or tf.vocab_size != tokenizer.vocab_size:
+        raise DataError(f"token file {file} was written for other data or another tokenizer; delete it")
+    return tf.tokens
 
 
 def _digest(*parts: str) -> bytes:
@@ -320,6 +353,19 @@ _Range = tuple[Path, int, int]  # bytes [start, stop) of a file
 def _split_documents(source: _Source, val_fraction: float) -> tuple[list[_Range], list[_Range]]:
     """The UTF-8 documents of ``source`` (files that are not valid UTF-8 are skipped), split so the
     validation split is their last ``val_fraction`` of bytes (cut at a character boundary)."""
+    docs, total = _documents(source)
+    cut = total - max(1, int(total * val_fraction))
+    train, val, seen = [], [], 0
+    for f, a, b in docs:
+        k = a if seen >= cut else b if seen + b - a <= cut else _char_start(f, a + cut - seen)
+        train += [(f, a, k)] if k > a else []
+        val += [(f, k, b)] if b > k else []
+        seen += b - a
+    return train, val
+
+
+def _documents(source: _Source) -> tuple[list[_Range], int]:
+    """The UTF-8 documents of ``source`` as byte ranges, and their total size."""
     docs, total = [], 0
     if source.ranges is not None:  # records: UTF-8 by construction
         docs = source.ranges()
@@ -337,14 +383,7 @@ def _split_documents(source: _Source, val_fraction: float) -> tuple[list[_Range]
     if not docs:
         raise DataError(f"data {source.name} holds no UTF-8 text to tokenize (files that are not UTF-8 "
                         "are skipped)")
-    cut = total - max(1, int(total * val_fraction))
-    train, val, seen = [], [], 0
-    for f, a, b in docs:
-        k = a if seen >= cut else b if seen + b - a <= cut else _char_start(f, a + cut - seen)
-        train += [(f, a, k)] if k > a else []
-        val += [(f, k, b)] if b > k else []
-        seen += b - a
-    return train, val
+    return docs, total
 
 
 def _utf8_size(path: Path) -> int | None:
@@ -443,16 +482,7 @@ def _write_atomic(path: Path, content: bytes) -> None:
 def _pretokenized(path: Path, cfg: DataConfig, tokenizer: Tokenizer | None) -> Corpus:
     """A ``.bin`` or ``.tokens`` file. Its tokenizer is the one given or a ``--tokenizer`` path;
     the default ``bytes`` does not claim pre-tokenized ids (the corpus then has no tokenizer)."""
-    if not path.is_file():
-        raise DataError(f"data file not found: {path}")
-    if path.suffix == ".tokens":
-        tf = read_tokens(path)
-        tokens, vocab = tf.tokens, tf.vocab_size
-    else:
-        if path.stat().st_size % 2:
-            raise DataError(f"{path} has an odd size; a .bin must hold little-endian uint16 tokens")
-        tokens = np.memmap(path, dtype="<u2", mode="r") if path.stat().st_size else np.zeros(0, "<u2")
-        vocab = int(tokens.max()) + 1 if len(tokens) else 0
+    tokens, vocab = _ids(path)
     if tokenizer is None:
         spec = parse_spec(cfg.spec)
         if spec.kind == "bpe":
@@ -465,6 +495,52 @@ def _pretokenized(path: Path, cfg: DataConfig, tokenizer: Tokenizer | None) -> C
         vocab = tokenizer.vocab_size
     train, val = _split(str(path), tokens, cfg.val_fraction)
     return Corpus(str(path), train, val, vocab, tokenizer)
+
+
+def _ids(path: Path) -> tuple[np.ndarray, int]:
+    """The ids of a ``.bin`` or ``.tokens`` file, mapped, and the size of the vocabulary they
+    need."""
+    if not path.is_file():
+        raise DataError(f"data file not found: {path}")
+    if path.suffix == ".tokens":
+        tf = read_tokens(path)
+        return tf.tokens, tf.vocab_size
+    if path.stat().st_size % 2:
+        raise DataError(f"{path} has an odd size; a .bin must hold little-endian uint16 tokens")
+    tokens = np.memmap(path, dtype="<u2", mode="r") if path.stat().st_size else np.zeros(0, "<u2")
+    return tokens, int(tokens.max()) + 1 if len(tokens) else 0
+
+
+def load_eval_sets(cfg: DataConfig, corpus: Corpus) -> dict[str, np.ndarray]:
+    """The token ids of each ``--eval-data`` set, whole, by ``corpus``'s tokenizer (text) or as
+    they are (a ``.bin`` or ``.tokens`` file, whose ids must fit ``corpus``'s vocabulary)."""
+    sets = {}
+    for name, path in cfg.eval_sets:
+        try:
+            sets[name] = _eval_tokens(path, cfg, corpus)
+        except DataError as e:
+            raise DataError(f"{flag(DataConfig, 'eval_data')} {name}: {e}") from None
+    return sets
+
+
+def _eval_tokens(path: str, cfg: DataConfig, corpus: Corpus) -> np.ndarray:
+    if Path(path).suffix in (".bin", ".tokens"):
+        tokens, vocab = _ids(Path(path))
+        if vocab > corpus.vocab_size:
+            raise DataError(f"{path} holds ids up to {vocab - 1}, beyond the training data's vocabulary "
+                            f"of {corpus.vocab_size}")
+        return tokens
+    tokenizer = corpus.tokenizer
+    if tokenizer is None:
+        raise DataError(f"{path} is text, but the training data came as token ids without a tokenizer "
+                        "to read it with (give --tokenizer)")
+    source = _source(dataclasses.replace(cfg, path=path))
+    if isinstance(tokenizer, ByteTokenizer):
+        return _byte_tokens(source)
+    cache = Path(cfg.cache_dir) if cfg.cache_dir else DEFAULT_TOKEN_CACHE
+    digest = _digest(source.identity, _tokenizer_id(tokenizer), "all")
+    return _token_file(cache / f"{digest.hex()[:24]}.all.tokens", digest, tokenizer,
+                       lambda: _documents(source)[0])
 
 
 class Batches:

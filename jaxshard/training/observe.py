@@ -49,6 +49,8 @@ FLUSH_SECS = 10  # the writer's thread flushes this often: a killed run loses ab
 def tag_of(key: str) -> str | None:
     if key in TAGS:
         return TAGS[key]
+    if key.startswith("val/"):  # --eval-data's val/NAME/loss and val/NAME/perplexity
+        return key
     if key.startswith("goodput_"):  # the run's wall time by part, written once at its end
         return f"goodput/{key.removeprefix('goodput_')}"
     return f"train/{key}" if key.startswith("moe_") else None
