@@ -1,17 +1,21 @@
-"""Record corpora (JSONL plain/gzip/zstd, Parquet, Arrow): the same documents give the same tokens
-as a folder of text files, in every format; bad records are one line naming the file and row."""
+"""Record corpora (JSONL plain/gzip/zstd, Parquet, Arrow, a `datasets` folder from save_to_disk):
+the same documents give the same tokens and the same losses as a folder of text files, in every
+format; bad records are one line naming the file and row."""
 
 import gzip
 import json
 import random
+import shutil
 
 import numpy as np
+import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from jaxshard.data.corpus import DataConfig, load_corpus
+from jaxshard.data import records
+from jaxshard.data.corpus import TEXT_SUFFIXES, DataConfig, load_corpus
 from jaxshard.errors import DataError
 from jaxshard.train import main
 
@@ -41,6 +45,15 @@ def formats(tmp_path_factory):
     with pa.OSFile(str(root / "stream.arrow"), "wb") as sink, \
             pa.ipc.new_stream(sink, pa.schema([("text", pa.large_string())])) as w:
         w.write_table(pa.table({"text": pa.array(docs, pa.large_string())}))
+    # Hugging Face datasets' own writer: a Dataset in three shards, and a DatasetDict whose
+    # train split is the documents picked in order from a larger set (save_to_disk writes the
+    # rows an indices mapping selects).
+    datasets.disable_progress_bars()
+    table = datasets.Dataset.from_dict({"text": docs, "id": list(range(len(docs)))})
+    table.save_to_disk(str(root / "ds"), num_shards=3)
+    bigger = datasets.Dataset.from_dict({"text": ["x"] * 5 + docs + ["y"] * 5})
+    datasets.DatasetDict({"validation": bigger.select(range(3)), "train": bigger.select(range(5, 5 + len(docs)))}
+                         ).save_to_disk(str(root / "dsdict"))
     return root
 
 
@@ -52,9 +65,39 @@ def test_every_format_gives_the_folders_tokens(formats, tokenizer, tmp_path):
 
     want = tokens("folder")
     assert len(want[0]) > 1000 and len(want[1]) > 10
-    for path in ["c.jsonl", "c.jsonl.gz", "c.jsonl.zst", "pq", "pq/*.parquet", "c.arrow", "stream.arrow"]:
+    for path in ["c.jsonl", "c.jsonl.gz", "c.jsonl.zst", "pq", "pq/*.parquet", "c.arrow", "stream.arrow", "ds",
+                 "dsdict", "dsdict/train"]:
         got = tokens(path)
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), path
+
+
+def test_a_saved_dataset_is_read_in_its_state_files_order(formats, tmp_path):
+    """Its shards as state.json lists them, not by name: reversed there, read reversed."""
+    shutil.copytree(formats / "ds", tmp_path / "ds")
+    state = json.loads((tmp_path / "ds" / "state.json").read_text())
+    names = [f["filename"] for f in state["_data_files"]]
+    assert len(names) == 3
+    state["_data_files"].reverse()
+    (tmp_path / "ds" / "state.json").write_text(json.dumps(state))
+    assert [p.name for p in records.shards(str(tmp_path / "ds"), TEXT_SUFFIXES)] == names[::-1]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: (d / "dataset_dict.json").write_text('{"splits": ["test", "validation"]}'),
+     "{d} is a datasets DatasetDict with splits test, validation and no 'train': give its split's folder, "
+     "e.g. --data {d}/test"),
+    (lambda d: (d / "train" / "data-00000-of-00001.arrow").unlink(),
+     "{d}/train/state.json lists data-00000-of-00001.arrow, which is not in {d}/train"),
+    (lambda d: (d / "train" / "state.json").write_text("{"), "cannot read {d}/train/state.json: "),
+    (lambda d: (d / "train" / "state.json").write_text('{"_data_files": 3}'),
+     "{d}/train/state.json: no list of _data_files with file names"),
+])
+def test_bad_saved_datasets_are_one_line(formats, tmp_path, edit, message):
+    shutil.copytree(formats / "dsdict", tmp_path / "d")
+    edit(tmp_path / "d")
+    with pytest.raises(DataError) as e:
+        load_corpus(DataConfig(path=str(tmp_path / "d"), cache_dir=str(tmp_path / "cache")))
+    assert str(e.value).startswith(message.format(d=tmp_path / "d")), str(e.value)
 
 
 def test_the_text_field_chooses_the_document(formats, tmp_path):
@@ -141,11 +184,19 @@ def test_a_shard_whose_name_has_glob_characters_is_read_as_it_is(tmp_path):
     assert len(load_corpus(DataConfig(path=str(path), cache_dir=str(tmp_path))).train) > 1000
 
 
-def test_a_record_corpus_trains_and_bad_records_exit_2(formats, tmp_path, capsys):
+def test_every_format_trains_to_the_folders_losses_and_bad_records_exit_2(formats, tmp_path, capsys):
     common = ["--model", "tiny", "--mesh", "data=8", "--cpu-devices", "8", "--platform", "cpu", "--steps", "2",
-              "--batch-size", "16", "--seq-len", "16", "--eval-batches", "1", "--no-progress"]
-    assert main([*common, "--data", str(formats / "c.jsonl.zst"), "--metrics", str(tmp_path / "m.jsonl")]) == 0
-    assert [json.loads(line)["step"] for line in (tmp_path / "m.jsonl").read_text().splitlines()] == [1, 2]
+              "--batch-size", "16", "--seq-len", "16", "--eval-batches", "1", "--no-progress", "--tokenizer", "bpe:300"]
+
+    def losses(data: str) -> list[tuple[float, float | None]]:
+        metrics = tmp_path / f"{data.replace('/', '_')}.jsonl"
+        assert main([*common, "--data", str(formats / data), "--metrics", str(metrics)]) == 0
+        return [(r["loss"], r.get("val_loss")) for r in map(json.loads, metrics.read_text().splitlines())]
+
+    want = losses("folder")
+    assert len(want) == 2 and want[-1][1] is not None
+    for data in ["c.jsonl.zst", "pq", "ds"]:
+        assert losses(data) == want, data
     (tmp_path / "bad.jsonl").write_text('{"text": 1}\n')
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:

@@ -3,7 +3,8 @@
 The default corpus needs no download: the Python standard library's source files, which every
 machine with Python has. ``--data PATH`` takes a text file (one document), a folder (its ``*.txt``,
 ``*.md`` and ``*.py`` files, recursively and sorted, are the documents), records (JSONL, Parquet
-or Arrow shards: one document per record, its ``--text-field``; ``jaxshard.data.records``), a
+or Arrow shards, or a ``datasets`` folder: one document per record, its ``--text-field``;
+``jaxshard.data.records``), a
 token file (``.tokens``, see ``jaxshard.data.token_file``) or a ``.bin`` of little-endian uint16
 ids (nanoGPT's format). Records are read once into a spool file in the cache (their texts with NUL
 between them), whose byte ranges are then documents like a folder's files.
@@ -59,8 +60,9 @@ _BATCH = 4 << 20  # bytes of text per parallel encode_batch call
 @dataclass(frozen=True, slots=True)
 class DataConfig:
     path: str | None = option(
-        None, "a text file, a folder of .txt/.md/.py files (one document each), a .tokens file or "
-              "a uint16 .bin", flag="--data", default_text="the Python standard library's source",
+        None, "a text file, a folder of .txt/.md/.py files (one document each), JSONL/Parquet/Arrow "
+              "shards (a file, a folder or a glob; a record each), a datasets save_to_disk folder, "
+              "a .tokens file or a uint16 .bin", flag="--data", default_text="the Python standard library's source",
         run_only=True)
     text_field: str = option("text", "the field of a JSONL/Parquet/Arrow record that holds its document",
                              run_only=True)

@@ -1,6 +1,8 @@
 """Corpora of records: JSONL (plain, gzip or zstd), Parquet and Arrow shards, one text field each.
 
-``--data`` names one shard, a folder of shards, or a glob of them (``'shards/*.parquet'``);
+``--data`` names one shard, a folder of shards, a glob of them (``'shards/*.parquet'``), or a
+Hugging Face ``datasets`` folder written by ``save_to_disk`` (its Arrow shards in the order its
+``state.json`` lists them; a ``DatasetDict``'s ``train`` split, or the split folder named);
 ``--text-field`` (default ``text``) says which field of a record is its document. Shards are read
 in sorted order, a record at a time or a batch of rows at a time (pyarrow), never whole; a bad
 record is one line naming the file and the row (counted from 1, as a line number is).
@@ -46,12 +48,58 @@ def shards(path: str, text_suffixes: tuple[str, ...]) -> list[Path] | None:
     if p.is_file():
         return [p] if _kind(p) else None
     if p.is_dir():
+        saved = _saved_dataset(p)
+        if saved is not None:
+            return saved
         found = sorted(f for f in p.rglob("*") if f.is_file() and _kind(f))
         if found and any(f.suffix in text_suffixes for f in p.rglob("*") if f.is_file()):
             raise DataError(f"data folder {p} holds both record shards ({found[0].name}) and text files: "
                             "give one kind")
         return found or None
     return None
+
+
+def _saved_dataset(folder: Path) -> list[Path] | None:
+    """The shards of a ``datasets`` folder saved with ``save_to_disk``, in its order: a
+    ``Dataset`` (``state.json`` lists its Arrow files) or a ``DatasetDict`` (``dataset_dict.json``
+    lists its splits, each a ``Dataset`` folder; its ``train`` split is read). None where
+    ``folder`` is neither."""
+    if (folder / "dataset_dict.json").is_file():
+        splits = _json(folder / "dataset_dict.json", "a datasets DatasetDict file").get("splits")
+        if not isinstance(splits, list) or not splits:
+            raise DataError(f"{folder / 'dataset_dict.json'}: lists no splits")
+        if "train" not in splits:
+            raise DataError(f"{folder} is a datasets DatasetDict with splits {', '.join(map(str, splits))} and "
+                            f"no 'train': give its split's folder, e.g. --data {folder / str(splits[0])}")
+        folder = folder / "train"
+        if not (folder / "state.json").is_file():
+            raise DataError(f"{folder}: the DatasetDict's train split has no state.json")
+    if not (folder / "state.json").is_file():
+        return None
+    state = _json(folder / "state.json", "a datasets state file")
+    try:
+        files = [folder / f["filename"] for f in state["_data_files"]]
+    except (KeyError, TypeError):
+        raise DataError(f"{folder / 'state.json'}: no list of _data_files with file names") from None
+    if state.get("_indices_data_files"):
+        raise DataError(f"{folder}: the dataset has an indices mapping; save it with save_to_disk, which "
+                        "writes the selected rows")
+    if not files:
+        raise DataError(f"{folder / 'state.json'}: lists no data files")
+    for f in files:
+        if not f.is_file():
+            raise DataError(f"{folder / 'state.json'} lists {f.name}, which is not in {folder}")
+    return files
+
+
+def _json(path: Path, what: str) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise DataError(f"cannot read {path}: {_first_line(e)}") from None
+    if not isinstance(value, dict):
+        raise DataError(f"{path}: not {what} (a JSON {type(value).__name__})")
+    return value
 
 
 def documents(files: list[Path], field: str) -> Iterator[tuple[Path, int, str]]:
