@@ -20,6 +20,7 @@ from jaxshard.analysis import accounting, bubble, devices, hlo, inspect, timing
 from jaxshard.axes import Dim
 from jaxshard.data import corpus as data_lib
 from jaxshard.data import tokenizer as tokenizer_lib
+from jaxshard.data.mixture import MixedBatches
 from jaxshard.errors import ConfigError, DataError, TrainingError
 from jaxshard.mesh import axis_sizes, build_mesh
 from jaxshard.model import LanguageModel, Stageable
@@ -73,8 +74,8 @@ def _fault(kind: str, step: int) -> None:
 
 
 def _start(cfg: RunConfig, program: Program, model: LanguageModel, ckpt: Checkpointer | None, family: Family):
-    """The initial state, its step and global sample offset: fresh (or --init-from's weights),
-    or the latest checkpoint."""
+    """The initial state, its step and global sample offset, and the checkpoint's record (None
+    when not resumed): fresh (or --init-from's weights), or the latest checkpoint."""
     if ckpt is not None and cfg.checkpoint.resume and ckpt.latest_step() is not None:
         if isinstance(program, local_sgd.LocalSGDProgram):
             local_sgd.check_restore(ckpt.meta(), program.replicas)
@@ -85,7 +86,7 @@ def _start(cfg: RunConfig, program: Program, model: LanguageModel, ckpt: Checkpo
                               f"(got --seed {cfg.step.seed})")
         _log(f"resumed from {ckpt.directory}/{meta['step']} (trained on mesh {meta['mesh']}, "
              f"{meta['samples_seen']:,} samples seen)")
-        return state, int(meta["step"]), int(meta["samples_seen"])
+        return state, int(meta["step"]), int(meta["samples_seen"]), meta
     if ckpt is not None and ckpt.latest_step() is not None:
         raise ConfigError(f"--checkpoint-dir {ckpt.directory} already holds step {ckpt.latest_step()}: "
                           "pass --resume to continue it, or use an empty folder")
@@ -94,8 +95,8 @@ def _start(cfg: RunConfig, program: Program, model: LanguageModel, ckpt: Checkpo
     if cfg.model.init_from:
         state = program.from_params(family.load_weights(cfg.model.init_from, model, program.weight_shardings()))
         _log(f"initialised from {cfg.model.init_from}")
-        return state, 0, 0
-    return program.init(cfg.step.seed), 0, 0
+        return state, 0, 0, None
+    return program.init(cfg.step.seed), 0, 0, None
 
 
 def _keep_metrics_until(path: str | None, step: int) -> int:
@@ -191,7 +192,7 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
         _log(f"pipeline {schedule.kind}: {schedule.stages} stages{chunks} (layers {schedule.layout.describe()}), "
              f"{schedule.microbatches} microbatches in {schedule.ticks} ticks, bubble "
              f"(P-1)/({'VM' if chunks else 'M'}+P-1) = {schedule.bubble():.0%}, {schedule.slots} microbatches' activations kept per stage")
-    state, start, samples = _start(cfg, program, model, ckpt, family)
+    state, start, samples, resumed = _start(cfg, program, model, ckpt, family)
     t0 = time.perf_counter()
     compiled = program.lower_step(B, L).compile()
     compile_s = time.perf_counter() - t0
@@ -229,9 +230,14 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
         return out
 
     rows, cols = data_lib.process_block(program.batch_sharding, B, L)
-    train_data = data_lib.Batches(corpus.train, L, B, cfg.step.seed, rows, cols=cols, what="training split")
-    val_data = data_lib.Batches(corpus.val, L, B, cfg.step.seed, rows, shuffle=False, cols=cols,
-                                what="validation split")
+    train_data = data_lib.split_batches(corpus, "train", L, B, cfg.step.seed, rows, cols)
+    val_data = data_lib.split_batches(corpus, "val", L, B, cfg.step.seed, rows, cols)
+    mixed = isinstance(train_data, MixedBatches)
+    if mixed:
+        _log("mixture: " + ", ".join(f"{s.name} {s.weight:.1%} ({len(s.train):,} tokens)" for s in corpus.sources)
+             + " of documents")
+        if resumed and resumed.get("data_position"):
+            train_data.seek(resumed["data_position"])  # no need to draw the stream again up to here
     more_val = {name: data_lib.Batches(tokens, L, B, cfg.step.seed, rows, shuffle=False, cols=cols,
                                        what=f"--eval-data set {name}") for name, tokens in eval_sets.items()}
     if eval_sets:
@@ -274,7 +280,9 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
                                 "param_shapes": param_shapes(model.abstract_params()),
                                 "model_config": model.cfg.to_dict(),
                                 "tokenizer_spec": tokenizer and tokenizer.spec,
-                                "tokenizer": tokenizer and tokenizer.to_json(), "flags": cfg.flags})
+                                "tokenizer": tokenizer and tokenizer.to_json(), "flags": cfg.flags,
+                                # a mixture's place in its stream of documents (mixture.MixedBatches)
+                                "data_position": train_data.position(samples) if mixed else None})
         _fault("save", step)
 
     def evaluates(step: int) -> bool:
@@ -406,6 +414,11 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
         _log(measured.line())
     report = _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compile_s,
                      throughput, flops, peak_source, program, measured, eval_sets)
+    if mixed:  # the documents drawn from each source (this run's and, resumed, its predecessors')
+        report["mixture"] = drawn = train_data.drawn(samples + (records[-1]["step"] - start) * B)
+        total = sum(d["documents"] for d in drawn)
+        _log(f"mixture drawn ({total:,} documents): " + ", ".join(
+            f"{d['source']} {d['share']:.1%} (weight {d['weight']:.1%})" for d in drawn))
     report["matmul_flops_per_device"] = waste  # accounting.Flops.waste; None where not counted
     report["predicted"]["time_model"] = predicted = _time_model(cfg, model, rules, schedule, flops)
     if predicted:

@@ -14,8 +14,8 @@ from jaxshard.data.corpus import DataConfig, load_corpus, write_bin
 from jaxshard.train import main
 from jaxshard.training.observe import read_scalars
 
-COMMON = ["--model", "tiny", "--n-layers", "1", "--mesh", "data=2,tensor=2", "--cpu-devices", "4",
-          "--platform", "cpu", "--steps", "3", "--batch-size", "4", "--seq-len", "16", "--eval-every", "2",
+COMMON = ["--model", "tiny", "--n-layers", "1", "--mesh", "data=4,tensor=2", "--cpu-devices", "8",
+          "--platform", "cpu", "--steps", "3", "--batch-size", "8", "--seq-len", "16", "--eval-every", "2",
           "--eval-batches", "2", "--warmup-steps", "0", "--no-progress"]
 
 

@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from jaxshard.data import records
+from jaxshard.data import mixture, records
 from jaxshard.data.token_file import DEFAULT_TOKEN_CACHE, TOKEN_VERSION, TokenWriter, read_tokens
 from jaxshard.errors import ConfigError, DataError
 from jaxshard.options import flag, option
@@ -62,7 +62,8 @@ class DataConfig:
     path: str | None = option(
         None, "a text file, a folder of .txt/.md/.py files (one document each), JSONL/Parquet/Arrow "
               "shards (a file, a folder or a glob; a record each), a datasets save_to_disk folder, "
-              "a .tokens file or a uint16 .bin", flag="--data", default_text="the Python standard library's source",
+              "a .tokens file or a uint16 .bin; or a mixture of them, PATH:WEIGHT,... (documents "
+              "drawn by weight)", flag="--data", default_text="the Python standard library's source",
         run_only=True)
     text_field: str = option("text", "the field of a JSONL/Parquet/Arrow record that holds its document",
                              run_only=True)
@@ -118,11 +119,15 @@ class Corpus:
     val: np.ndarray
     vocab_size: int  # ids are < vocab_size
     tokenizer: Tokenizer | None = None  # None: pre-tokenized data whose tokenizer was not given
+    sources: tuple[mixture.Source, ...] = ()  # a mixture's (its train and val are then empty)
 
 
 def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> Corpus:
     """The corpus ``cfg`` names, tokenized by ``tokenizer`` if given (a resumed run passes its
     checkpoint's), else by the one ``cfg.tokenizer`` names or trains."""
+    parts = mixture.parse(cfg.path)
+    if parts is not None:
+        return _mixture_corpus(cfg, parts, tokenizer)
     if cfg.path is not None and Path(cfg.path).suffix in (".bin", ".tokens"):
         _no_text_field(cfg)
         return _pretokenized(Path(cfg.path), cfg, tokenizer)
@@ -134,6 +139,29 @@ def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> Corpus:
         train, val = _split(source.name, _byte_tokens(source), cfg.val_fraction)
         return Corpus(source.name, train, val, tokenizer.vocab_size, tokenizer)
     return _text_corpus(source, cfg, tokenizer)
+
+
+def _mixture_corpus(cfg: DataConfig, parts: list[tuple[str, float]], tokenizer: Tokenizer | None) -> Corpus:
+    """Each source's corpus, by one tokenizer: the one given, or ``cfg``'s (a BPE trained on all
+    the sources' training splits)."""
+    if tokenizer is None:
+        spec = parse_spec(cfg.spec)
+        if spec.kind == "bpe":
+            ids = [p for p, _ in parts if Path(p).suffix in (".bin", ".tokens")]
+            if ids:
+                raise ConfigError(f"--tokenizer {cfg.spec} trains on text, but {ids[0]} is already tokenized")
+            tokenizer = _trained_bpe([_source(dataclasses.replace(cfg, path=p)) for p, _ in parts], cfg)
+        else:
+            tokenizer = tokenizer_from_spec(spec)
+    if tokenizer.eot_id is None:
+        raise DataError(f"a mixture finds its sources' documents by the end-of-text id; tokenizer "
+                        f"{tokenizer.spec} has none")
+    sources = []
+    for path, weight in parts:
+        c = load_corpus(dataclasses.replace(cfg, path=path), tokenizer)
+        sources.append(mixture.Source(path, weight, c.train, c.val))
+    empty = np.zeros(0, np.int32)
+    return Corpus(cfg.path, empty, empty, tokenizer.vocab_size, tokenizer, tuple(sources))
 
 
 def _split(name: str, tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -305,15 +333,9 @@ def _text_corpus(source: _Source, cfg: DataConfig, tokenizer: Tokenizer | None) 
     split = repr(cfg.val_fraction)
     docs = None  # (train, val) byte ranges of the documents: read only on a cache miss
     if tokenizer is None:  # bpe:N, trained on the training split once and cached
-        bpe_file = cache / f"bpe-{_digest(source.identity, cfg.spec, split).hex()[:24]}.json"
-        if bpe_file.is_file():
-            tokenizer = load_tokenizer(bpe_file)
-            tokenizer.spec = cfg.spec
-        else:
-            docs = _split_documents(source, cfg.val_fraction)
-            texts = (t for r in docs[0] for t in _pieces(*r))
-            tokenizer = train_bpe(texts, parse_spec(cfg.spec).vocab_size)
-            _write_atomic(bpe_file, tokenizer.to_json().encode("utf-8"))
+        memo: dict[int, tuple[list[_Range], list[_Range]]] = {}
+        tokenizer = _trained_bpe([source], cfg, memo)
+        docs = memo.get(0)
     digest = _digest(source.identity, _tokenizer_id(tokenizer), split)
     parts = []
     for i, part in enumerate(("train", "val")):
@@ -325,6 +347,29 @@ def _text_corpus(source: _Source, cfg: DataConfig, tokenizer: Tokenizer | None) 
     if len(parts[0]) < 2:
         raise DataError(f"data {source.name} has only {len(parts[0])} training tokens; too few to train on")
     return Corpus(source.name, parts[0], parts[1], tokenizer.vocab_size, tokenizer)
+
+
+def _trained_bpe(sources: list[_Source], cfg: DataConfig, memo: dict | None = None) -> Tokenizer:
+    """``cfg``'s ``bpe:N`` trained on the training splits of ``sources`` (cached by what they
+    are); ``memo[i]`` gets source ``i``'s split documents where they were read."""
+    cache = Path(cfg.cache_dir) if cfg.cache_dir else DEFAULT_TOKEN_CACHE
+    name = _digest(*(s.identity for s in sources), cfg.spec, repr(cfg.val_fraction)).hex()[:24]
+    bpe_file = cache / f"bpe-{name}.json"
+    if bpe_file.is_file():
+        tokenizer = load_tokenizer(bpe_file)
+        tokenizer.spec = cfg.spec
+        return tokenizer
+    memo = {} if memo is None else memo
+
+    def texts() -> Iterator[str]:
+        for i, source in enumerate(sources):
+            memo[i] = _split_documents(source, cfg.val_fraction)
+            for r in memo[i][0]:
+                yield from _pieces(*r)
+
+    tokenizer = train_bpe(texts(), parse_spec(cfg.spec).vocab_size)
+    _write_atomic(bpe_file, tokenizer.to_json().encode("utf-8"))
+    return tokenizer
 
 
 def _token_file(file: Path, digest: bytes, tokenizer: Tokenizer,
@@ -583,6 +628,19 @@ class Batches:
         return {"inputs": win[:, :-1][:, self.cols], "targets": win[:, 1:][:, self.cols]}
 
 
+def split_batches(corpus: Corpus, split: str, seq_len: int, global_batch: int, seed: int,
+                  rows: slice | None = None, cols: slice | None = None) -> Batches | mixture.MixedBatches:
+    """The batches of ``corpus``'s ``"train"`` split (shuffled) or ``"val"`` split (in order):
+    :class:`Batches`, or a mixture's :class:`~jaxshard.data.mixture.MixedBatches`."""
+    train = split == "train"
+    what = "training split" if train else "validation split"
+    if corpus.sources:
+        return mixture.MixedBatches([getattr(s, split) for s in corpus.sources], [s.weight for s in corpus.sources],
+                                    corpus.tokenizer.eot_id, seq_len, global_batch, seed, rows, cols,
+                                    shuffle=train, names=[s.name for s in corpus.sources], what=f"mixture's {what}")
+    return Batches(getattr(corpus, split), seq_len, global_batch, seed, rows, shuffle=train, cols=cols, what=what)
+
+
 def process_block(sharding, global_batch: int, seq_len: int) -> tuple[slice, slice]:
     """The contiguous rows and columns of the global batch that this process's devices hold."""
     index_map = sharding.addressable_devices_indices_map((global_batch, seq_len))
@@ -611,8 +669,8 @@ def splits_for(program, corpus, batch_size: int, seq_len: int, seed: int, eval_b
     ``corpus`` laid out for ``program``'s batch sharding: what the benchmark scripts that
     train a model read."""
     rows, cols = process_block(program.batch_sharding, batch_size, seq_len)
-    train = Batches(corpus.train, seq_len, batch_size, seed, rows, cols=cols, what="training split")
-    val = Batches(corpus.val, seq_len, batch_size, seed, rows, shuffle=False, cols=cols, what="validation split")
+    train = split_batches(corpus, "train", seq_len, batch_size, seed, rows, cols)
+    val = split_batches(corpus, "val", seq_len, batch_size, seed, rows, cols)
     shape = (batch_size, seq_len)
     return train, [to_global(val.batch_at(i * batch_size), program.batch_sharding, shape) for i in range(eval_batches)]
 
