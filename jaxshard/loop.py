@@ -50,6 +50,21 @@ def _check_model_fits_data(model: LanguageModel, corpus: data_lib.Corpus, seq_le
                           f"{model.cfg.max_seq_len}")
 
 
+def _documents_eot(cfg: RunConfig, corpus: data_lib.Corpus, mesh) -> int | None:
+    """The end-of-text id that packs the windows' documents (``--packing``), or None: off, by
+    the flag, or by default where the data have no such id or a pipeline runs the model."""
+    asked = cfg.data.packing
+    eot = corpus.tokenizer.eot_id if corpus.tokenizer is not None else None
+    pipeline = axis_sizes(mesh).get("stage", 1) > 1
+    if asked and eot is None:
+        raise DataError(f"--packing true finds documents by the end-of-text id; data {corpus.name} has no "
+                        "tokenizer that names one (give --tokenizer)")
+    if asked and pipeline:
+        raise ConfigError("--packing true: pipeline stages do not take documents' segment ids yet; "
+                          "use --packing false with a stage axis")
+    return None if asked is False or pipeline else eot
+
+
 def _fault(kind: str, step: int) -> None:
     """Fault injection for the crash tests: JAXSHARD_FAULT=kill-after-save:STEP kills this
     process (SIGKILL) while that step's checkpoint is being written; exit:PROCESS:STEP makes
@@ -154,7 +169,8 @@ def train(cfg: RunConfig, family: Family, started: float | None = None) -> dict[
             _log(f"tokenizer: the checkpoint's ({meta.get('tokenizer_spec')}, {tokenizer.vocab_size:,} tokens)")
         corpus = data_lib.load_corpus(cfg.data, tokenizer)
         text = corpus.tokenizer is not None and corpus.tokenizer.to_json() is not None
-        model = family.build(cfg, tokenizer_vocab=corpus.tokenizer.vocab_size if text else None)
+        model = family.build(cfg, tokenizer_vocab=corpus.tokenizer.vocab_size if text else None,
+                             documents_eot=_documents_eot(cfg, corpus, mesh))
         if cfg.checkpoint.export_hf:
             family.check_export(model.cfg, cfg.checkpoint.export_hf)
         if cfg.step.balance:
@@ -185,6 +201,7 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
     tokenizer = corpus.tokenizer  # None: the data came as ids
     _log(f"model {model.cfg.name}: {model.n_params():,} params | mesh {axis_sizes(mesh)} | "
          f"strategy {rules.name}{f' + local SGD, averaged every {cfg.sync_every} steps' if cfg.sync_every else ''} | remat {model.remat} | {jax.device_count()} {jax.default_backend()} devices"
+         + (f" | documents packed (end-of-text id {model.cfg.documents_eot})" if model.cfg.documents_eot is not None else "")
          + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""))
     schedule = program.schedule
     if schedule:
@@ -603,6 +620,7 @@ def _report(cfg: RunConfig, model: Stageable, rules, compiled, held, records, va
         "compute_dtype": cfg.step.compute_dtype,
         "param_dtype": cfg.step.param_dtype,
         "remat": str(model.remat),
+        "packing": model.cfg.documents_eot is not None,
         "reshard_after_forward": cfg.strategy.reshard_after_forward,
         "reducer": cfg.step.reducer,
         "sync_every": cfg.sync_every,

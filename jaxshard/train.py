@@ -51,14 +51,19 @@ def model_config(cfg: RunConfig, tokenizer_vocab: int | None = None):
     return with_moe(model_cfg, choice.moe.given())
 
 
-def build_model(cfg: RunConfig, unroll: bool = False, tokenizer_vocab: int | None = None):
+def build_model(cfg: RunConfig, unroll: bool = False, tokenizer_vocab: int | None = None,
+                documents_eot: int | None = None):
+    """``documents_eot``: pack documents ended by this id (``--packing``; None: one sequence)."""
     import jax
 
     from jaxshard.remat import default_for
     from models import TransformerLM
 
     remat = cfg.remat if cfg.remat is not None else default_for(jax.default_backend())
-    return TransformerLM(model_config(cfg, tokenizer_vocab), remat=remat, unroll=unroll)
+    model_cfg = model_config(cfg, tokenizer_vocab)
+    if documents_eot is not None:
+        model_cfg = model_cfg.replace(documents_eot=documents_eot)
+    return TransformerLM(model_cfg, remat=remat, unroll=unroll)
 
 
 def family():

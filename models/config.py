@@ -69,6 +69,9 @@ class ModelConfig:
     dropout: float = 0.0
     init_std: float = 0.02
     vocab_multiple: int = 1  # pad the vocab to a multiple (Megatron's divisible-by), e.g. for TP
+    # Packed documents (--packing): the id that ends each document of a training sequence;
+    # attention stays within documents, positions restart, the target after it is not counted.
+    documents_eot: int | None = None
     # Mixture of experts (models/moe.py): 0 experts is a dense model.
     moe_experts: int = 0
     moe_top_k: int = 2  # 1: the hard (Switch) gate; >= 2: the sparse gate, renormalised

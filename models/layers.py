@@ -201,7 +201,8 @@ class Attention(nnx.Module):
         q_BLKGH = q_BLNH.reshape(B, L, K, N // K, H)
         if cache is None:
             core = functools.partial(causal_attention, **attention.traced_choices())
-            o_BLKGH = attention_core(core)(q_BLKGH, k_BLKH, v_BLKH)
+            segments_BL = attention.current_segments(L)  # packed documents, or None
+            o_BLKGH = attention_core(core)(q_BLKGH, k_BLKH, v_BLKH, *(() if segments_BL is None else (segments_BL,)))
         else:
             cache = cache.write(k_BLKH, v_BLKH)
             o_BLKGH = cache.attend(q_BLKGH)

@@ -233,16 +233,43 @@ class TransformerLM:
         """The batch's :class:`Loss`. An MoE model's total adds, per token, ``moe_aux_coef``
         times the load-balancing loss and ``moe_z_coef`` times the router z-loss, each the mean
         over its MoE layers."""
+        nll_BL, counted_BL, stats = self._token_losses(params, inputs_BL, targets_BL, key)
+        if counted_BL is None:
+            nll, tokens = nll_BL.sum(), jnp.asarray(nll_BL.size, jnp.float32)
+        else:
+            nll, tokens = jnp.where(counted_BL, nll_BL, 0.0).sum(), counted_BL.sum(dtype=jnp.float32)
+        moe = {name: tokens * jnp.mean(s) for name, s in zip(MOE_METRICS, stats)}
+        total = nll + self.aux_loss(**moe) if moe else nll
+        return Loss(total, tokens, nll, moe)
+
+    def token_losses(self, params: Params, inputs_BL: jax.Array, targets_BL: jax.Array) -> jax.Array:
+        """Each target's cross-entropy ``[B, L]``, in the sequence's order; 0 where it does not
+        count (after an end-of-text, with packed documents)."""
+        nll_BL, counted_BL, _ = self._token_losses(params, inputs_BL, targets_BL, None)
+        order = self.balanced_order(inputs_BL.shape[1])
+        if counted_BL is not None:
+            nll_BL = jnp.where(counted_BL, nll_BL, 0.0)
+        return nll_BL if order is None else nll_BL[:, np.argsort(order)]
+
+    def _token_losses(self, params: Params, inputs_BL: jax.Array, targets_BL: jax.Array, key: jax.Array | None):
+        """(each target's cross-entropy, which count -- None: all -- and the MoE layers'
+        routing statistics), in the order the tokens are traced in."""
         self.check_seq_len(inputs_BL)
         k_embed, k_blocks = jax.random.split(key) if key is not None else (None, None)
         # One embedder for both ends (not embed() then head()): a tied table is gathered once
         # and its two gradients are summed before they are reduced.
         embedder = self._embedder(params)
         table = table_copies(embedder.tokens[...], embedder.tied)
+        # Packed documents (``documents_eot``): attention within each, positions from 0 in each,
+        # and the target after an end-of-text not counted.
+        layout = (None, None, None) if self.cfg.documents_eot is None else \
+            attention.document_layout(inputs_BL, self.cfg.documents_eot)
         order = self.balanced_order(inputs_BL.shape[1])
         if order is not None:  # a ring's balanced layout: the loss is a sum over tokens, in any order
             inputs_BL, targets_BL = inputs_BL[:, order], targets_BL[:, order]
-        with attention.balanced(order):
+            layout = tuple(None if x is None else x[:, order] for x in layout)
+        segments_BL, positions_BL, counted_BL = layout
+        with attention.balanced(order), attention.documents(segments_BL, positions_BL):
             x_BLD = dropout(embedder.encode(inputs_BL, attention.positions(inputs_BL.shape[1]), table),
                             self.cfg.dropout, k_embed)
             stats = ()
@@ -251,11 +278,7 @@ class TransformerLM:
             else:
                 x_BLD = self.blocks(params, x_BLD, key=k_blocks)
         logits_BLV = embedder.decode(x_BLD, table)
-        nll_BL = cross_entropy(logits_BLV, targets_BL, self.cfg.vocab_size)
-        nll, tokens = nll_BL.sum(), jnp.asarray(nll_BL.size, jnp.float32)
-        moe = {name: tokens * jnp.mean(s) for name, s in zip(MOE_METRICS, stats)}
-        total = nll + self.aux_loss(**moe) if moe else nll
-        return Loss(total, tokens, nll, moe)
+        return cross_entropy(logits_BLV, targets_BL, self.cfg.vocab_size), counted_BL, stats
 
     def balanced_order(self, L: int) -> np.ndarray | None:
         """The token order of a load-balanced ring (:func:`attention.balanced_order`) under the

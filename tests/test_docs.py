@@ -136,10 +136,24 @@ def _train_sh_args() -> list[str]:
     return [w for w in words[words.index("experiments/train.py") + 1:] if w != "$@"]
 
 
+def _in_checkout(word: str) -> str:
+    """A ``--data``/``--eval-data`` value whose every path is a file of the repository (the
+    shipped samples, the docs) with those paths made absolute; any other word as it is."""
+    items = [re.fullmatch(r"((?:[\w.-]+=)?)(.+?)((?::[0-9.]+)?)", item) for item in word.split(",")]
+    if not all(m and m[2] not in (".", "..") and (ROOT / m[2]).exists() and not Path(m[2]).is_absolute()
+               for m in items):
+        return word
+    return ",".join(f"{m[1]}{ROOT / m[2]}{m[3]}" for m in items)
+
+
 def train_small(argv: list[str], space) -> list[str]:
-    """Training at tiny sizes; a sample, if the command asks for one, of a few tokens."""
+    """Training at tiny sizes; a sample, if the command asks for one, of a few tokens. The
+    command's ``--data`` is kept where it names the repository's own files, else replaced by
+    the workspace's small corpus."""
+    data = _value(argv, "--data")
+    own = data is not None and data.startswith(str(ROOT))
     small = ["--steps", "2", "--batch-size", "16", "--seq-len", "16", "--eval-batches", "1", "--no-progress",
-             "--data", space["corpus"]]
+             *(() if own else ("--data", space["corpus"]))]
     if "--sample-tokens" in argv:
         small += ["--sample-tokens", "4"]
     return small + SHAPES.get(_value(argv, "--model"), [])
@@ -257,6 +271,7 @@ def run(words: list[str], cwd: Path, space) -> Outcome:
         script, argv = "experiments/train.py", _train_sh_args() + argv
     assert script in KINDS, f"{script}: add it to KINDS in tests/test_docs.py with the flags that make it small"
     kind = KINDS[script]
+    argv = [_in_checkout(w) for w in argv]
     argv = argv + kind.small_flags(argv, space)
     devices = _value(argv, "--cpu-devices")
     if script == "scripts/launch_local.py":  # the flags go to each process's train.py

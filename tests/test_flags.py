@@ -99,6 +99,7 @@ COMMON = {
     "--data": Case(("{corpus2}",)),
     "--text-field": Case(("other",), context=("--data", "{records}")),
     "--eval-data": Case(("more={corpus2}",)),
+    "--packing": Case(("false",), context=("--data", "{records}")),  # (short documents: on by default)
     "--device": Case(("h100",)),
     "--log-every": Case(("2",), console=True),
     # The watchdog's limit: a run within it differs only in the line that states it (a run over
@@ -125,6 +126,7 @@ INSPECT = {
     **COMMON,
     "--save-every": Case(("1",)),  # (--checkpoint-dir is refused first)
     "--text-field": Case(("other",)),  # (without the training run's --data, which is refused first)
+    "--packing": Case(("false",)),
     "--save-every-minutes": Case(("1",)),
     "--keep": Case(("1",)),
     "--seed": Case(("1",), context=("--dropout", "0.1")),  # the seed draws dropout masks

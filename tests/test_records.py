@@ -6,6 +6,7 @@ import gzip
 import json
 import random
 import shutil
+from pathlib import Path
 
 import numpy as np
 import datasets
@@ -19,6 +20,7 @@ from jaxshard.data.corpus import TEXT_SUFFIXES, DataConfig, load_corpus
 from jaxshard.errors import DataError
 from jaxshard.train import main
 
+ROOT = Path(__file__).resolve().parents[1]
 WORDS = "alpha beta gamma délta ε 数据 def return class\tindent".split(" ")
 
 
@@ -203,3 +205,14 @@ def test_every_format_trains_to_the_folders_losses_and_bad_records_exit_2(format
         main([*common, "--data", str(tmp_path / "bad.jsonl")])
     assert e.value.code == 2
     assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'bad.jsonl'}:1: field 'text' is int, not a string"
+
+
+def test_the_shipped_samples_hold_the_same_documents_in_both_formats(tmp_path):
+    samples = ROOT / "data" / "samples"
+    lines = [json.loads(line) for line in (samples / "docstrings.jsonl").read_text(encoding="utf-8").splitlines()]
+    table = pq.read_table(samples / "docstrings.parquet")
+    assert len(lines) >= 500 and table.column("text").to_pylist() == [r["text"] for r in lines]
+    assert all(r["source"].startswith("python3.") and len(r["text"]) >= 40 for r in lines)
+    corpora = [load_corpus(DataConfig(path=str(samples / name), tokenizer="bpe:300", cache_dir=str(tmp_path)))
+               for name in ("docstrings.jsonl", "docstrings.parquet")]
+    assert np.array_equal(corpora[0].train, corpora[1].train) and len(corpora[0].train) > 50_000

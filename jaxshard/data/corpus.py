@@ -47,7 +47,7 @@ import numpy as np
 from jaxshard.data import mixture, records
 from jaxshard.data.token_file import DEFAULT_TOKEN_CACHE, TOKEN_VERSION, TokenWriter, read_tokens
 from jaxshard.errors import ConfigError, DataError
-from jaxshard.options import flag, option
+from jaxshard.options import flag, option, parse_bool
 from jaxshard.data.tokenizer import (ByteTokenizer, Tokenizer, load_tokenizer, parse_spec, tokenizer_from_spec,
                                 train_bpe)
 
@@ -81,6 +81,12 @@ class DataConfig:
         metavar="bytes|bpe:N|PATH", run_only=True,
         default_text="the --init-from folder's tokenizer.json if it has one, else bytes")
     cache_dir: str | None = None  # token files of text tokenizers; None: DEFAULT_TOKEN_CACHE
+    # None: on where the data have an end-of-text id and the run has no pipeline
+    packing: bool | None = option(
+        None, "attention within each document of a window (segment ids from the end-of-text ids), "
+              "positions from 0 in each, and no loss on the token after an end-of-text",
+        parse=parse_bool, metavar="true|false", run_only=True,
+        default_text="true where the data have an end-of-text id and the run no pipeline")
 
     def __post_init__(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:

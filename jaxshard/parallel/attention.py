@@ -16,6 +16,13 @@ the future masked. Otherwise (a sequence that does not split into 2S halves, or 
 masks follow the sequence's order) the contiguous layout, whose future chunks are masked, not
 skipped.
 
+Packed documents (``segments``, ``[B, L]`` ids of each token's document): a query attends only
+to keys of its own document, on every path -- the dense and blockwise kernels mask by segment as
+well as position, a ring passes each kv chunk's segment ids along with it, Ulysses gathers them
+whole. A query always sees itself, so every row's running max is finite by the end; rows whose
+earlier blocks were all masked add ``exp(0)`` junk that the first finite score scales by
+``exp(_NEG - m) = 0``.
+
 Memory per device: the forward holds one query chunk, two kv chunks (the one in use and the
 one arriving) and the running statistics, O(C) instead of O(L) for gathered keys/values.
 Autodiff saves each step's kv chunk and probabilities for the backward pass, so the residuals
@@ -51,6 +58,10 @@ BLOCK = 512  # keys per block of the blockwise kernel
 # The order of the tokens being traced when it is :func:`balanced_order` (None: the sequence's
 # own), set by the model around its forward pass with :func:`balanced`.
 _ORDER: list[np.ndarray | None] = [None]
+
+# The packed documents of the tokens being traced: (segment ids, positions in the document),
+# each [B, L] in the traced order, set by the model around its forward pass with documents().
+_DOCUMENTS: list[tuple[jax.Array, jax.Array] | None] = [None]
 
 
 def ring_size(rules=None) -> int:
@@ -125,11 +136,18 @@ def balanced(order: np.ndarray | None) -> Iterator[None]:
     """Trace the model with its tokens in ``order`` (:func:`balanced_order`; None: their own):
     the ring skips the half-pairs the causal mask removes, and :func:`positions` gives each
     token its place in the sequence."""
-    _ORDER.append(order)
+    with _pushed(_ORDER, order):
+        yield
+
+
+@contextlib.contextmanager
+def _pushed(stack: list, value) -> Iterator[None]:
+    """``value`` on top of a context ``stack`` while the block runs."""
+    stack.append(value)
     try:
         yield
     finally:
-        _ORDER.pop()
+        stack.pop()
 
 
 def current_order(L: int) -> np.ndarray | None:
@@ -139,9 +157,42 @@ def current_order(L: int) -> np.ndarray | None:
 
 
 def positions(L: int) -> jax.Array:
-    """Where in the sequence each of the ``L`` tokens being traced stands."""
+    """Where each of the ``L`` tokens being traced stands: in the sequence (``[L]``), or in its
+    document when documents are packed (``[B, L]``, :func:`documents`)."""
+    docs = _DOCUMENTS[-1]
+    if docs is not None and docs[1].shape[1] == L:
+        return docs[1]
     order = current_order(L)
     return jnp.arange(L) if order is None else jnp.asarray(order)
+
+
+@contextlib.contextmanager
+def documents(segments_BL: jax.Array | None, positions_BL: jax.Array | None = None) -> Iterator[None]:
+    """Trace the model with packed documents: ``segments_BL`` (each token's document id) keeps
+    attention within documents, ``positions_BL`` (each token's place in its document) is what
+    :func:`positions` gives. None: one sequence, as without the context."""
+    with _pushed(_DOCUMENTS, None if segments_BL is None else (segments_BL, positions_BL)):
+        yield
+
+
+def current_segments(L: int) -> jax.Array | None:
+    """The segment ids ``[B, L]`` of the ``L`` tokens being traced, if documents are packed."""
+    docs = _DOCUMENTS[-1]
+    return None if docs is None or docs[0].shape[1] != L else docs[0]
+
+
+def document_layout(inputs_BL: jax.Array, eot: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(segment ids, positions in the document, the tokens whose target counts) of packed
+    inputs, documents ended by ``eot``: an end-of-text token belongs to the document it ends,
+    the next token starts a new one at position 0, and the target after an end-of-text (the
+    next document's first token, which nothing before it predicts) does not count."""
+    ends_BL = inputs_BL == eot
+    L = inputs_BL.shape[1]
+    segments_BL = jnp.cumsum(ends_BL, axis=1, dtype=jnp.int32) - ends_BL.astype(jnp.int32)
+    index = jnp.arange(L, dtype=jnp.int32)
+    starts_BL = jnp.where(jnp.pad(ends_BL[:, :-1], ((0, 0), (1, 0))), index, 0)
+    positions_BL = index - jax.lax.cummax(starts_BL, axis=1)
+    return segments_BL, positions_BL, ~ends_BL
 
 
 @contextlib.contextmanager
@@ -151,11 +202,8 @@ def kernel(name: str) -> Iterator[None]:
     kernel keeps (no ``L x L`` probabilities) instead of the materialised softmax's."""
     if name not in KERNELS:
         raise ValueError(f"attention kernel {name!r}: one of {', '.join(KERNELS)}")
-    _KERNEL.append(name)
-    try:
+    with _pushed(_KERNEL, name):
         yield
-    finally:
-        _KERNEL.pop()
 
 
 def traced_choices() -> dict[str, object]:
@@ -166,45 +214,75 @@ def traced_choices() -> dict[str, object]:
     return {"kernel": _KERNEL[-1], "balanced": _ORDER[-1] is not None}
 
 
-def causal_attention(q_BLKGH: jax.Array, k_BLKH: jax.Array, v_BLKH: jax.Array, *, kernel: str | None = None,
-                     balanced: bool | None = None) -> jax.Array:
+def causal_attention(q_BLKGH: jax.Array, k_BLKH: jax.Array, v_BLKH: jax.Array, segments_BL: jax.Array | None = None,
+                     *, kernel: str | None = None, balanced: bool | None = None) -> jax.Array:
     """Softmax(q k^T / sqrt(H), causal) v for grouped queries; returns ``[B, L, K, G, H]``.
-    ``kernel`` and ``balanced``: as :func:`traced_choices` (default: the context's)."""
+    ``segments_BL``: packed documents' ids, which a query's keys must share (None: one
+    sequence). ``kernel`` and ``balanced``: as :func:`traced_choices` (default: the context's)."""
     kernel = _KERNEL[-1] if kernel is None else kernel
     balanced = _ORDER[-1] is not None if balanced is None else balanced
     rules = active()
     axes = rules.activation_mesh_axes(Dim.LENGTH) if rules is not None else ()
     if not axes:
-        return _dense(q_BLKGH, k_BLKH, v_BLKH, kernel)
+        return _dense(q_BLKGH, k_BLKH, v_BLKH, kernel, segments_BL)
     # Manual over the batch axes as well as the sequence's; heads stay with the partitioner.
     spec = rules.activation_spec((Dim.BATCH, Dim.LENGTH), q_BLKGH.shape[:2])
     manual = spec_axes(spec)
     if rules.strategy.context_parallel == "ulysses":
-        return _ulysses_region(rules, q_BLKGH, k_BLKH, v_BLKH, axes, kernel)
+        return _ulysses_region(rules, q_BLKGH, k_BLKH, v_BLKH, axes, kernel, segments_BL)
     ring = _balanced_ring if balanced else _ring
-    return jax.shard_map(lambda q, k, v: ring(q, k, v, axes, tuple(manual)), mesh=rules.context_mesh,
-                         in_specs=(spec, spec, spec), out_specs=spec,
-                         axis_names=manual)(q_BLKGH, k_BLKH, v_BLKH)
+    if segments_BL is None:
+        return jax.shard_map(lambda q, k, v: ring(q, k, v, axes, tuple(manual)), mesh=rules.context_mesh,
+                             in_specs=(spec, spec, spec), out_specs=spec,
+                             axis_names=manual)(q_BLKGH, k_BLKH, v_BLKH)
+    return jax.shard_map(lambda q, k, v, s: ring(q, k, v, axes, tuple(manual), s), mesh=rules.context_mesh,
+                         in_specs=(spec, spec, spec, spec), out_specs=spec,
+                         axis_names=manual)(q_BLKGH, k_BLKH, v_BLKH, segments_BL)
 
 
-def _scores(q_BLKGH, k_BMKH, q_pos, k_pos):
+def _allowed(q_pos, k_pos, q_seg=None, k_seg=None):
+    """Which keys each query sees, broadcastable to ``[B, K, G, Q, M]``: the causal mask, and
+    with segment ids (``[B, Q]``, ``[B, M]``) only those of the query's own document."""
+    causal_QM = q_pos[:, None] >= k_pos[None, :]
+    if q_seg is None:
+        return causal_QM
+    return (causal_QM & (q_seg[:, :, None] == k_seg[:, None, :]))[:, None, None]
+
+
+def _scores(q_BLKGH, k_BMKH, q_pos, k_pos, q_seg=None, k_seg=None):
     s = jnp.einsum("blkgh,bmkh->bkglm", q_BLKGH, k_BMKH,
                    preferred_element_type=jnp.float32) / math.sqrt(q_BLKGH.shape[-1])
-    return jnp.where(q_pos[:, None] >= k_pos[None, :], s, _NEG)
+    return jnp.where(_allowed(q_pos, k_pos, q_seg, k_seg), s, _NEG)
 
 
-def _dense(q_BLKGH, k_BLKH, v_BLKH, kernel: str = "auto"):
+def _dense(q_BLKGH, k_BLKH, v_BLKH, kernel: str = "auto", segments_BL=None):
     if kernel == "blockwise":
-        return blockwise(q_BLKGH, k_BLKH, v_BLKH)
+        return blockwise(q_BLKGH, k_BLKH, v_BLKH, segments_BL=segments_BL)
+    L = q_BLKGH.shape[1]
     if jax.default_backend() == "gpu":
-        chosen = gpu_kernel(q_BLKGH.dtype, q_BLKGH.shape[-1], q_BLKGH.shape[1], gpu_capability())
+        chosen = gpu_kernel(q_BLKGH.dtype, q_BLKGH.shape[-1], L, gpu_capability())
+        if chosen == "cudnn" and segments_BL is not None:  # (it takes no document ids here)
+            chosen = "blockwise" if L % min(BLOCK, L) == 0 else "xla"
         if chosen == "blockwise":
-            return blockwise(q_BLKGH, k_BLKH, v_BLKH)
-        return fused(q_BLKGH, k_BLKH, v_BLKH, chosen)
+            return blockwise(q_BLKGH, k_BLKH, v_BLKH, segments_BL=segments_BL)
+        if segments_BL is None:
+            return fused(q_BLKGH, k_BLKH, v_BLKH, chosen)
     s_BKGLM = jnp.einsum("blkgh,bmkh->bkglm", q_BLKGH, k_BLKH,
                          preferred_element_type=jnp.float32) / math.sqrt(q_BLKGH.shape[-1])
-    p_BKGLM = _causal_probabilities(s_BKGLM, v_BLKH.dtype)
+    if segments_BL is None:
+        p_BKGLM = _causal_probabilities(s_BKGLM, v_BLKH.dtype)
+    else:
+        p_BKGLM = _document_probabilities(s_BKGLM, segments_BL, v_BLKH.dtype)
     return jnp.einsum("bkglm,bmkh->blkgh", p_BKGLM, v_BLKH)
+
+
+def dense_probabilities(q_BLKGH: jax.Array, k_BLKH: jax.Array, segments_BL: jax.Array | None = None) -> jax.Array:
+    """The attention probabilities ``[B, K, G, L, L]`` of the dense path (for tests and
+    inspection: which keys each query weighs)."""
+    L = q_BLKGH.shape[1]
+    index = jnp.arange(L)
+    s = _scores(q_BLKGH, k_BLKH, index, index, segments_BL, segments_BL)
+    return jax.nn.softmax(s, axis=-1)
 
 
 def _causal_softmax(s_BKGLM: jax.Array) -> jax.Array:
@@ -234,13 +312,39 @@ def _probabilities_bwd(dtype, p, dp):
 _causal_probabilities.defvjp(_probabilities_fwd, _probabilities_bwd)
 
 
-def blockwise(q_BLKGH: jax.Array, k_BLKH: jax.Array, v_BLKH: jax.Array, block: int = BLOCK) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _document_probabilities(s_BKGLM: jax.Array, segments_BL: jax.Array, dtype) -> jax.Array:
+    """:func:`_causal_probabilities` of packed documents (segment ids ``[B, L]``): its backward
+    pass keeps the probabilities and the ids, not a ``[B, L, L]`` mask."""
+    index = jnp.arange(s_BKGLM.shape[-1])
+    allowed = _allowed(index, index, segments_BL, segments_BL)
+    return jax.nn.softmax(jnp.where(allowed, s_BKGLM, _NEG), axis=-1).astype(dtype)
+
+
+def _document_fwd(s_BKGLM, segments_BL, dtype):
+    p = _document_probabilities(s_BKGLM, segments_BL, dtype)
+    return p, (p, segments_BL)
+
+
+def _document_bwd(dtype, res, dp):
+    p, segments_BL = res
+    return _probabilities_bwd(dtype, p, dp)[0], np.zeros(segments_BL.shape, jax.dtypes.float0)
+
+
+_document_probabilities.defvjp(_document_fwd, _document_bwd)
+
+
+def blockwise(q_BLKGH: jax.Array, k_BLKH: jax.Array, v_BLKH: jax.Array, block: int = BLOCK,
+              segments_BL: jax.Array | None = None) -> jax.Array:
     """Causal attention by flash attention's algorithm (Dao et al. 2022; FlashAttention-2's
     backward pass) in plain JAX: a scan over blocks of ``block`` keys with the online softmax.
     Autodiff keeps q, k, v, the output and each row's float32 log-sum-exp; the backward pass
     recomputes each block's probabilities from them. So it holds what a GPU's flash kernel
     holds (no ``L x L`` scores), plus one block's ``[B, heads, L, block]`` scores in flight."""
-    return _flash(q_BLKGH, k_BLKH, v_BLKH, min(block, k_BLKH.shape[1]))
+    T = min(block, k_BLKH.shape[1])
+    if segments_BL is None:
+        return _flash(q_BLKGH, k_BLKH, v_BLKH, T)
+    return _flash_documents(q_BLKGH, k_BLKH, v_BLKH, segments_BL, T)
 
 
 def _blocks(x_BLKH, T):
@@ -250,7 +354,7 @@ def _blocks(x_BLKH, T):
     return x_BLKH.reshape(B, L // T, T, K, H).swapaxes(0, 1)  # [L/T, B, T, K, H]
 
 
-def _block_scores(q_BLKGH, k_BTKH, j, T):
+def _block_scores(q_BLKGH, k_BTKH, j, T, q_seg=None, k_seg=None):
     """Scaled, causally masked float32 scores of all queries against key block ``j``.
 
     The block's mask depends on nothing but ``j``, so under remat JAX's partial evaluation
@@ -260,7 +364,7 @@ def _block_scores(q_BLKGH, k_BTKH, j, T):
     folds it away) makes the mask depend on the data, so it is made inside the loop."""
     L = q_BLKGH.shape[1]
     j = j + jnp.where(jnp.isfinite(k_BTKH[0, 0, 0, 0]), 0, 0)
-    return _scores(q_BLKGH, k_BTKH, jnp.arange(L), j * T + jnp.arange(T))
+    return _scores(q_BLKGH, k_BTKH, jnp.arange(L), j * T + jnp.arange(T), q_seg, k_seg)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -268,13 +372,14 @@ def _flash(q_BLKGH, k_BLKH, v_BLKH, T):
     return _flash_fwd(q_BLKGH, k_BLKH, v_BLKH, T)[0]
 
 
-def _flash_fwd(q_BLKGH, k_BLKH, v_BLKH, T):
+def _flash_fwd(q_BLKGH, k_BLKH, v_BLKH, T, segments_BL=None):
     B, L, K, G, H = q_BLKGH.shape
+    segs = _segment_blocks(segments_BL, T, L)
 
     def step(carry, blk):
         j, m_BKGL, l_BKGL, o_BKGLH = carry
-        k_BTKH, v_BTKH = blk
-        s_BKGLT = _block_scores(q_BLKGH, k_BTKH, j, T)
+        k_BTKH, v_BTKH, seg_BT = blk
+        s_BKGLT = _block_scores(q_BLKGH, k_BTKH, j, T, segments_BL, seg_BT)
         m_new = jnp.maximum(m_BKGL, s_BKGLT.max(-1))
         p = jnp.exp(s_BKGLT - m_new[..., None])
         scale = jnp.exp(m_BKGL - m_new)
@@ -285,22 +390,30 @@ def _flash_fwd(q_BLKGH, k_BLKH, v_BLKH, T):
             jnp.zeros((B, K, G, L, H), jnp.float32))
     # Block 0 holds key 0, which every query sees: each row's max is finite after it, so the
     # fully masked blocks that follow add exp(_NEG - m) = 0.
-    (_, m, l, o), _ = jax.lax.scan(step, init, (_blocks(k_BLKH, T), _blocks(v_BLKH, T)))
+    (_, m, l, o), _ = jax.lax.scan(step, init, (_blocks(k_BLKH, T), _blocks(v_BLKH, T), segs))
     o_BLKGH = (o / l[..., None]).transpose(0, 3, 1, 2, 4).astype(q_BLKGH.dtype)
     lse_BKGL = m + jnp.log(l)
     return o_BLKGH, (q_BLKGH, k_BLKH, v_BLKH, o_BLKGH, lse_BKGL)
 
 
-def _flash_bwd(T, res, do_BLKGH):
+def _segment_blocks(segments_BL, T, L):
+    """Segment ids as the scan's key blocks, ``[L/T, B, T]`` (None without)."""
+    if segments_BL is None:
+        return None
+    return segments_BL.reshape(segments_BL.shape[0], L // T, T).swapaxes(0, 1)
+
+
+def _flash_bwd(T, res, do_BLKGH, segments_BL=None):
     q_BLKGH, k_BLKH, v_BLKH, o_BLKGH, lse_BKGL = res
+    segs = _segment_blocks(segments_BL, T, q_BLKGH.shape[1])
     scale = 1.0 / math.sqrt(q_BLKGH.shape[-1])
     do = do_BLKGH.astype(jnp.float32)
     d_BKGL = jnp.einsum("blkgh,blkgh->bkgl", do, o_BLKGH.astype(jnp.float32))
 
     def step(carry, blk):
         j, dq_BLKGH = carry
-        k_BTKH, v_BTKH = blk
-        p = jnp.exp(_block_scores(q_BLKGH, k_BTKH, j, T) - lse_BKGL[..., None])  # [B, K, G, L, T]
+        k_BTKH, v_BTKH, seg_BT = blk
+        p = jnp.exp(_block_scores(q_BLKGH, k_BTKH, j, T, segments_BL, seg_BT) - lse_BKGL[..., None])  # [B, K, G, L, T]
         dv = jnp.einsum("bkglt,blkgh->btkh", p, do)
         dp = jnp.einsum("blkgh,btkh->bkglt", do, v_BTKH.astype(jnp.float32))
         ds = p * (dp - d_BKGL[..., None]) * scale
@@ -309,7 +422,7 @@ def _flash_bwd(T, res, do_BLKGH):
         return (j + 1, dq_BLKGH), (dk.astype(k_BTKH.dtype), dv.astype(v_BTKH.dtype))
 
     (_, dq), (dk, dv) = jax.lax.scan(step, (jnp.int32(0), jnp.zeros(q_BLKGH.shape, jnp.float32)),
-                                     (_blocks(k_BLKH, T), _blocks(v_BLKH, T)))
+                                     (_blocks(k_BLKH, T), _blocks(v_BLKH, T), segs))
 
     def unblock(x):  # [L/T, B, T, K, H] -> [B, L, K, H]
         return x.swapaxes(0, 1).reshape(k_BLKH.shape)
@@ -318,6 +431,25 @@ def _flash_bwd(T, res, do_BLKGH):
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash_documents(q_BLKGH, k_BLKH, v_BLKH, segments_BL, T):
+    """:func:`_flash` with packed documents' segment ids ``[B, L]``."""
+    return _flash_fwd(q_BLKGH, k_BLKH, v_BLKH, T, segments_BL)[0]
+
+
+def _flash_documents_fwd(q_BLKGH, k_BLKH, v_BLKH, segments_BL, T):
+    o, res = _flash_fwd(q_BLKGH, k_BLKH, v_BLKH, T, segments_BL)
+    return o, (res, segments_BL)
+
+
+def _flash_documents_bwd(T, res, do_BLKGH):
+    res, segments_BL = res
+    return (*_flash_bwd(T, res, do_BLKGH, segments_BL), np.zeros(segments_BL.shape, jax.dtypes.float0))
+
+
+_flash_documents.defvjp(_flash_documents_fwd, _flash_documents_bwd)
 
 
 def gpu_capability() -> float | None:
@@ -354,7 +486,7 @@ def fused(q_BLKGH: jax.Array, k_BLKH: jax.Array, v_BLKH: jax.Array,
     return o_BLNH.reshape(B, L, K, G, H)
 
 
-def _ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual):
+def _ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual, seg_BC=None):
     S = math.prod(jax.lax.axis_size(a) for a in axes)
     C = q_BCKGH.shape[1]
     me = jax.lax.axis_index(axes)
@@ -368,15 +500,15 @@ def _ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual):
         lambda x: jax.lax.pcast(x, manual, to="varying"),
         (jnp.full((B, K, G, C), _NEG, jnp.float32), jnp.zeros((B, K, G, C), jnp.float32),
          jnp.zeros((B, K, G, C, H), jnp.float32)))
-    k, v = k_BCKH, v_BCKH
+    k, v, k_seg = k_BCKH, v_BCKH, seg_BC
     # Unrolled in Python (S is small): XLA can overlap each transfer with the next step's math,
     # and there are S - 1 transfers by construction -- no dead last one for DCE to find, which
     # it could not under a remat policy (FSDP's reshard-after-forward).
     for i in range(S):
         if i:
-            k, v = jax.lax.ppermute((k, v), axes, to_next)
+            k, v, k_seg = jax.lax.ppermute((k, v, k_seg), axes, to_next)
         src = (me - i) % S  # the chunk this device holds at step i
-        s_BKGCM = _scores(q_BCKGH, k, q_pos, src * C + jnp.arange(C))
+        s_BKGCM = _scores(q_BCKGH, k, q_pos, src * C + jnp.arange(C), seg_BC, k_seg)
         m_new = jnp.maximum(m_BKGC, s_BKGCM.max(-1))
         p = jnp.exp(s_BKGCM - m_new[..., None])
         scale = jnp.exp(m_BKGC - m_new)
@@ -388,25 +520,32 @@ def _ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual):
     return o_BKGCH.transpose(0, 3, 1, 2, 4).astype(q_BCKGH.dtype)
 
 
-def _fold(state, q_BQKGH, k_BMKH, v_BMKH, causal: bool, depth: int = 0):
+def _fold(state, q_BQKGH, k_BMKH, v_BMKH, causal: bool, depth: int = 0, q_seg=None, k_seg=None):
     """Fold the attention of queries ``q`` to keys ``k`` (values ``v``) into the running
     (max, sum, output) of the online softmax; ``causal``: q and k are the same positions, and
     the block is halved ``depth`` times so that the corner the mask removes is skipped (the
-    earlier query half never meets the later key half)."""
+    earlier query half never meets the later key half). ``q_seg``, ``k_seg``: packed documents'
+    segment ids ``[B, Q]`` and ``[B, M]`` (None: one sequence)."""
     if causal and depth:
         n = q_BQKGH.shape[1] // 2
         first, second = (jax.tree.map(lambda x: x[..., :n] if x.ndim == 4 else x[..., :n, :], state),
                          jax.tree.map(lambda x: x[..., n:] if x.ndim == 4 else x[..., n:, :], state))
-        first = _fold(first, q_BQKGH[:, :n], k_BMKH[:, :n], v_BMKH[:, :n], True, depth - 1)
-        second = _fold(second, q_BQKGH[:, n:], k_BMKH[:, :n], v_BMKH[:, :n], False)
-        second = _fold(second, q_BQKGH[:, n:], k_BMKH[:, n:], v_BMKH[:, n:], True, depth - 1)
+        qs, ks = (None, None) if q_seg is None else ((q_seg[:, :n], q_seg[:, n:]), (k_seg[:, :n], k_seg[:, n:]))
+        first = _fold(first, q_BQKGH[:, :n], k_BMKH[:, :n], v_BMKH[:, :n], True, depth - 1,
+                      *(() if qs is None else (qs[0], ks[0])))
+        second = _fold(second, q_BQKGH[:, n:], k_BMKH[:, :n], v_BMKH[:, :n], False, 0,
+                       *(() if qs is None else (qs[1], ks[0])))
+        second = _fold(second, q_BQKGH[:, n:], k_BMKH[:, n:], v_BMKH[:, n:], True, depth - 1,
+                       *(() if qs is None else (qs[1], ks[1])))
         return tuple(jnp.concatenate([a, b], axis=3) for a, b in zip(first, second))
     m_BKGQ, l_BKGQ, o_BKGQH = state
     s_BKGQM = jnp.einsum("blkgh,bmkh->bkglm", q_BQKGH, k_BMKH,
                          preferred_element_type=jnp.float32) / math.sqrt(q_BQKGH.shape[-1])
-    if causal:
-        n = q_BQKGH.shape[1]
-        s_BKGQM = jnp.where(jnp.arange(n)[:, None] >= jnp.arange(n), s_BKGQM, _NEG)
+    if causal or q_seg is not None:
+        n, m = q_BQKGH.shape[1], k_BMKH.shape[1]
+        # (not causal: q and k are different chunks, every key before every query, or skipped)
+        q_pos, k_pos = (jnp.arange(n), jnp.arange(m)) if causal else (jnp.zeros(n, jnp.int32), jnp.zeros(m, jnp.int32))
+        s_BKGQM = jnp.where(_allowed(q_pos, k_pos, q_seg, k_seg), s_BKGQM, _NEG)
     m_new = jnp.maximum(m_BKGQ, s_BKGQM.max(-1))
     p = jnp.exp(s_BKGQM - m_new[..., None])
     scale = jnp.exp(m_BKGQ - m_new)
@@ -414,7 +553,7 @@ def _fold(state, q_BQKGH, k_BMKH, v_BMKH, causal: bool, depth: int = 0):
     return m_new, l_BKGQ * scale + p.sum(-1), o_BKGQH * scale[..., None] + pv
 
 
-def _balanced_ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual):
+def _balanced_ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual, seg_BC=None):
     """The ring over chunks that each hold the halves d and 2S - 1 - d (module docstring):
     the own step computes its two causal diagonals and the later half against the earlier;
     step i computes the later query half against the arriving earlier key half, and either the
@@ -434,25 +573,33 @@ def _balanced_ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual):
                              jnp.zeros((B, K, G, h, H), jnp.float32)))
 
     lo, hi = fresh(), fresh()
-    k, v = k_BCKH, v_BCKH
+    k, v, k_seg = k_BCKH, v_BCKH, seg_BC
+    # (segment ids of the query and key halves: none without packed documents)
+    q_lo_seg, q_hi_seg = (None, None) if seg_BC is None else (seg_BC[:, :h], seg_BC[:, h:])
+
+    def halves(x):
+        return (None, None) if x is None else (x[:, :h], x[:, h:])
+
     depth = diagonal_depth(h)
-    lo = _fold(lo, q_lo, k[:, :h], v[:, :h], causal=True, depth=depth)
-    hi = _fold(hi, q_hi, k[:, :h], v[:, :h], causal=False)
-    hi = _fold(hi, q_hi, k[:, h:], v[:, h:], causal=True, depth=depth)
+    lo = _fold(lo, q_lo, k[:, :h], v[:, :h], True, depth, q_lo_seg, halves(k_seg)[0])
+    hi = _fold(hi, q_hi, k[:, :h], v[:, :h], False, 0, q_hi_seg, halves(k_seg)[0])
+    hi = _fold(hi, q_hi, k[:, h:], v[:, h:], True, depth, q_hi_seg, halves(k_seg)[1])
     for i in range(1, S):
-        k, v = jax.lax.ppermute((k, v), axes, to_next)
+        k, v, k_seg = jax.lax.ppermute((k, v, k_seg), axes, to_next)
         earlier = (me - i) % S < me  # the sender's halves: src and 2S - 1 - src
-        hi = _fold(hi, q_hi, k[:, :h], v[:, :h], causal=False)
+        k_lo_seg, k_hi_seg = halves(k_seg)
+        hi = _fold(hi, q_hi, k[:, :h], v[:, :h], False, 0, q_hi_seg, k_lo_seg)
         pick = functools.partial(jnp.where, earlier)
         state = jax.tree.map(pick, lo, hi)
-        state = _fold(state, pick(q_lo, q_hi), pick(k[:, :h], k[:, h:]), pick(v[:, :h], v[:, h:]), causal=False)
+        segs = () if seg_BC is None else (pick(q_lo_seg, q_hi_seg), pick(k_lo_seg, k_hi_seg))
+        state = _fold(state, pick(q_lo, q_hi), pick(k[:, :h], k[:, h:]), pick(v[:, :h], v[:, h:]), False, 0, *segs)
         lo = jax.tree.map(pick, state, lo)
         hi = jax.tree.map(pick, hi, state)
     out = [o / l[..., None] for _, l, o in (lo, hi)]
     return jnp.concatenate(out, axis=3).transpose(0, 3, 1, 2, 4).astype(q_BCKGH.dtype)
 
 
-def _ulysses_region(rules, q_BLKGH, k_BLKH, v_BLKH, axes, kernel):
+def _ulysses_region(rules, q_BLKGH, k_BLKH, v_BLKH, axes, kernel, segments_BL=None):
     """Ulysses in a region manual over the batch, sequence and head-splitting (``tensor``)
     axes, so that each device's all-to-alls move only its own heads: the query heads as
     ``[B, L, N, H]`` split over tensor, the kv heads too. Where tensor does not divide the kv
@@ -467,18 +614,20 @@ def _ulysses_region(rules, q_BLKGH, k_BLKH, v_BLKH, axes, kernel):
         k_BLKH, v_BLKH = (jnp.repeat(x, T // K, axis=2) for x in (k_BLKH, v_BLKH))
     kv_spec = rules.activation_spec((Dim.BATCH, Dim.LENGTH, Dim.ACT_KV_HEADS, None), k_BLKH.shape)
 
-    def local(q_BCNH, k_BCKH, v_BCKH):
+    def local(q_BCNH, k_BCKH, v_BCKH, *seg):
         k_local, n = k_BCKH.shape[2], q_BCNH.shape[2]
         q_BCKGH = q_BCNH.reshape(*q_BCNH.shape[:2], k_local, n // k_local, H)
-        return _ulysses(q_BCKGH, k_BCKH, v_BCKH, axes, kernel).reshape(q_BCNH.shape)
+        return _ulysses(q_BCKGH, k_BCKH, v_BCKH, axes, kernel, *seg).reshape(q_BCNH.shape)
 
     manual = spec_axes(q_spec) | spec_axes(kv_spec)
-    o_BLNH = jax.shard_map(local, mesh=rules.context_mesh, in_specs=(q_spec, kv_spec, kv_spec),
-                           out_specs=q_spec, axis_names=manual)(q_BLKGH.reshape(B, L, K * G, H), k_BLKH, v_BLKH)
+    segs = () if segments_BL is None else (segments_BL,)
+    o_BLNH = jax.shard_map(local, mesh=rules.context_mesh,
+                           in_specs=(q_spec, kv_spec, kv_spec, *(jax.sharding.PartitionSpec(*q_spec[:2]),) * len(segs)),
+                           out_specs=q_spec, axis_names=manual)(q_BLKGH.reshape(B, L, K * G, H), k_BLKH, v_BLKH, *segs)
     return o_BLNH.reshape(B, L, K, G, H)
 
 
-def _ulysses(q_BCKGH, k_BCKH, v_BCKH, axes, kernel):
+def _ulysses(q_BCKGH, k_BCKH, v_BCKH, axes, kernel, seg_BC=None):
     """DeepSpeed-Ulysses (Jacobs et al. 2023): an all-to-all over the sequence axes turns each
     device's chunk of C = L/S tokens of every head into all L tokens of 1/S of the heads; the
     dense path's attention (on GPUs cuDNN's flash kernel) runs on the whole sequence, and a
@@ -496,6 +645,8 @@ def _ulysses(q_BCKGH, k_BCKH, v_BCKH, axes, kernel):
     def to_heads(x):  # [B, C, K', ...] -> [B, L, K'/S, ...]
         return jax.lax.all_to_all(x, axes, split_axis=2, concat_axis=1, tiled=True)
 
-    o_BLKGH = _dense(to_heads(q_BCKGH), to_heads(k_BCKH), to_heads(v_BCKH), kernel)
+    # packed documents: every device attends over the whole sequence, so it needs every id
+    seg_BL = None if seg_BC is None else jax.lax.all_gather(seg_BC, axes, axis=1, tiled=True)
+    o_BLKGH = _dense(to_heads(q_BCKGH), to_heads(k_BCKH), to_heads(v_BCKH), kernel, seg_BL)
     o_BCKGH = jax.lax.all_to_all(o_BLKGH, axes, split_axis=1, concat_axis=2, tiled=True)
     return o_BCKGH.reshape(B, C, K, G, H)

@@ -1,0 +1,202 @@
+"""Packed documents: a batch of documents packed into rows, end-of-text between them, gives each
+token the loss it has when its document runs alone, unpacked -- on one device and under tensor,
+sequence (ring, balanced ring, Ulysses) and data parallelism, with learned and rotary
+positions -- and no attention weight crosses a document on any attention path."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxshard.mesh import MeshSpec, build_mesh
+from jaxshard.parallel import attention
+from jaxshard.parallel.attention import causal_attention, dense_probabilities, document_layout
+from jaxshard.rules import ShardingRules, Strategy, use_rules
+from models import TransformerLM, get_preset
+
+EOT = 0
+L = 32
+
+
+def _packed(batch: int, vocab: int, seed: int = 0):
+    """Rows of L + 1 tokens packed with random documents (3 to 13 tokens, EOT after each; the
+    last cut where the row ends), and per row the (start, tokens) of each document."""
+    rng = np.random.default_rng(seed)
+    rows, docs = [], []
+    for _ in range(batch):
+        row, placed = [], []
+        while len(row) < L + 1:
+            d = [int(t) for t in rng.integers(1, vocab, rng.integers(3, 14))]
+            placed.append((len(row), d))
+            row += d + [EOT]
+        rows.append(row[:L + 1])
+        docs.append(placed)
+    return np.array(rows, np.int32), docs
+
+
+def _under(mesh: str, fn, *args, cp: str = "ring", sp: bool = False):
+    sizes = [s for _, s in MeshSpec.parse(mesh).axes]
+    rules = ShardingRules(build_mesh(mesh, jax.devices()[:math.prod(sizes)]),
+                          Strategy(context_parallel=cp, sequence_parallel=sp))
+
+    def run(*a):
+        with use_rules(rules):
+            return fn(*a)
+
+    return np.asarray(jax.jit(run)(*args))
+
+
+@pytest.mark.parametrize("model_name", ["tiny", "tiny-llama"])
+@pytest.mark.parametrize("mesh, cp, sp, kernel", [
+    ("data=1", "ring", False, "auto"),
+    ("data=1", "ring", False, "blockwise"),
+    ("data=2,tensor=2", "ring", False, "auto"),
+    ("data=2,tensor=2", "ring", True, "auto"),
+    ("sequence=2", "ring", False, "auto"),  # the balanced ring (L splits into 2S halves)
+    ("sequence=4,tensor=2", "ring", True, "auto"),
+    ("sequence=2", "ulysses", False, "auto"),
+])
+def test_packed_losses_equal_each_document_run_alone(model_name, mesh, cp, sp, kernel):
+    cfg = get_preset(model_name)
+    packed, alone = TransformerLM(cfg.replace(documents_eot=EOT)), TransformerLM(cfg)
+    params = packed.init(jax.random.key(1))
+    rows, docs = _packed(4, cfg.vocab_size)
+    with attention.kernel(kernel):
+        got = _under(mesh, packed.token_losses, params, rows[:, :-1], rows[:, 1:], cp=cp, sp=sp)
+    one = jax.jit(alone.token_losses)
+    checked = 0
+    for b, placed in enumerate(docs):
+        for start, d in placed:
+            if start >= L:
+                continue
+            row = np.array([d + [EOT] + [5] * L], np.int32)[:, :L + 1]  # (what follows is never seen)
+            want = np.asarray(one(params, row[:, :-1], row[:, 1:]))[0]
+            n = min(len(d), L - start)  # its targets in the packed row, the last its end-of-text
+            np.testing.assert_allclose(got[b, start:start + n], want[:n], rtol=1e-5, atol=1e-5)
+            checked += n
+            if start + len(d) < L:  # the target after its end-of-text: the next document's first
+                assert got[b, start + len(d)] == 0.0
+    assert checked > 3 * L  # (most of the batch)
+
+
+def test_the_document_layout():
+    inputs = jnp.array([[7, 8, 0, 9, 0, 0, 4, 5]])
+    segments, positions, counted = document_layout(inputs, 0)
+    assert segments.tolist() == [[0, 0, 0, 1, 1, 2, 3, 3]]
+    assert positions.tolist() == [[0, 1, 2, 0, 1, 0, 0, 1]]
+    assert counted.tolist() == [[True, True, False, True, False, False, True, True]]
+
+
+def test_no_attention_probability_crosses_a_document():
+    rng = np.random.default_rng(3)
+    B, K, G, H = 2, 2, 2, 8
+    q = jnp.asarray(rng.normal(size=(B, L, K, G, H)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(B, L, K, H)), jnp.float32)
+    rows, _ = _packed(B, 50, seed=4)
+    segments, _, _ = document_layout(jnp.asarray(rows[:, :-1]), EOT)
+    p = np.asarray(dense_probabilities(q, k, segments))  # [B, K, G, L, L]
+    seg = np.asarray(segments)
+    same = seg[:, :, None] == seg[:, None, :]
+    causal = np.tril(np.ones((L, L), bool))
+    allowed = (same & causal)[:, None, None]
+    assert (p[~np.broadcast_to(allowed, p.shape)] == 0).all()  # none across a document, none ahead
+    assert (p[np.broadcast_to(allowed, p.shape)] > 0).all()  # every earlier key of its own
+    np.testing.assert_allclose(p.sum(-1), 1.0, rtol=1e-6)
+    assert len(np.unique(seg[0])) >= 3
+
+
+@pytest.mark.parametrize("mesh, cp, kernel, balanced", [
+    ("data=1", "ring", "auto", False), ("data=1", "ring", "blockwise", False),
+    ("sequence=2", "ring", "auto", False), ("sequence=4", "ring", "auto", False),
+    ("sequence=2", "ring", "auto", True), ("sequence=4", "ring", "auto", True),
+    ("sequence=2", "ulysses", "auto", False),
+])
+def test_no_attention_path_lets_one_document_see_another(mesh, cp, kernel, balanced):
+    """Every path's output for a document does not move when another document's keys and
+    values do (its gradient with respect to them is exactly 0), and equals the dense path's,
+    gradients too."""
+    rng = np.random.default_rng(5)
+    B, K, G, H = 2, 2, 2, 8
+    q, k, v = (jnp.asarray(rng.normal(size=s), jnp.float32)
+               for s in ((B, L, K, G, H), (B, L, K, H), (B, L, K, H)))
+    rows, _ = _packed(B, 50, seed=6)
+    segments, _, _ = document_layout(jnp.asarray(rows[:, :-1]), EOT)
+    S = dict(MeshSpec.parse(mesh).axes).get("sequence", 1)
+    order = attention.balanced_order(L, S) if balanced else None
+    perm = (lambda x: x) if order is None else (lambda x: x[:, order])
+    seg = np.asarray(segments)
+    mine = jnp.asarray(seg == seg[:, -1:])  # [B, L]: the last document of each row (others before it)
+
+    def attend(q, k, v):
+        with attention.kernel(kernel), attention.balanced(order):
+            out = causal_attention(perm(q), perm(k), perm(v), perm(segments))
+        return out if order is None else out[:, np.argsort(order)]
+
+    def last_document(q, k, v):  # the last document's outputs, summed
+        return jnp.where(mine[:, :, None, None, None], attend(q, k, v), 0.0).sum()
+
+    out = _under(mesh, attend, q, k, v, cp=cp)
+    want = np.asarray(attention._dense(q, k, v, "auto", segments))
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    cot = jnp.asarray(rng.normal(size=out.shape), jnp.float32)
+    grads = _under(mesh, lambda *a: jnp.stack(jax.grad(lambda *b: (attend(*b) * cot).sum(), argnums=(1, 2))(*a)),
+                   q, k, v, cp=cp)
+    dense = jax.grad(lambda *b: (attention._dense(*b, "auto", segments) * cot).sum(), argnums=(1, 2))(q, k, v)
+    np.testing.assert_allclose(grads, np.stack(dense), rtol=1e-5, atol=1e-6)
+    dk, dv = (_under(mesh, lambda q, k, v: jax.grad(last_document, argnums=i)(q, k, v), q, k, v, cp=cp)
+              for i in (1, 2))
+    others = ~np.asarray(mine)
+    assert (dk[others] == 0).all() and (dv[others] == 0).all()
+    assert np.abs(dv[~others]).sum() > 0 and others.sum() > L
+
+
+COMMON = ["--model", "tiny", "--n-layers", "1", "--cpu-devices", "8", "--platform", "cpu", "--steps", "2",
+          "--batch-size", "8", "--seq-len", "32", "--eval-batches", "1", "--warmup-steps", "0", "--no-progress"]
+
+
+def _run(tmp_path, name, *flags):
+    from jaxshard.train import main
+
+    report = tmp_path / f"{name}.json"
+    assert main([*COMMON, "--report", str(report), *flags]) == 0
+    import json
+    return json.loads(report.read_text())
+
+
+def test_packing_is_on_by_default_and_off_when_asked_or_under_a_pipeline(tmp_path):
+    import json
+
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon"]
+    (tmp_path / "short.jsonl").write_text("".join(
+        json.dumps({"text": " ".join(rng.choice(words, rng.integers(2, 8)))}) + "\n" for _ in range(300)))
+    data = ["--data", str(tmp_path / "short.jsonl")]  # documents shorter than a window
+    on = _run(tmp_path, "on", "--mesh", "data=8", *data)
+    off = _run(tmp_path, "off", "--mesh", "data=8", "--packing", "false", *data)
+    assert on["packing"] and not off["packing"]
+    assert on["model_config"]["documents_eot"] == 0 and off["model_config"]["documents_eot"] is None
+    assert on["first_loss"] != off["first_loss"]
+    staged = _run(tmp_path, "staged", "--mesh", "data=4,stage=2", "--n-layers", "2")
+    assert not staged["packing"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--mesh", "data=4,stage=2", "--n-layers", "2", "--packing", "true"],
+     "--packing true: pipeline stages do not take documents' segment ids yet; use --packing false with a "
+     "stage axis"),
+    (["--mesh", "data=8", "--packing", "true", "--data", "{bin}"],
+     "--packing true finds documents by the end-of-text id; data {bin} has no tokenizer that names one "
+     "(give --tokenizer)"),
+])
+def test_packing_that_cannot_be_is_one_line(tmp_path, capsys, flags, message):
+    from jaxshard.train import main
+
+    path = tmp_path / "ids.bin"
+    np.arange(400, dtype="<u2").__mod__(200).astype("<u2").tofile(path)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main([*COMMON, *(f.format(bin=path) for f in flags)])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == "error: " + message.format(bin=path)
