@@ -196,6 +196,8 @@ KINDS = {
     # The benchmarks: a few of their configurations, each timed once (they fake 8 devices themselves).
     "scripts/bench.py": Kind("scripts/bench.py", ("--models", "tiny", "--strategies", "ddp,fsdp,tp+sp",
                                                   "--no-scaling", *BENCH), runtime=EIGHT),
+    "scripts/bench_data.py": Kind("scripts/bench_data.py", ("--size-mb", "1", "--vocab", "300", "--steps", "2"),
+                                  runtime=()),
     "scripts/bench_moe.py": Kind("scripts/bench_moe.py", (*BENCH, "--rounds", "1"), runtime=()),
     "scripts/bench_plan.py": Kind("scripts/bench_plan.py", process=True, process_runtime=()),  # analysis only
     "scripts/bench_reducer.py": Kind("scripts/bench_reducer.py", ("--buckets", "1", *BENCH,
