@@ -50,19 +50,30 @@ def _check_model_fits_data(model: LanguageModel, corpus: data_lib.Corpus, seq_le
                           f"{model.cfg.max_seq_len}")
 
 
-def _documents_eot(cfg: RunConfig, corpus: data_lib.Corpus, mesh) -> int | None:
+def _documents_eot(cfg: RunConfig, corpus: data_lib.Corpus, rules: ShardingRules, model_cfg) -> int | None:
     """The end-of-text id that packs the windows' documents (``--packing``), or None: off, by
-    the flag, or by default where the data have no such id or a pipeline runs the model."""
+    the flag, or by default where the attention path does not take segment ids -- the data
+    have no such id, a pipeline runs the model, or on GPUs cuDNN's fused kernel would run it
+    (the blockwise kernel, which takes them, is slower: it is the packed run's only with
+    ``--packing true``)."""
     asked = cfg.data.packing
     eot = corpus.tokenizer.eot_id if corpus.tokenizer is not None else None
-    pipeline = axis_sizes(mesh).get("stage", 1) > 1
+    pipeline = axis_sizes(rules.mesh).get("stage", 1) > 1
     if asked and eot is None:
         raise DataError(f"--packing true finds documents by the end-of-text id; data {corpus.name} has no "
                         "tokenizer that names one (give --tokenizer)")
     if asked and pipeline:
         raise ConfigError("--packing true: pipeline stages do not take documents' segment ids yet; "
                           "use --packing false with a stage axis")
-    return None if asked is False or pipeline else eot
+    ring = bool(rules.activation_mesh_axes(Dim.LENGTH)) and rules.strategy.context_parallel == "ring"
+    fused = jax.default_backend() == "gpu" and not ring and attention.gpu_kernel(
+        cfg.step.compute_dtype, model_cfg.d_head, cfg.seq_len, attention.gpu_capability()) == "cudnn"
+    if fused and asked:
+        _log("--packing true: cuDNN's fused attention takes no segment ids here; the blockwise kernel runs")
+    if fused and asked is None:
+        _log("documents not packed: cuDNN's fused attention takes no segment ids here (--packing true "
+             "packs them with the slower blockwise kernel)")
+    return None if asked is False or pipeline or (fused and asked is None) else eot
 
 
 def _fault(kind: str, step: int) -> None:
@@ -139,7 +150,7 @@ class Family:
     """What the loop needs of the model families beyond a model's own functions. The command
     (``jaxshard.train``) gives it, so the library imports no model code."""
 
-    build: Callable[..., Any]  # (cfg, tokenizer_vocab=None) -> model
+    build: Callable[..., Any]  # (cfg, tokenizer_vocab=None, documents_eot=None) -> model
     load_weights: Callable[[str, Any, Any], Any]  # (--init-from folder, model, shardings) -> params
     check_export: Callable[[Any, str], None]  # (model config, --export-hf folder): fail now, not after training
     export: Callable[..., Path]  # (params, model config, folder, tokenizer_json, eot_id) -> folder
@@ -169,8 +180,11 @@ def train(cfg: RunConfig, family: Family, started: float | None = None) -> dict[
             _log(f"tokenizer: the checkpoint's ({meta.get('tokenizer_spec')}, {tokenizer.vocab_size:,} tokens)")
         corpus = data_lib.load_corpus(cfg.data, tokenizer)
         text = corpus.tokenizer is not None and corpus.tokenizer.to_json() is not None
-        model = family.build(cfg, tokenizer_vocab=corpus.tokenizer.vocab_size if text else None,
-                             documents_eot=_documents_eot(cfg, corpus, mesh))
+        vocab = corpus.tokenizer.vocab_size if text else None
+        model = family.build(cfg, tokenizer_vocab=vocab)
+        eot = _documents_eot(cfg, corpus, rules, model.cfg)
+        if eot is not None:
+            model = family.build(cfg, tokenizer_vocab=vocab, documents_eot=eot)
         if cfg.checkpoint.export_hf:
             family.check_export(model.cfg, cfg.checkpoint.export_hf)
         if cfg.step.balance:

@@ -109,7 +109,7 @@ def corpora(tmp_path_factory):
     return root
 
 
-def test_a_mixture_trains_and_resumes_to_the_same_losses(corpora, tmp_path):
+def test_a_mixture_trains_and_resumes_to_the_same_losses(corpora, tmp_path, monkeypatch):
     data = f"{corpora / 'web.jsonl'}:0.7,{corpora / 'code'}:0.3"
     common = ["--model", "tiny", "--n-layers", "1", "--mesh", "data=8", "--cpu-devices", "8", "--platform", "cpu",
               "--batch-size", "8", "--seq-len", "32", "--eval-every", "0", "--eval-batches", "1", "--warmup-steps",
@@ -122,8 +122,12 @@ def test_a_mixture_trains_and_resumes_to_the_same_losses(corpora, tmp_path):
 
     whole = run("whole", "--steps", "6")
     run("cut", "--steps", "3", "--checkpoint-dir", str(tmp_path / "ck"))
+    seeks = []  # the resumed run starts from the checkpoint's place in the stream, not by replaying it
+    seek = MixedBatches.seek
+    monkeypatch.setattr(MixedBatches, "seek", lambda self, p: (seeks.append(p), seek(self, p))[1])
     resumed = run("cut", "--steps", "6", "--checkpoint-dir", str(tmp_path / "ck"), "--resume")
     assert resumed == whole
+    assert len(seeks) == 1 and seeks[0]["offset"] == 3 * 8 and seeks[0]["draw"] > 0
     report = json.loads((tmp_path / "whole.json").read_text())
     assert [d["source"] for d in report["mixture"]] == [str(corpora / "web.jsonl"), str(corpora / "code")]
     assert sum(d["documents"] for d in report["mixture"]) > 0

@@ -15,23 +15,24 @@ from jaxshard.parallel import attention
 from jaxshard.parallel.attention import causal_attention, dense_probabilities, document_layout
 from jaxshard.rules import ShardingRules, Strategy, use_rules
 from models import TransformerLM, get_preset
+from harness import assert_params_close
 
 EOT = 0
 L = 32
 
 
-def _packed(batch: int, vocab: int, seed: int = 0):
-    """Rows of L + 1 tokens packed with random documents (3 to 13 tokens, EOT after each; the
-    last cut where the row ends), and per row the (start, tokens) of each document."""
+def _packed(batch: int, vocab: int, seed: int = 0, length: int = L):
+    """Rows of ``length`` + 1 tokens packed with random documents (3 to 13 tokens, EOT after
+    each; the last cut where the row ends), and per row the (start, tokens) of each document."""
     rng = np.random.default_rng(seed)
     rows, docs = [], []
     for _ in range(batch):
         row, placed = [], []
-        while len(row) < L + 1:
+        while len(row) < length + 1:
             d = [int(t) for t in rng.integers(1, vocab, rng.integers(3, 14))]
             placed.append((len(row), d))
             row += d + [EOT]
-        rows.append(row[:L + 1])
+        rows.append(row[:length + 1])
         docs.append(placed)
     return np.array(rows, np.int32), docs
 
@@ -49,36 +50,51 @@ def _under(mesh: str, fn, *args, cp: str = "ring", sp: bool = False):
 
 
 @pytest.mark.parametrize("model_name", ["tiny", "tiny-llama"])
-@pytest.mark.parametrize("mesh, cp, sp, kernel", [
-    ("data=1", "ring", False, "auto"),
-    ("data=1", "ring", False, "blockwise"),
-    ("data=2,tensor=2", "ring", False, "auto"),
-    ("data=2,tensor=2", "ring", True, "auto"),
-    ("sequence=2", "ring", False, "auto"),  # the balanced ring (L splits into 2S halves)
-    ("sequence=4,tensor=2", "ring", True, "auto"),
-    ("sequence=2", "ulysses", False, "auto"),
+@pytest.mark.parametrize("mesh, cp, sp, kernel, length", [
+    ("data=1", "ring", False, "auto", L),
+    ("data=1", "ring", False, "blockwise", L),
+    ("data=2,tensor=2", "ring", False, "auto", L),
+    ("data=2,tensor=2", "ring", True, "auto", L),
+    ("sequence=2", "ring", False, "auto", L),  # the balanced ring (L splits into 2S halves)
+    ("sequence=4", "ring", False, "auto", 36),  # the contiguous ring (36 does not split into 8)
+    ("sequence=4,tensor=2", "ring", True, "auto", L),
+    ("sequence=2", "ulysses", False, "auto", L),
 ])
-def test_packed_losses_equal_each_document_run_alone(model_name, mesh, cp, sp, kernel):
+def test_packed_losses_equal_each_document_run_alone(model_name, mesh, cp, sp, kernel, length):
     cfg = get_preset(model_name)
     packed, alone = TransformerLM(cfg.replace(documents_eot=EOT)), TransformerLM(cfg)
     params = packed.init(jax.random.key(1))
-    rows, docs = _packed(4, cfg.vocab_size)
+    rows, docs = _packed(4, cfg.vocab_size, length=length)
     with attention.kernel(kernel):
         got = _under(mesh, packed.token_losses, params, rows[:, :-1], rows[:, 1:], cp=cp, sp=sp)
     one = jax.jit(alone.token_losses)
     checked = 0
     for b, placed in enumerate(docs):
         for start, d in placed:
-            if start >= L:
+            if start >= length:
                 continue
-            row = np.array([d + [EOT] + [5] * L], np.int32)[:, :L + 1]  # (what follows is never seen)
+            row = np.array([d + [EOT] + [5] * length], np.int32)[:, :length + 1]  # (what follows is never seen)
             want = np.asarray(one(params, row[:, :-1], row[:, 1:]))[0]
-            n = min(len(d), L - start)  # its targets in the packed row, the last its end-of-text
+            n = min(len(d), length - start)  # its targets in the packed row, the last its end-of-text
             np.testing.assert_allclose(got[b, start:start + n], want[:n], rtol=1e-5, atol=1e-5)
             checked += n
-            if start + len(d) < L:  # the target after its end-of-text: the next document's first
+            if start + len(d) < length:  # the target after its end-of-text: the next document's first
                 assert got[b, start + len(d)] == 0.0
-    assert checked > 3 * L  # (most of the batch)
+    assert checked > 3 * length  # (most of the batch)
+
+
+@pytest.mark.parametrize("remat", ["selective", "full"])
+def test_packed_gradients_are_the_same_under_recompute(remat):
+    """The attention core recomputed from its inputs (segment ids among them) in the backward
+    pass gives the gradients of keeping everything."""
+    cfg = get_preset("tiny-llama").replace(documents_eot=EOT)
+    rows, _ = _packed(4, cfg.vocab_size, seed=2)
+    grads = {}
+    for policy in ("none", remat):
+        model = TransformerLM(cfg, remat=policy)
+        params = model.init(jax.random.key(0))
+        grads[policy] = jax.jit(jax.grad(lambda p: model.loss(p, rows[:, :-1], rows[:, 1:]).total))(params)
+    assert_params_close(grads[remat], jax.tree.map(np.asarray, grads["none"]))  # (per leaf, by norm)
 
 
 def test_the_document_layout():
@@ -109,6 +125,7 @@ def test_no_attention_probability_crosses_a_document():
 
 @pytest.mark.parametrize("mesh, cp, kernel, balanced", [
     ("data=1", "ring", "auto", False), ("data=1", "ring", "blockwise", False),
+    ("data=1", "ring", "blockwise-8", False),  # four blocks of 8 keys: whole blocks of another document
     ("sequence=2", "ring", "auto", False), ("sequence=4", "ring", "auto", False),
     ("sequence=2", "ring", "auto", True), ("sequence=4", "ring", "auto", True),
     ("sequence=2", "ulysses", "auto", False),
@@ -130,6 +147,8 @@ def test_no_attention_path_lets_one_document_see_another(mesh, cp, kernel, balan
     mine = jnp.asarray(seg == seg[:, -1:])  # [B, L]: the last document of each row (others before it)
 
     def attend(q, k, v):
+        if kernel == "blockwise-8":
+            return attention.blockwise(q, k, v, 8, segments_BL=segments)
         with attention.kernel(kernel), attention.balanced(order):
             out = causal_attention(perm(q), perm(k), perm(v), perm(segments))
         return out if order is None else out[:, np.argsort(order)]

@@ -16,7 +16,7 @@ import pytest
 import zstandard
 
 from jaxshard.data import records
-from jaxshard.data.corpus import TEXT_SUFFIXES, DataConfig, load_corpus
+from jaxshard.data.corpus import TEXT_SUFFIXES, DataConfig, load_corpus, load_eval_sets
 from jaxshard.errors import DataError
 from jaxshard.train import main
 
@@ -87,7 +87,7 @@ def test_a_saved_dataset_is_read_in_its_state_files_order(formats, tmp_path):
 @pytest.mark.parametrize("edit, message", [
     (lambda d: (d / "dataset_dict.json").write_text('{"splits": ["test", "validation"]}'),
      "{d} is a datasets DatasetDict with splits test, validation and no 'train': give its split's folder, "
-     "e.g. --data {d}/test"),
+     "e.g. {d}/test"),
     (lambda d: (d / "train" / "data-00000-of-00001.arrow").unlink(),
      "{d}/train/state.json lists data-00000-of-00001.arrow, which is not in {d}/train"),
     (lambda d: (d / "train" / "state.json").write_text("{"), "cannot read {d}/train/state.json: "),
@@ -100,6 +100,27 @@ def test_bad_saved_datasets_are_one_line(formats, tmp_path, edit, message):
     with pytest.raises(DataError) as e:
         load_corpus(DataConfig(path=str(tmp_path / "d"), cache_dir=str(tmp_path / "cache")))
     assert str(e.value).startswith(message.format(d=tmp_path / "d")), str(e.value)
+
+
+def test_a_saved_dataset_dict_validates_on_its_validation_split(formats, tmp_path):
+    """As --eval-data a DatasetDict gives its validation split (three "x" records), not train."""
+    cfg = DataConfig(path=str(formats / "folder"), eval_data=f"v={formats / 'dsdict'}", cache_dir=str(tmp_path))
+    (tokens,) = load_eval_sets(cfg, load_corpus(cfg)).values()
+    assert bytes(np.asarray(tokens)) == b"x\0x\0x"
+
+
+def test_the_text_field_names_the_records_field_of_every_record_source(formats, tmp_path):
+    """--text-field applies to the sources that are records, in a mixture and among the
+    validation sets; the text folder beside them is read as text."""
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"body": f"document {i} " * 9}) + "\n" for i in range(30)))
+    cfg = DataConfig(path=f"{tmp_path / 'b.jsonl'}:0.5,{formats / 'folder'}:0.5", text_field="body",
+                     eval_data=f"f={formats / 'folder'},b={tmp_path / 'b.jsonl'}", cache_dir=str(tmp_path / "c"))
+    corpus = load_corpus(cfg)
+    assert bytes(np.asarray(corpus.sources[0].train[:9])) == b"document "
+    sets = load_eval_sets(cfg, corpus)
+    assert bytes(np.asarray(sets["b"][:9])) == b"document " and len(sets["f"]) > 1000
+    with pytest.raises(DataError, match="is not records"):
+        load_corpus(DataConfig(path=f"{formats / 'folder'}:1", text_field="body", cache_dir=str(tmp_path / "c")))
 
 
 def test_the_text_field_chooses_the_document(formats, tmp_path):

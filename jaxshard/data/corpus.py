@@ -81,12 +81,14 @@ class DataConfig:
         metavar="bytes|bpe:N|PATH", run_only=True,
         default_text="the --init-from folder's tokenizer.json if it has one, else bytes")
     cache_dir: str | None = None  # token files of text tokenizers; None: DEFAULT_TOKEN_CACHE
+    evaluation: bool = False  # a validation set's: a datasets DatasetDict gives its validation split
     # None: on where the data have an end-of-text id and the run has no pipeline
     packing: bool | None = option(
         None, "attention within each document of a window (segment ids from the end-of-text ids), "
               "positions from 0 in each, and no loss on the token after an end-of-text",
         parse=parse_bool, metavar="true|false", run_only=True,
-        default_text="true where the data have an end-of-text id and the run no pipeline")
+        default_text="true where attention takes segment ids: the data have an end-of-text id, no "
+                     "pipeline, not cuDNN's fused kernel on GPUs")
 
     def __post_init__(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:
@@ -156,18 +158,31 @@ def _mixture_corpus(cfg: DataConfig, parts: list[tuple[str, float]], tokenizer: 
             ids = [p for p, _ in parts if Path(p).suffix in (".bin", ".tokens")]
             if ids:
                 raise ConfigError(f"--tokenizer {cfg.spec} trains on text, but {ids[0]} is already tokenized")
-            tokenizer = _trained_bpe([_source(dataclasses.replace(cfg, path=p)) for p, _ in parts], cfg)
+            tokenizer = _trained_bpe([_source(_part(cfg, p)) for p, _ in parts], cfg)
         else:
             tokenizer = tokenizer_from_spec(spec)
     if tokenizer.eot_id is None:
         raise DataError(f"a mixture finds its sources' documents by the end-of-text id; tokenizer "
                         f"{tokenizer.spec} has none")
+    if cfg.text_field != "text" and not any(_is_records(p) for p, _ in parts):
+        _no_text_field(cfg)
     sources = []
     for path, weight in parts:
-        c = load_corpus(dataclasses.replace(cfg, path=path), tokenizer)
+        c = load_corpus(_part(cfg, path), tokenizer)
         sources.append(mixture.Source(path, weight, c.train, c.val))
     empty = np.zeros(0, np.int32)
     return Corpus(cfg.path, empty, empty, tokenizer.vocab_size, tokenizer, tuple(sources))
+
+
+def _is_records(path: str) -> bool:
+    return Path(path).suffix not in (".bin", ".tokens") and records.shards(path, TEXT_SUFFIXES) is not None
+
+
+def _part(cfg: DataConfig, path: str, evaluation: bool = False) -> DataConfig:
+    """``cfg`` for one source of a mixture or one validation set: ``--text-field`` applies to
+    those that are records."""
+    return dataclasses.replace(cfg, path=path, text_field=cfg.text_field if _is_records(path) else "text",
+                               evaluation=evaluation)
 
 
 def _split(name: str, tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -191,7 +206,7 @@ def _source(cfg: DataConfig) -> _Source:
         _no_text_field(cfg)
         identity = f"{STDLIB}:{_stdlib_root()}:{sys.version}:{cfg.max_bytes}"
         return _Source(STDLIB, identity, _stdlib_files, cfg.max_bytes)
-    shards = records.shards(cfg.path, TEXT_SUFFIXES)
+    shards = records.shards(cfg.path, TEXT_SUFFIXES, records.EVAL_SPLITS if cfg.evaluation else ("train",))
     if shards is not None:
         return _record_source(cfg, shards)
     _no_text_field(cfg)
@@ -587,7 +602,7 @@ def _eval_tokens(path: str, cfg: DataConfig, corpus: Corpus) -> np.ndarray:
     if tokenizer is None:
         raise DataError(f"{path} is text, but the training data came as token ids without a tokenizer "
                         "to read it with (give --tokenizer)")
-    source = _source(dataclasses.replace(cfg, path=path))
+    source = _source(_part(cfg, path, evaluation=True))
     if isinstance(tokenizer, ByteTokenizer):
         return _byte_tokens(source)
     cache = Path(cfg.cache_dir) if cfg.cache_dir else DEFAULT_TOKEN_CACHE

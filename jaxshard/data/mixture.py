@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import threading
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,7 +33,7 @@ _MIX = 0x6D6978  # "mix": keeps the draws' generators apart from the window perm
 def parse(spec: str | None) -> list[tuple[str, float]] | None:
     """``PATH:WEIGHT,...`` as (path, weight) pairs, the weights summing to 1; None where ``spec``
     is one path without a weight (not a mixture)."""
-    if spec is None:
+    if spec is None or Path(spec).exists():  # (a path that happens to end in ":<number>")
         return None
     items = spec.split(",")
     pairs = []
@@ -82,8 +83,17 @@ class _Cursor:
     draw: int  # the first draw not yet behind the stream's read position
     token: int  # where that draw's document starts in the stream
     taken: np.ndarray  # documents taken from each source before that draw
-    # the draws from ``draw`` on made so far: (source, document, length with its end-of-text)
+    # the draws from ``draw`` on made so far: (source, document, length with its end-of-text),
+    # where they end in the stream, and the documents taken from each source with them
     ahead: list[tuple[int, int, int]] = field(default_factory=list)
+    end: int | None = None
+    taken_ahead: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.end is None:
+            self.end = self.token + sum(n for _, _, n in self.ahead)
+            self.taken_ahead = self.taken + np.bincount([s for s, _, _ in self.ahead],
+                                                        minlength=len(self.taken)).astype(self.taken.dtype)
 
 
 class MixedBatches:
@@ -128,39 +138,33 @@ class MixedBatches:
         if not self.shuffle:
             return i
         key = (source, epoch)
-        if key not in self._orders:
-            if len(self._orders) > 2 * len(self.tokens):
-                self._orders = {k: v for k, v in self._orders.items() if k[1] >= epoch - 1}
+        if key not in self._orders:  # (each source keeps its latest two epochs' orders)
+            self._orders = {k: v for k, v in self._orders.items() if k[0] != source or k[1] >= epoch - 1}
             self._orders[key] = np.random.default_rng([self.seed, source, epoch]).permutation(n)
         return int(self._orders[key][i])
 
     def _extend(self, c: _Cursor, stop: int) -> None:
         """Draw until ``c``'s draws reach stream token ``stop``."""
-        end = c.token + sum(n for _, _, n in c.ahead)
-        taken = c.taken.copy()
-        for s, _, _ in c.ahead:
-            taken[s] += 1
         k = c.draw + len(c.ahead)
-        while end < stop:
+        while c.end < stop:
             s = int(self._sources(k // BLOCK)[k % BLOCK])
-            d = self._document(s, int(taken[s]))
+            d = self._document(s, int(c.taken_ahead[s]))
             starts, stops = self.docs[s]
             n = int(stops[d] - starts[d]) + 1
             c.ahead.append((s, d, n))
-            taken[s] += 1
-            end += n
+            c.taken_ahead[s] += 1
+            c.end += n
             k += 1
 
     def _advance(self, c: _Cursor, token: int) -> None:
         """Move ``c`` to the draw whose document holds stream token ``token``."""
-        while True:
-            self._extend(c, token + 1)
-            s, _, n = c.ahead[0]
-            if c.token + n > token:
-                return
-            c.ahead.pop(0)
-            c.draw, c.token = c.draw + 1, c.token + n
-            c.taken[s] += 1
+        self._extend(c, token + 1)
+        ends = c.token + np.cumsum([n for _, _, n in c.ahead])
+        behind = int(np.searchsorted(ends, token, side="right"))  # the draws that end at or before it
+        if behind:
+            c.taken = c.taken + np.bincount([s for s, _, _ in c.ahead[:behind]], minlength=len(c.taken))
+            c.draw, c.token = c.draw + behind, int(ends[behind - 1])
+            del c.ahead[:behind]
 
     def _read(self, c: _Cursor, begins: np.ndarray, start: int, stop: int) -> np.ndarray:
         """Stream tokens [start, stop) from ``c``'s draws, which start at ``begins``."""

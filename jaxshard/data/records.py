@@ -20,6 +20,7 @@ from typing import Iterator
 from jaxshard.errors import DataError
 
 JSONL = (".jsonl", ".jsonl.gz", ".jsonl.zst")
+EVAL_SPLITS = ("validation", "valid", "val", "test")  # a DatasetDict's splits a validation set reads, in order
 SHARD_SUFFIXES = (*JSONL, ".parquet", ".arrow")
 _ROWS = 1024  # Parquet/Arrow rows read at once
 
@@ -32,9 +33,10 @@ def _kind(path: Path) -> str | None:
     return None
 
 
-def shards(path: str, text_suffixes: tuple[str, ...]) -> list[Path] | None:
+def shards(path: str, text_suffixes: tuple[str, ...], splits: tuple[str, ...] = ("train",)) -> list[Path] | None:
     """The shards of the record corpus at ``path``, in order; None where ``path`` is not one
-    (a text file or a folder of text files)."""
+    (a text file or a folder of text files). ``splits``: those of a ``datasets`` DatasetDict
+    to read, the first it has."""
     if any(c in path for c in "*?[") and not Path(path).exists():
         files = sorted(Path(p) for p in glob.glob(path, recursive=True))
         if not files:
@@ -48,7 +50,7 @@ def shards(path: str, text_suffixes: tuple[str, ...]) -> list[Path] | None:
     if p.is_file():
         return [p] if _kind(p) else None
     if p.is_dir():
-        saved = _saved_dataset(p)
+        saved = _saved_dataset(p, splits)
         if saved is not None:
             return saved
         found = sorted(f for f in p.rglob("*") if f.is_file() and _kind(f))
@@ -59,21 +61,23 @@ def shards(path: str, text_suffixes: tuple[str, ...]) -> list[Path] | None:
     return None
 
 
-def _saved_dataset(folder: Path) -> list[Path] | None:
+def _saved_dataset(folder: Path, wanted: tuple[str, ...] = ("train",)) -> list[Path] | None:
     """The shards of a ``datasets`` folder saved with ``save_to_disk``, in its order: a
     ``Dataset`` (``state.json`` lists its Arrow files) or a ``DatasetDict`` (``dataset_dict.json``
-    lists its splits, each a ``Dataset`` folder; its ``train`` split is read). None where
-    ``folder`` is neither."""
+    lists its splits, each a ``Dataset`` folder; the first of ``wanted`` it has is read). None
+    where ``folder`` is neither."""
     if (folder / "dataset_dict.json").is_file():
         splits = _json(folder / "dataset_dict.json", "a datasets DatasetDict file").get("splits")
         if not isinstance(splits, list) or not splits:
             raise DataError(f"{folder / 'dataset_dict.json'}: lists no splits")
-        if "train" not in splits:
+        split = next((s for s in wanted if s in splits), None)
+        if split is None:
             raise DataError(f"{folder} is a datasets DatasetDict with splits {', '.join(map(str, splits))} and "
-                            f"no 'train': give its split's folder, e.g. --data {folder / str(splits[0])}")
-        folder = folder / "train"
+                            f"no {' or '.join(repr(s) for s in wanted)}: give its split's folder, e.g. "
+                            f"{folder / str(splits[0])}")
+        folder = folder / split
         if not (folder / "state.json").is_file():
-            raise DataError(f"{folder}: the DatasetDict's train split has no state.json")
+            raise DataError(f"{folder}: the DatasetDict's {split} split has no state.json")
     if not (folder / "state.json").is_file():
         return None
     state = _json(folder / "state.json", "a datasets state file")
@@ -82,8 +86,8 @@ def _saved_dataset(folder: Path) -> list[Path] | None:
     except (KeyError, TypeError):
         raise DataError(f"{folder / 'state.json'}: no list of _data_files with file names") from None
     if state.get("_indices_data_files"):
-        raise DataError(f"{folder}: the dataset has an indices mapping; save it with save_to_disk, which "
-                        "writes the selected rows")
+        raise DataError(f"{folder}: the dataset has an indices mapping; save it again after "
+                        "flatten_indices(), which writes the selected rows")
     if not files:
         raise DataError(f"{folder / 'state.json'}: lists no data files")
     for f in files:

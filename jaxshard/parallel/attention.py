@@ -388,8 +388,9 @@ def _flash_fwd(q_BLKGH, k_BLKH, v_BLKH, T, segments_BL=None):
 
     init = (jnp.int32(0), jnp.full((B, K, G, L), _NEG, jnp.float32), jnp.zeros((B, K, G, L), jnp.float32),
             jnp.zeros((B, K, G, L, H), jnp.float32))
-    # Block 0 holds key 0, which every query sees: each row's max is finite after it, so the
-    # fully masked blocks that follow add exp(_NEG - m) = 0.
+    # Each query sees itself (its own block): its row's max is finite from that block on, so
+    # the fully masked blocks after it add exp(_NEG - m) = 0, and the junk exp(0) that masked
+    # blocks before it added (packed documents: earlier documents' blocks) is scaled by 0 there.
     (_, m, l, o), _ = jax.lax.scan(step, init, (_blocks(k_BLKH, T), _blocks(v_BLKH, T), segs))
     o_BLKGH = (o / l[..., None]).transpose(0, 3, 1, 2, 4).astype(q_BLKGH.dtype)
     lse_BKGL = m + jnp.log(l)
