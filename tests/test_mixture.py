@@ -91,6 +91,16 @@ def test_bad_mixtures_are_one_line(spec, message):
     assert str(e.value) == message
 
 
+def test_token_ids_in_a_mixture_need_their_tokenizer(tmp_path):
+    ids = tmp_path / "ids.bin"
+    np.arange(300, dtype="<u2").tofile(ids)
+    (tmp_path / "t.txt").write_text("some text " * 50)
+    with pytest.raises(DataError) as e:
+        load_corpus(DataConfig(path=f"{ids}:0.5,{tmp_path / 't.txt'}:0.5", cache_dir=str(tmp_path)))
+    assert str(e.value) == (f"a mixture reads its sources with one tokenizer, and {ids} is token ids: give the "
+                            "--tokenizer they were made with (its tokenizer.json)")
+
+
 def test_parsing_a_mixture():
     assert parse("web.jsonl:3,code/:1") == [("web.jsonl", 0.75), ("code/", 0.25)]
     assert parse("one.txt") is None and parse(None) is None and parse("host:dir/x") is None

@@ -152,10 +152,13 @@ def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> Corpus:
 def _mixture_corpus(cfg: DataConfig, parts: list[tuple[str, float]], tokenizer: Tokenizer | None) -> Corpus:
     """Each source's corpus, by one tokenizer: the one given, or ``cfg``'s (a BPE trained on all
     the sources' training splits)."""
+    ids = [p for p, _ in parts if Path(p).suffix in (".bin", ".tokens")]
+    if tokenizer is None and ids and cfg.tokenizer is None:
+        raise DataError(f"a mixture reads its sources with one tokenizer, and {ids[0]} is token ids: give the "
+                        "--tokenizer they were made with (its tokenizer.json)")
     if tokenizer is None:
         spec = parse_spec(cfg.spec)
         if spec.kind == "bpe":
-            ids = [p for p, _ in parts if Path(p).suffix in (".bin", ".tokens")]
             if ids:
                 raise ConfigError(f"--tokenizer {cfg.spec} trains on text, but {ids[0]} is already tokenized")
             tokenizer = _trained_bpe([_source(_part(cfg, p)) for p, _ in parts], cfg)
