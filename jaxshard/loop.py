@@ -215,8 +215,10 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
     tokenizer = corpus.tokenizer  # None: the data came as ids
     _log(f"model {model.cfg.name}: {model.n_params():,} params | mesh {axis_sizes(mesh)} | "
          f"strategy {rules.name}{f' + local SGD, averaged every {cfg.sync_every} steps' if cfg.sync_every else ''} | remat {model.remat} | {jax.device_count()} {jax.default_backend()} devices"
-         + (f" | documents packed (end-of-text id {model.cfg.documents_eot})" if model.cfg.documents_eot is not None else "")
          + (f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""))
+    if model.cfg.documents_eot is not None:
+        _log(f"documents packed: attention within each, positions from 0 in each, no loss after an "
+             f"end-of-text (id {model.cfg.documents_eot}; --packing false: one sequence per window)")
     schedule = program.schedule
     if schedule:
         chunks = f" x {schedule.virtual} chunks" if schedule.virtual > 1 else ""

@@ -217,10 +217,10 @@ def test_large_moe_presets_count_total_and_active_params_from_shapes(name, total
     assert round(active / 1e9, 1) == published[1] / 1e9
 
 
-def _run_with_metrics(model, mesh, **step):
-    program = make_program(model, mesh, **step)
-    state, metrics = program.init(0), []
-    for batch in random_batches(model.cfg.vocab_size):
+def _run_with_metrics(model, mesh, seed=0, **step):
+    program = make_program(model, mesh, seed=seed, **step)
+    state, metrics = program.init(seed), []
+    for batch in random_batches(model.cfg.vocab_size, seed):
         state, m = program.step(state, jax.device_put(batch, program.batch_sharding))
         metrics.append({k: float(v) for k, v in m.items()})
     return metrics, jax.tree.map(np.asarray, program.saved(state).params)
@@ -259,8 +259,11 @@ def test_routing_bias_matches_one_device(mesh, step):
     param, the biases included, are the same."""
     model = TransformerLM(get_preset("moe-tiny").replace(moe_capacity_factor=1.0, moe_balance="both",
                                                          moe_bias_rate=0.05))
-    ref, ref_params = _run_with_metrics(model, "data=1", accum=step.get("microbatches", 1))
-    got, params = _run_with_metrics(model, mesh, **step)
+    # Seed 1: with seed 0 a token's two best experts tie to rounding at step 5, and on some CPUs
+    # (an AMD EPYC's XLA:CPU among them) a mesh's differently ordered sums pick the other
+    # one -- a different, not a wrong, choice that no tolerance on exact routing can absorb.
+    ref, ref_params = _run_with_metrics(model, "data=1", seed=1, accum=step.get("microbatches", 1))
+    got, params = _run_with_metrics(model, mesh, seed=1, **step)
     for key in ("loss", "moe_max_violation", "moe_dropped", "grad_norm"):
         np.testing.assert_allclose([m[key] for m in got], [m[key] for m in ref], rtol=RTOL, err_msg=key)
     assert_params_close(params, ref_params)

@@ -70,7 +70,9 @@ def test_tiled_experts_equal_ragged_dot_and_a_numpy_loop_with_gradients(sizes, f
     np.testing.assert_allclose(out, _numpy(*case, family), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+        # (rounding of sums of products of about 25: absolute to the array's scale; which
+        # elements land near zero, and so fail a pure relative test, varies by CPU)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(b).max())))
     # The rows computed: each expert's in whole tiles, read from the loop's count.
     assert int(rows) == sum(-(-n // 4) * 4 for n in sizes)
 
