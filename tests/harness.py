@@ -10,7 +10,7 @@ import numpy as np
 
 from jaxshard.data import synthetic
 from jaxshard.mesh import MeshSpec, build_mesh
-from jaxshard.rules import ShardingRules, Strategy
+from jaxshard.rules import ShardingRules, Strategy, use_rules
 from jaxshard.training.optim import OptimConfig
 from jaxshard.training.step import StepConfig, build_program
 from models import TransformerLM, get_preset
@@ -29,14 +29,29 @@ def make_program(model, mesh_spec: str, *, zero=0, sequence_parallel=False, accu
                  dtype="float32", seed=0, devices=None, reshard_after_forward=True, offload=(),
                  context_parallel="ring", **step):
     """``mesh_spec`` on the first devices it needs (all 8 unless its sizes say fewer)."""
-    if devices is None:
-        sizes = [s for _, s in MeshSpec.parse(mesh_spec).axes]
-        devices = jax.devices() if -1 in sizes else jax.devices()[:math.prod(sizes)]
-    rules = ShardingRules(build_mesh(mesh_spec, devices),
+    rules = ShardingRules(build_mesh(mesh_spec, devices or first_devices(mesh_spec)),
                           Strategy(zero=zero, sequence_parallel=sequence_parallel,
                                    reshard_after_forward=reshard_after_forward, offload=offload,
                                    context_parallel=context_parallel))
     return build_program(model, rules, OPTIM, StepConfig(grad_accum=accum, compute_dtype=dtype, seed=seed, **step))
+
+
+def first_devices(mesh_spec: str) -> list:
+    """The first devices ``mesh_spec`` needs (all of them for a ``-1`` axis)."""
+    sizes = [s for _, s in MeshSpec.parse(mesh_spec).axes]
+    return jax.devices() if -1 in sizes else jax.devices()[:math.prod(sizes)]
+
+
+def under(mesh_spec: str, fn, *args, sp=False, cp="ring"):
+    """``fn(*args)`` jitted under the rules of ``mesh_spec`` (inputs laid out by the rules too)."""
+    rules = ShardingRules(build_mesh(mesh_spec, first_devices(mesh_spec)),
+                          Strategy(sequence_parallel=sp, context_parallel=cp))
+
+    def run(*a):
+        with use_rules(rules):
+            return fn(*a)
+
+    return jax.jit(run)(*args)
 
 
 def train(model, mesh_spec: str, *, seed=0, **kwargs):

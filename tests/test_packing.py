@@ -3,19 +3,16 @@ token the loss it has when its document runs alone, unpacked -- on one device an
 sequence (ring, balanced ring, Ulysses) and data parallelism, with learned and rotary
 positions -- and no attention weight crosses a document on any attention path."""
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxshard.mesh import MeshSpec, build_mesh
+from jaxshard.mesh import MeshSpec
 from jaxshard.parallel import attention
 from jaxshard.parallel.attention import causal_attention, dense_probabilities, document_layout
-from jaxshard.rules import ShardingRules, Strategy, use_rules
 from models import TransformerLM, get_preset
-from harness import assert_params_close
+from harness import assert_params_close, under
 
 EOT = 0
 L = 32
@@ -37,16 +34,8 @@ def _packed(batch: int, vocab: int, seed: int = 0, length: int = L):
     return np.array(rows, np.int32), docs
 
 
-def _under(mesh: str, fn, *args, cp: str = "ring", sp: bool = False):
-    sizes = [s for _, s in MeshSpec.parse(mesh).axes]
-    rules = ShardingRules(build_mesh(mesh, jax.devices()[:math.prod(sizes)]),
-                          Strategy(context_parallel=cp, sequence_parallel=sp))
-
-    def run(*a):
-        with use_rules(rules):
-            return fn(*a)
-
-    return np.asarray(jax.jit(run)(*args))
+def _under(mesh: str, fn, *args, cp: str = "ring", sp: bool = False) -> np.ndarray:
+    return np.asarray(under(mesh, fn, *args, cp=cp, sp=sp))
 
 
 @pytest.mark.parametrize("model_name", ["tiny", "tiny-llama"])

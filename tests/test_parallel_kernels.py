@@ -11,20 +11,10 @@ from jaxshard.mesh import build_mesh
 from jaxshard.parallel import attention
 from jaxshard.parallel.attention import causal_attention
 from jaxshard.parallel.vocab import cross_entropy, embed_lookup
-from jaxshard.rules import ShardingRules, Strategy, constrain, use_rules
+from jaxshard.rules import constrain
+from harness import under
 
 RNG = np.random.default_rng(0)
-
-
-def under(mesh, fn, *args, sp=False, cp="ring"):
-    """``fn(*args)`` jitted under the rules of ``mesh`` (inputs laid out by the rules too)."""
-    rules = ShardingRules(build_mesh(mesh), Strategy(sequence_parallel=sp, context_parallel=cp))
-
-    def run(*a):
-        with use_rules(rules):
-            return fn(*a)
-
-    return jax.jit(run)(*args)
 
 
 @pytest.mark.parametrize("mesh, sp", [("tensor=8", False), ("data=2,tensor=4", False),
