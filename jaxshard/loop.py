@@ -53,18 +53,13 @@ def _check_model_fits_data(model: LanguageModel, corpus: data_lib.Corpus, seq_le
 def _documents_eot(cfg: RunConfig, corpus: data_lib.Corpus, rules: ShardingRules, model_cfg) -> int | None:
     """The end-of-text id that packs the windows' documents (``--packing``), or None: off, by
     the flag, or by default where the attention path does not take segment ids -- the data
-    have no such id, a pipeline runs the model, or on GPUs cuDNN's fused kernel would run it
-    (the blockwise kernel, which takes them, is slower: it is the packed run's only with
-    ``--packing true``)."""
+    have no such id, or on GPUs cuDNN's fused kernel would run it (the blockwise kernel, which
+    takes them, is slower: it is the packed run's only with ``--packing true``)."""
     asked = cfg.data.packing
     eot = corpus.tokenizer.eot_id if corpus.tokenizer is not None else None
-    pipeline = axis_sizes(rules.mesh).get("stage", 1) > 1
     if asked and eot is None:
         raise DataError(f"--packing true finds documents by the end-of-text id; data {corpus.name} has no "
                         "tokenizer that names one (give --tokenizer)")
-    if asked and pipeline:
-        raise ConfigError("--packing true: pipeline stages do not take documents' segment ids yet; "
-                          "use --packing false with a stage axis")
     ring = bool(rules.activation_mesh_axes(Dim.LENGTH)) and rules.strategy.context_parallel == "ring"
     fused = jax.default_backend() == "gpu" and not ring and attention.gpu_kernel(
         cfg.step.compute_dtype, model_cfg.d_head, cfg.seq_len, attention.gpu_capability()) == "cudnn"
@@ -73,7 +68,7 @@ def _documents_eot(cfg: RunConfig, corpus: data_lib.Corpus, rules: ShardingRules
     if fused and asked is None:
         _log("documents not packed: cuDNN's fused attention takes no segment ids here (--packing true "
              "packs them with the slower blockwise kernel)")
-    return None if asked is False or pipeline or (fused and asked is None) else eot
+    return None if asked is False or (fused and asked is None) else eot
 
 
 def _fault(kind: str, step: int) -> None:

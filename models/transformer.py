@@ -127,8 +127,9 @@ class TransformerLM:
         return nnx.merge(self._embedder_def, for_compute(outer, self.embedder_axes))
 
     def embed(self, params: Params, tokens_BL: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
-        positions_L = jnp.arange(tokens_BL.shape[1])
-        x_BLD = self._embedder(params).encode(tokens_BL, positions_L)
+        """The tokens' embedding, at their places (in their documents, when traced under
+        :func:`attention.documents`)."""
+        x_BLD = self._embedder(params).encode(tokens_BL, attention.positions(tokens_BL.shape[1]))
         return dropout(x_BLD, self.cfg.dropout, key)
 
     def block(self, layer_params: Params, x_BLD: jax.Array, *, key: jax.Array | None = None,

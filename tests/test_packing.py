@@ -12,7 +12,7 @@ from jaxshard.mesh import MeshSpec
 from jaxshard.parallel import attention
 from jaxshard.parallel.attention import causal_attention, dense_probabilities, document_layout
 from models import TransformerLM, get_preset
-from harness import assert_params_close, under
+from harness import RTOL, assert_params_close, make_program, under
 
 EOT = 0
 L = 32
@@ -85,6 +85,42 @@ def test_packed_gradients_are_the_same_under_recompute(remat):
         grads[policy] = jax.jit(jax.grad(lambda p: model.loss(p, rows[:, :-1], rows[:, 1:]).total))(params)
     assert_params_close(grads[remat], jax.tree.map(np.asarray, grads["none"]))  # (per leaf, by norm)
 
+
+
+@pytest.mark.parametrize("model_name", ["tiny", "tiny-llama"])
+def test_generation_continues_a_document_as_packed_training_sees_it(model_name):
+    """Generation's cache runs a prompt as one document from position 0: its prefill and
+    its token-by-token steps give the logits the packed forward gives the same tokens
+    anywhere in a packed row (here documents that start after others)."""
+    model = TransformerLM(get_preset(model_name).replace(documents_eot=EOT))
+    params = model.init(jax.random.key(5))
+    rows, docs = _packed(2, model.cfg.vocab_size, seed=4)
+    inputs = jnp.asarray(rows[:, :-1])
+    segments, positions, _ = document_layout(inputs, EOT)
+
+    def packed_logits(params, inputs):
+        with attention.documents(segments, positions):
+            return model.head(params, model.blocks(params, model.embed(params, inputs)))
+
+    want = np.asarray(jax.jit(packed_logits)(params, inputs))
+    extend = jax.jit(model.extend)
+    checked = 0
+    for b, placed in enumerate(docs):
+        for start, d in placed[1:]:
+            n = min(len(d), L - start)
+            if n < 3:
+                continue
+            cache = model.new_cache(1, n)
+            got = []
+            first = np.array([d[:2]], np.int32)  # the prefill, then one token at a time
+            logits, cache = extend(params, first, cache)
+            got.append(np.asarray(logits)[0])
+            for t in d[2:n]:
+                logits, cache = extend(params, np.array([[t]], np.int32), cache)
+                got.append(np.asarray(logits)[0])
+            np.testing.assert_allclose(np.concatenate(got), want[b, start:start + n], rtol=1e-5, atol=1e-5)
+            checked += n
+    assert checked > L
 
 def test_the_document_layout():
     inputs = jnp.array([[7, 8, 0, 9, 0, 0, 4, 5]])
@@ -160,6 +196,45 @@ def test_no_attention_path_lets_one_document_see_another(mesh, cp, kernel, balan
     assert np.abs(dv[~others]).sum() > 0 and others.sum() > L
 
 
+
+def _train_packed(model, mesh: str, steps: int = 3, **step) -> tuple[list[float], float, dict]:
+    """(the losses of ``steps`` steps on packed batches of 16 rows, the validation loss of
+    the next batch after them, the params) of ``model`` under ``mesh``."""
+    program = make_program(model, mesh, **step)
+    state, losses = program.init(0), []
+    batches = [_packed(16, model.cfg.vocab_size, seed=10 + n)[0] for n in range(steps + 1)]
+    batches = [{"inputs": rows[:, :-1], "targets": rows[:, 1:]} for rows in batches]
+    for batch in batches[:-1]:
+        state, metrics = program.step(state, jax.device_put(batch, program.batch_sharding))
+        losses.append(float(metrics["loss"]))
+    val = float(program.eval(state.params, jax.device_put(batches[-1], program.batch_sharding)))
+    return losses, val, jax.tree.map(np.asarray, program.saved(state).params)
+
+
+@pytest.mark.parametrize("name, mesh, step", [
+    ("tiny", "stage=2,data=4", dict(pipeline_schedule="1f1b", microbatches=4)),
+    ("tiny-llama", "data=2,stage=2,tensor=2", dict(pipeline_schedule="interleaved", microbatches=2)),
+    ("tiny-llama", "stage=2,data=4", dict(pipeline_schedule="zb-h1", microbatches=4)),
+    ("tiny", "stage=2,data=4", dict(pipeline_schedule="gpipe", microbatches=2, stage_layers=(3, 1))),
+    ("moe-tiny", "stage=2,expert=4", dict(pipeline_schedule="1f1b", microbatches=4)),
+])
+def test_pipelines_train_packed_documents_as_one_device(name, mesh, step):
+    """Each stage takes its microbatch's segment ids (attention within documents, positions
+    from 0 in each) and the last counts only the targets one device counts: 3 packed steps
+    of a 4-layer model give one device's losses, validation loss and params (an MoE model:
+    one device accumulating the same microbatches, whose routing statistics are per
+    microbatch). The same batches unpacked give other losses, so the comparison can fail."""
+    cfg = get_preset(name).replace(n_layers=4)
+    packed = TransformerLM(cfg.replace(documents_eot=EOT))
+    accum = step["microbatches"] if cfg.moe_experts else 1
+    want_losses, want_val, want_params = _train_packed(packed, "data=1", accum=accum)
+    losses, val, params = _train_packed(packed, mesh, **step)
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL)
+    np.testing.assert_allclose(val, want_val, rtol=RTOL)
+    assert_params_close(params, want_params)
+    unpacked_losses, _, _ = _train_packed(TransformerLM(cfg), "data=1", steps=1, accum=accum)
+    assert abs(unpacked_losses[0] - want_losses[0]) > 100 * RTOL * want_losses[0]
+
 COMMON = ["--model", "tiny", "--n-layers", "1", "--cpu-devices", "8", "--platform", "cpu", "--steps", "2",
           "--batch-size", "8", "--seq-len", "32", "--eval-batches", "1", "--warmup-steps", "0", "--no-progress"]
 
@@ -173,7 +248,7 @@ def _run(tmp_path, name, *flags):
     return json.loads(report.read_text())
 
 
-def test_packing_is_on_by_default_and_off_when_asked_or_under_a_pipeline(tmp_path):
+def test_packing_is_on_by_default_pipelines_included_and_off_when_asked(tmp_path):
     import json
 
     rng = np.random.default_rng(0)
@@ -186,14 +261,11 @@ def test_packing_is_on_by_default_and_off_when_asked_or_under_a_pipeline(tmp_pat
     assert on["packing"] and not off["packing"]
     assert on["model_config"]["documents_eot"] == 0 and off["model_config"]["documents_eot"] is None
     assert on["first_loss"] != off["first_loss"]
-    staged = _run(tmp_path, "staged", "--mesh", "data=4,stage=2", "--n-layers", "2")
-    assert not staged["packing"]
+    staged = _run(tmp_path, "staged", "--mesh", "data=4,stage=2", "--n-layers", "2", *data)
+    assert staged["packing"] and staged["model_config"]["documents_eot"] == 0
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--mesh", "data=4,stage=2", "--n-layers", "2", "--packing", "true"],
-     "--packing true: pipeline stages do not take documents' segment ids yet; use --packing false with a "
-     "stage axis"),
     (["--mesh", "data=8", "--packing", "true", "--data", "{bin}"],
      "--packing true finds documents by the end-of-text id; data {bin} has no tokenizer that names one "
      "(give --tokenizer)"),

@@ -306,7 +306,8 @@ def test_data_parallel_gradients_are_reduced_once_per_step_not_per_microbatch(me
 
 @pytest.mark.parametrize("mesh, schedule, microbatches, layout", [
     ("stage=2,data=4", "1f1b", 4, {}), ("data=2,stage=2,tensor=2", "gpipe", 2, {}),
-    ("stage=2,data=4", "interleaved", 4, dict(stage_layers=(1, 2, 1, 1)))])
+    ("stage=2,data=4", "interleaved", 4, dict(stage_layers=(1, 2, 1, 1))),
+    ("stage=2,data=4", "zb-h1", 4, {})])  # (a neighbour's output waits in the inbox for its forward)
 def test_evaluation_runs_the_pipeline_and_gathers_no_stage(mesh, schedule, microbatches, layout):
     """The validation loss of a pipelined run comes from the stages' forward slots: the one
     device's loss, with no layer weight gathered across stages (a plain layer scan would

@@ -82,13 +82,13 @@ class DataConfig:
         default_text="the --init-from folder's tokenizer.json if it has one, else bytes")
     cache_dir: str | None = None  # token files of text tokenizers; None: DEFAULT_TOKEN_CACHE
     evaluation: bool = False  # a validation set's: a datasets DatasetDict gives its validation split
-    # None: on where the data have an end-of-text id and the run has no pipeline
+    # None: on where the data have an end-of-text id and attention takes segment ids
     packing: bool | None = option(
         None, "attention within each document of a window (segment ids from the end-of-text ids), "
               "positions from 0 in each, and no loss on the token after an end-of-text",
         parse=parse_bool, metavar="true|false", run_only=True,
-        default_text="true where attention takes segment ids: the data have an end-of-text id, no "
-                     "pipeline, not cuDNN's fused kernel on GPUs")
+        default_text="true where attention takes segment ids: the data have an end-of-text id, "
+                     "not cuDNN's fused kernel on GPUs")
 
     def __post_init__(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:

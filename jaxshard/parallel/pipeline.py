@@ -398,11 +398,12 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         ) -> tuple[Any, Any, Any] | jax.Array:
     """Loss sum and gradients of one step under ``schedule`` (and its ``layout``).
 
-    ``embed(outer, tokens, i, aux) -> x``; ``body(chunk, x, i, layers, aux) -> y`` runs one
-    chunk of a stage's layers (``chunk``: its ``depth`` slots of the stored stack; ``layers``:
-    the model layer in each slot, -1 for an empty one); ``last(chunk, outer, x, targets, i,
-    layers, aux) -> loss sum`` runs the last chunk's layers, the head and the loss; ``i`` is the
-    microbatch, ``aux`` is passed through (e.g. a dropout key), replicated.
+    ``embed(outer, tokens, i, aux) -> x``; ``body(chunk, x, tokens, i, layers, aux) -> y`` runs
+    one chunk of a stage's layers (``chunk``: its ``depth`` slots of the stored stack;
+    ``layers``: the model layer in each slot, -1 for an empty one); ``last(chunk, outer, x,
+    tokens, targets, i, layers, aux) -> loss sum`` runs the last chunk's layers, the head and the
+    loss; ``i`` is the microbatch and ``tokens`` its input tokens (what packed documents' ids
+    come from), ``aux`` is passed through (e.g. a dropout key), replicated.
     ``inputs_MBL``/``targets_MBL``: the step's microbatches. ``seed``: the cotangent of the loss
     sum (a loss scale). ``replicas``: batch axes (:func:`replica_axes`) the executor is manual
     over too, each device running its own rows (``inputs_MBL``'s dim 1 is split over them)
@@ -418,8 +419,8 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
     summed over microbatches, stages and replicas (evaluation: the loss alone).
 
     A zero-bubble schedule (``schedule.split``) runs the last chunk's forward in its forward
-    slot like any other, keeping its output; its backward slot runs ``head(outer, y, targets,
-    i, aux) -> loss sum`` (the head and the loss) and the chunk's B; every chunk's backward
+    slot like any other, keeping its output; its backward slot runs ``head(outer, y, tokens,
+    targets, i, aux) -> loss sum`` (the head and the loss) and the chunk's B; every chunk's backward
     slot computes its input's gradient alone (``split_backward``) and its W slot the weights'.
     """
     Pn, V, K = schedule.stages, schedule.virtual, schedule.slots
@@ -493,22 +494,27 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
             return i, i_, v_, tables["fwd_slot"][t, s], x_in
 
         def eval_tick(carry, t):
-            received_x, stash_x, loss_acc = carry
+            received_x, stash_x, loss_acc, inbox_x = carry
+            if zb:  # what arrived waits in the inbox until its forward takes it, as in training
+                inbox_x = keep_if(inbox_x, received_x, tables["fwd_in"][t, s])
+                received_x = kept(inbox_x, jnp.maximum(tables["fwd_from"][t, s], 0))
             i, i_, v_, slot, x_in = take_input(t, received_x)
-            y = jax.lax.cond((i >= 0) & ~is_last(v_), lambda: run_body(chunk(v_), x_in, i_, layer_ids[s, v_], aux)[0],
+            y = jax.lax.cond((i >= 0) & ~is_last(v_),
+                             lambda: run_body(chunk(v_), x_in, inputs[i_], i_, layer_ids[s, v_], aux)[0],
                              lambda: zeros_x)
             stash_x = keep(stash_x, x_in, jnp.where(i >= 0, slot, K))
             # The last chunk's loss, at its backward slot (where training runs it).
             j, w = tables["bwd"][t, s], jnp.maximum(tables["bwd_chunk"][t, s], 0)
             j_, back = jnp.maximum(j, 0), jnp.maximum(tables["bwd_slot"][t, s], 0)
             loss = jax.lax.cond((j >= 0) & is_last(w), lambda: run_last(
-                chunk(w), outer, stash_x[back], targets[j_], j_, layer_ids[s, w], aux)[0].astype(jnp.float32),
-                lambda: jnp.zeros((), jnp.float32))
-            return (jax.lax.ppermute(y, STAGE, to_next), stash_x, loss_acc + loss), None
+                chunk(w), outer, stash_x[back], inputs[j_], targets[j_], j_, layer_ids[s, w], aux
+            )[0].astype(jnp.float32), lambda: jnp.zeros((), jnp.float32))
+            return (jax.lax.ppermute(y, STAGE, to_next), stash_x, loss_acc + loss, inbox_x), None
 
         if not train:
-            init = (zeros_x, jnp.zeros((K + 1, *zeros_x.shape), zeros_x.dtype), jnp.zeros((), jnp.float32))
-            (_, _, loss), _ = jax.lax.scan(eval_tick, init, jnp.arange(schedule.ticks))
+            inbox = jnp.zeros((schedule.in_slots if zb else 0, *zeros_x.shape), zeros_x.dtype)
+            init = (zeros_x, jnp.zeros((K + 1, *zeros_x.shape), zeros_x.dtype), jnp.zeros((), jnp.float32), inbox)
+            (_, _, loss, _), _ = jax.lax.scan(eval_tick, init, jnp.arange(schedule.ticks))
             return jax.lax.psum(loss, (STAGE, *replicas))
 
         residuals = _Residuals()
@@ -517,7 +523,7 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
             """The chunk's output, what its backward pass needs -- the residuals of its
             ``jax.vjp``, less the chunk's own params (read again in the backward slot) -- and
             its side output."""
-            (y, (extra, side_out)), vjp = jax.vjp(lambda b, x: run_body(b, x, j, ids, aux), c, x)
+            (y, (extra, side_out)), vjp = jax.vjp(lambda b, x: run_body(b, x, inputs[j], j, ids, aux), c, x)
             return y, residuals.split(vjp, c), (extra.astype(jnp.float32), side_out)
 
         # The residuals' structure, from one trace.
@@ -535,7 +541,7 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
 
             def end():
                 def total(b, o, x):
-                    loss, (extra, side_out) = run_last(b, o, x, targets[j], j, ids, aux)
+                    loss, (extra, side_out) = run_last(b, o, x, inputs[j], targets[j], j, ids, aux)
                     return loss + extra, (loss.astype(jnp.float32), (extra.astype(jnp.float32), side_out))
 
                 total_loss, vjp, (loss, extras) = jax.vjp(total, c, outer, x_in, has_aux=True)
@@ -575,7 +581,7 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
             c = chunk(v)
 
             def head_grads():
-                loss, vjp = jax.vjp(lambda o, y: head(o, y, targets[j], j, aux), outer, y_kept)
+                loss, vjp = jax.vjp(lambda o, y: head(o, y, inputs[j], targets[j], j, aux), outer, y_kept)
                 d_outer, d_y = vjp(seed.astype(loss.dtype))
                 return loss.astype(jnp.float32), d_outer, d_y
 

@@ -10,6 +10,7 @@ provides the pieces (:class:`jaxshard.model.Stageable`), as torchtitan's models 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import jax
@@ -19,7 +20,7 @@ from jaxshard import remat as remat_lib
 from jaxshard.axes import Dim
 from jaxshard.errors import ConfigError
 from jaxshard.model import MOE_METRICS, Loss, Params, Stageable
-from jaxshard.parallel import pipeline
+from jaxshard.parallel import attention, pipeline
 from jaxshard.parallel.vocab import cross_entropy
 from jaxshard.rows import microbatch_rows
 from jaxshard.rules import active, constrain
@@ -115,12 +116,12 @@ class StagedModel:
         dtype)."""
         loss, d_stack, d_outer = self._run(params, inputs_BL, targets_BL, schedule, key, cast,
                                            seed=seed, train=True)
-        tokens = jnp.asarray(inputs_BL.size, jnp.float32)
+        tokens = self._counted_tokens(inputs_BL)
         if self.moe_layers:  # (nll, the auxiliary losses, the routing statistics): token-weighted sums
             nll, extra, stats = loss
             sums = Loss(nll + extra, tokens, nll, dict(zip(MOE_METRICS, stats)))
         else:
-            sums = _dense_loss(loss, inputs_BL)
+            sums = Loss(loss, tokens, loss, {})
         return sums, {**d_outer, self.stack: d_stack}
 
     def pipeline_loss(self, params: Params, inputs_BL: jax.Array, targets_BL: jax.Array,
@@ -128,8 +129,20 @@ class StagedModel:
                       cast: Callable[[Any], Any] = lambda p: p) -> Loss:
         """The :class:`Loss` as :meth:`loss` gives it, each stage running its own layers in
         the pipeline's forward slots (no stage gathers another's layers)."""
-        return _dense_loss(self._run(params, inputs_BL, targets_BL, schedule, None, cast, train=False),
-                           inputs_BL)
+        nll = self._run(params, inputs_BL, targets_BL, schedule, None, cast, train=False)
+        return Loss(nll, self._counted_tokens(inputs_BL), nll, {})
+
+    def _documents(self, tokens_BL: jax.Array) -> tuple[Any, Any, Any]:
+        """Packed documents' (segment ids, positions, targets that count) of ``tokens_BL``
+        (:func:`attention.document_layout`), or Nones: one sequence a row."""
+        eot = self.model.cfg.documents_eot
+        return (None, None, None) if eot is None else attention.document_layout(tokens_BL, eot)
+
+    def _counted_tokens(self, tokens_BL: jax.Array) -> jax.Array:
+        """The targets the loss counts: all, or with packed documents all but those after an
+        end-of-text (as the model's loss counts them)."""
+        counted_BL = self._documents(tokens_BL)[2]
+        return jnp.asarray(tokens_BL.size, jnp.float32) if counted_BL is None else counted_BL.sum(dtype=jnp.float32)
 
     def _run(self, params, inputs_BL, targets_BL, schedule, key, cast, **run):
         model = self.model
@@ -151,28 +164,37 @@ class StagedModel:
             k_embed, k_blocks = jax.random.split(key)
             return k_embed, jax.random.split(k_blocks, model.cfg.n_layers)
 
+        @contextlib.contextmanager
+        def microbatch(i, tokens_BL):
+            """Trace microbatch ``i`` (this device's rows of it), its packed documents if any."""
+            segments_BL, positions_BL, _ = self._documents(tokens_BL)
+            with microbatch_rows(i, M, replicas), attention.documents(segments_BL, positions_BL):
+                yield
+
         def embed(outer, tokens_BL, i, key):
-            with microbatch_rows(i, M, replicas):
+            with microbatch(i, tokens_BL):
                 return model.embed(cast(outer), tokens_BL, key=keys(key)[0])
 
-        def body(chunk, x_BLD, i, layers, key):
+        def body(chunk, x_BLD, tokens_BL, i, layers, key):
             layer_keys = keys(key)[1]
             if layer_keys is not None:
                 layer_keys = layer_keys[jnp.maximum(layers, 0)]
             present = layers >= 0 if layout.padded else None
-            with microbatch_rows(i, M, replicas):
+            with microbatch(i, tokens_BL):
                 if not self.moe_layers:
                     return model.blocks({model.stack: cast(chunk)}, x_BLD, layer_keys=layer_keys, present=present)
-                return self._moe_chunk(cast(chunk), x_BLD, layer_keys, present)
+                return self._moe_chunk(cast(chunk), x_BLD, layer_keys, present, self._counted_tokens(tokens_BL))
 
-        def last(chunk, outer, x_BLD, targets_BL, i, layers, key):
-            y = body(chunk, x_BLD, i, layers, key)
+        def last(chunk, outer, x_BLD, tokens_BL, targets_BL, i, layers, key):
+            y = body(chunk, x_BLD, tokens_BL, i, layers, key)
             y_BLD, side = y if self.moe_layers else (y, None)
-            nll = head(outer, y_BLD, targets_BL, i, key)
+            nll = head(outer, y_BLD, tokens_BL, targets_BL, i, key)
             return nll if side is None else (nll, side)
 
-        def head(outer, y_BLD, targets_BL, i, key):  # the head and the loss (zero-bubble: apart)
-            return cross_entropy(model.head(cast(outer), y_BLD), targets_BL, model.cfg.vocab_size).sum()
+        def head(outer, y_BLD, tokens_BL, targets_BL, i, key):  # the head and the loss (zero-bubble: apart)
+            nll_BL = cross_entropy(model.head(cast(outer), y_BLD), targets_BL, model.cfg.vocab_size)
+            counted_BL = self._documents(tokens_BL)[2]
+            return (nll_BL if counted_BL is None else jnp.where(counted_BL, nll_BL, 0.0)).sum()
 
         # A learned position table enters as its first L rows, the only ones with a gradient:
         # the executor accumulates and reduces those, not the whole table.
@@ -192,10 +214,11 @@ class StagedModel:
         d_outer["positions"] = jnp.pad(d_outer["positions"], ((0, table.shape[0] - L), (0, 0)))
         return loss, d_stack, d_outer
 
-    def _moe_chunk(self, chunk: Params, x_BLD: jax.Array, layer_keys, present):
+    def _moe_chunk(self, chunk: Params, x_BLD: jax.Array, layer_keys, present, tokens: jax.Array):
         """A pipeline chunk of MoE layers (every layer one): (output, (its auxiliary losses,
-        its routing statistics)), both token-weighted sums as the model's loss makes them, the
-        chunk's share of the mean over the model's MoE layers."""
+        its routing statistics)), both weighted by the microbatch's ``tokens`` (the targets
+        that count) as the model's loss weights them, the chunk's share of the mean over the
+        model's MoE layers."""
         model = self.model
 
         def layer(x, xs):
@@ -211,7 +234,7 @@ class StagedModel:
 
         x_BLD, stats = jax.lax.scan(remat_lib.apply(layer, model.remat), x_BLD, (chunk, layer_keys, present),
                                     unroll=model.unroll)
-        per_token = x_BLD.shape[0] * x_BLD.shape[1] / model.cfg.n_moe_layers
+        per_token = tokens / model.cfg.n_moe_layers
         sums = [per_token * jnp.sum(s) for s in stats]
         return x_BLD, (model.aux_loss(**dict(zip(MOE_METRICS, sums))), jax.lax.stop_gradient(jnp.stack(sums)))
 
@@ -220,6 +243,3 @@ def staged(model: Stageable | StagedModel, layout: pipeline.StageLayout) -> Stag
     """``model`` stored as ``layout`` says (a staged model's own layout replaced)."""
     return StagedModel(model.model if isinstance(model, StagedModel) else model, layout)
 
-
-def _dense_loss(nll: jax.Array, inputs_BL: jax.Array) -> Loss:
-    return Loss(nll, jnp.asarray(inputs_BL.size, jnp.float32), nll, {})
