@@ -29,12 +29,19 @@ def main(argv: list[str] | None = None) -> int:
 
         from experiments.common import build_model
         from jaxshard.analysis import hlo, inspect
+        from jaxshard.data.tokenizer import ByteTokenizer
+        from jaxshard.loop import documents_eot
         from jaxshard.mesh import axis_sizes, build_mesh
         from jaxshard.rules import ShardingRules
         from jaxshard.training.step import balance_stages, build_program, check_batch
 
         model = build_model(cfg)  # the program training runs: the layer scan rolled
         rules = ShardingRules(build_mesh(cfg.mesh, dcn=cfg.dcn_mesh), cfg.strategy)
+        # Packed documents where training would pack them (the embedded corpus's bytes: any
+        # end-of-text id compiles the same step).
+        eot = documents_eot(cfg, ByteTokenizer.eot_id, "the embedded corpus", rules, model.cfg)
+        if eot is not None:
+            model = build_model(cfg, documents_eot=eot)
         step = cfg.step
         if step.balance:
             step, line = balance_stages(model, rules, step, cfg.batch_size, cfg.seq_len)
@@ -42,8 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         program = build_program(model, rules, cfg.optim, step)
         check_batch(rules, cfg.batch_size, cfg.seq_len, step.grad_accum,
                     program.schedule.microbatches if program.schedule else 1)
+        packed = " | documents packed (--packing false: one sequence a row)" if eot is not None else ""
         print(f"model {model.cfg.name}: {model.n_params():,} params | mesh {axis_sizes(rules.mesh)} | "
-              f"strategy {rules.name} | batch {cfg.batch_size} x {cfg.seq_len}\n")
+              f"strategy {rules.name} | batch {cfg.batch_size} x {cfg.seq_len}{packed}\n")
         compiled = program.lower_step(cfg.batch_size, cfg.seq_len).compile()
         v = inspect.verify(model, program, compiled, cfg.batch_size, cfg.seq_len, step=step)
         print(inspect.format_verification(v))

@@ -50,15 +50,15 @@ def _check_model_fits_data(model: LanguageModel, corpus: data_lib.Corpus, seq_le
                           f"{model.cfg.max_seq_len}")
 
 
-def _documents_eot(cfg: RunConfig, corpus: data_lib.Corpus, rules: ShardingRules, model_cfg) -> int | None:
-    """The end-of-text id that packs the windows' documents (``--packing``), or None: off, by
+def documents_eot(cfg: RunConfig, eot: int | None, data_name: str, rules: ShardingRules, model_cfg) -> int | None:
+    """The end-of-text id (``eot``: the data's, None if they have none) that packs the windows'
+    documents (``--packing``), or None: off, by
     the flag, or by default where the attention path does not take segment ids -- the data
     have no such id, or on GPUs cuDNN's fused kernel would run it (the blockwise kernel, which
     takes them, is slower: it is the packed run's only with ``--packing true``)."""
     asked = cfg.data.packing
-    eot = corpus.tokenizer.eot_id if corpus.tokenizer is not None else None
     if asked and eot is None:
-        raise DataError(f"--packing true finds documents by the end-of-text id; data {corpus.name} has no "
+        raise DataError(f"--packing true finds documents by the end-of-text id; data {data_name} has no "
                         "tokenizer that names one (give --tokenizer)")
     ring = bool(rules.activation_mesh_axes(Dim.LENGTH)) and rules.strategy.context_parallel == "ring"
     fused = jax.default_backend() == "gpu" and not ring and attention.gpu_kernel(
@@ -177,7 +177,8 @@ def train(cfg: RunConfig, family: Family, started: float | None = None) -> dict[
         text = corpus.tokenizer is not None and corpus.tokenizer.to_json() is not None
         vocab = corpus.tokenizer.vocab_size if text else None
         model = family.build(cfg, tokenizer_vocab=vocab)
-        eot = _documents_eot(cfg, corpus, rules, model.cfg)
+        eot = documents_eot(cfg, corpus.tokenizer.eot_id if corpus.tokenizer is not None else None,
+                            corpus.name, rules, model.cfg)
         if eot is not None:
             model = family.build(cfg, tokenizer_vocab=vocab, documents_eot=eot)
         if cfg.checkpoint.export_hf:

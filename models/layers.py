@@ -306,10 +306,15 @@ class Embedder(nnx.Module):
 
     def encode(self, tokens_BL: jax.Array, positions_L: jax.Array, table: jax.Array | None = None) -> jax.Array:
         """``table``: the token table to use (e.g. its ``table_copies``); default, the param.
-        ``positions_L``: ``0..L-1``, or per row ``[B, L]`` (decoding)."""
+        ``positions_L``: ``0..L-1``, or per row ``[B, L]`` (decoding; packed documents')."""
         x_BLD = embed_lookup(self.tokens[...] if table is None else table, tokens_BL)
         if hasattr(self, "positions") and positions_L.ndim == 2:
-            x_BLD = x_BLD + jnp.take(self.positions[...], positions_L, axis=0)
+            table = self.positions[...]
+            if attention.current_segments(positions_L.shape[1]) is not None:
+                # Packed documents' places lie within the window: the table's first L rows, so
+                # that only they have a gradient to reduce (as for 0..L-1 below).
+                table = table[: positions_L.shape[1]]
+            x_BLD = x_BLD + jnp.take(table, positions_L, axis=0)
         elif hasattr(self, "positions"):
             # positions_L is 0..L-1: a slice, whose gradient is a dense pad (a scatter-add's
             # would make XLA move the activation gradient around to scatter it); in a ring's

@@ -265,6 +265,33 @@ def test_packing_is_on_by_default_pipelines_included_and_off_when_asked(tmp_path
     assert staged["packing"] and staged["model_config"]["documents_eot"] == 0
 
 
+def test_inspect_compiles_the_step_training_runs_packed_or_not(tmp_path, capsys):
+    """experiments/inspect.py compiles the program a run with the same flags trains -- packed
+    by default, as training on the embedded corpus is -- and its verifier explains that
+    program's collectives and bytes (--strict): the same fingerprint as the run's report."""
+    import importlib
+    import json
+    import re
+
+    from jaxshard.train import main as train
+
+    inspect_main = importlib.import_module("experiments.inspect").main
+    shape = ["--model", "tiny", "--n-layers", "2", "--cpu-devices", "8", "--platform", "cpu", "--batch-size", "8",
+             "--seq-len", "32", "--mesh", "data=2,sequence=4", "--steps", "1", "--warmup-steps", "0"]
+    fingerprints = []
+    for packing in ([], ["--packing", "false"]):
+        report = tmp_path / f"run{len(packing)}.json"
+        assert train([*shape, *packing, "--eval-batches", "1", "--no-progress", "--report", str(report)]) == 0
+        trained = json.loads(report.read_text())
+        assert trained["packing"] == (not packing)
+        capsys.readouterr()
+        assert inspect_main([*shape, *packing, "--strict"]) == 0
+        out = capsys.readouterr().out
+        assert ("documents packed" in out) == (not packing)
+        fingerprints.append(re.search(r"^compiled step: fingerprint (\w+)", out, re.M).group(1))
+        assert fingerprints[-1] == trained["program_fingerprint"]
+    assert fingerprints[0] != fingerprints[1]
+
 @pytest.mark.parametrize("flags, message", [
     (["--mesh", "data=8", "--packing", "true", "--data", "{bin}"],
      "--packing true finds documents by the end-of-text id; data {bin} has no tokenizer that names one "

@@ -86,7 +86,7 @@ class DataConfig:
     packing: bool | None = option(
         None, "attention within each document of a window (segment ids from the end-of-text ids), "
               "positions from 0 in each, and no loss on the token after an end-of-text",
-        parse=parse_bool, metavar="true|false", run_only=True,
+        parse=parse_bool, metavar="true|false",
         default_text="true where attention takes segment ids: the data have an end-of-text id, "
                      "not cuDNN's fused kernel on GPUs")
 
