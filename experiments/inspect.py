@@ -29,7 +29,6 @@ def main(argv: list[str] | None = None) -> int:
 
         from experiments.common import build_model
         from jaxshard.analysis import hlo, inspect
-        from jaxshard.data.tokenizer import ByteTokenizer
         from jaxshard.loop import documents_eot
         from jaxshard.mesh import axis_sizes, build_mesh
         from jaxshard.rules import ShardingRules
@@ -37,9 +36,8 @@ def main(argv: list[str] | None = None) -> int:
 
         model = build_model(cfg)  # the program training runs: the layer scan rolled
         rules = ShardingRules(build_mesh(cfg.mesh, dcn=cfg.dcn_mesh), cfg.strategy)
-        # Packed documents where training would pack them (the embedded corpus's bytes: any
-        # end-of-text id compiles the same step).
-        eot = documents_eot(cfg, ByteTokenizer.eot_id, "the embedded corpus", rules, model.cfg)
+        # Packed documents where training would pack them, by the same end-of-text id.
+        eot = documents_eot(cfg, data_eot(cfg.data), cfg.data.path or "the embedded corpus", rules, model.cfg)
         if eot is not None:
             model = build_model(cfg, documents_eot=eot)
         step = cfg.step
@@ -57,6 +55,22 @@ def main(argv: list[str] | None = None) -> int:
         print(inspect.format_verification(v))
         print(f"\ncompiled step: fingerprint {hlo.fingerprint(compiled.as_text())} (a hash of its HLO)")
         return 1 if args.strict and v.flags else 0
+
+
+def data_eot(data) -> int | None:
+    """The end-of-text id of a run's data, found without reading them: their tokenizer's (a
+    tokenizer file's, such as an --init-from folder's, or the bytes'), or none for token ids
+    with no tokenizer file (a .bin or .tokens that a --config file names)."""
+    from pathlib import Path
+
+    from jaxshard.data import mixture
+    from jaxshard.data.tokenizer import ByteTokenizer, load_tokenizer, parse_spec
+
+    spec = parse_spec(data.spec)
+    if spec.kind == "file":
+        return load_tokenizer(spec.path).eot_id
+    paths = [p for p, _ in mixture.parse(data.path) or [(data.path, 1.0)] if p is not None]
+    return None if any(Path(p).suffix in (".bin", ".tokens") for p in paths) else ByteTokenizer.eot_id
 
 
 if __name__ == "__main__":

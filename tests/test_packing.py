@@ -86,7 +86,6 @@ def test_packed_gradients_are_the_same_under_recompute(remat):
     assert_params_close(grads[remat], jax.tree.map(np.asarray, grads["none"]))  # (per leaf, by norm)
 
 
-
 @pytest.mark.parametrize("model_name", ["tiny", "tiny-llama"])
 def test_generation_continues_a_document_as_packed_training_sees_it(model_name):
     """Generation's cache runs a prompt as one document from position 0: its prefill and
@@ -196,7 +195,6 @@ def test_no_attention_path_lets_one_document_see_another(mesh, cp, kernel, balan
     assert np.abs(dv[~others]).sum() > 0 and others.sum() > L
 
 
-
 def _train_packed(model, mesh: str, steps: int = 3, **step) -> tuple[list[float], float, dict]:
     """(the losses of ``steps`` steps on packed batches of 16 rows, the validation loss of
     the next batch after them, the params) of ``model`` under ``mesh``."""
@@ -216,7 +214,8 @@ def _train_packed(model, mesh: str, steps: int = 3, **step) -> tuple[list[float]
     ("tiny-llama", "data=2,stage=2,tensor=2", dict(pipeline_schedule="interleaved", microbatches=2)),
     ("tiny-llama", "stage=2,data=4", dict(pipeline_schedule="zb-h1", microbatches=4)),
     ("tiny", "stage=2,data=4", dict(pipeline_schedule="gpipe", microbatches=2, stage_layers=(3, 1))),
-    ("moe-tiny", "stage=2,expert=4", dict(pipeline_schedule="1f1b", microbatches=4)),
+    # (data: replicas inside the executor, each weighting its routing statistics by its own rows)
+    ("moe-tiny", "data=2,stage=2,expert=2", dict(pipeline_schedule="1f1b", microbatches=4)),
 ])
 def test_pipelines_train_packed_documents_as_one_device(name, mesh, step):
     """Each stage takes its microbatch's segment ids (attention within documents, positions
@@ -291,6 +290,25 @@ def test_inspect_compiles_the_step_training_runs_packed_or_not(tmp_path, capsys)
         fingerprints.append(re.search(r"^compiled step: fingerprint (\w+)", out, re.M).group(1))
         assert fingerprints[-1] == trained["program_fingerprint"]
     assert fingerprints[0] != fingerprints[1]
+
+def test_inspect_packs_by_the_end_of_text_id_the_runs_data_have(tmp_path):
+    """Without reading the data: bytes' id by default, a tokenizer file's (an --init-from
+    folder's tokenizer.json) where one is named, none for token ids without a tokenizer file."""
+    import importlib
+
+    import tokenizers
+
+    from jaxshard.data.corpus import DataConfig
+
+    data_eot = importlib.import_module("experiments.inspect").data_eot
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "b": 1, "<|endoftext|>": 2}, unk_token="a"))
+    words.add_special_tokens(["<|endoftext|>"])  # (id 2: not bytes' 0)
+    words.save(str(tmp_path / "tokenizer.json"))
+    assert data_eot(DataConfig()) == 0
+    assert data_eot(DataConfig(tokenizer=str(tmp_path / "tokenizer.json"))) == 2
+    assert data_eot(DataConfig(path=str(tmp_path / "ids.bin"))) is None
+    assert data_eot(DataConfig(path=f"{tmp_path / 'a.jsonl'}:0.5,{tmp_path / 'ids.tokens'}:0.5")) is None
+    assert data_eot(DataConfig(path=str(tmp_path / "ids.bin"), tokenizer=str(tmp_path))) == 2
 
 @pytest.mark.parametrize("flags, message", [
     (["--mesh", "data=8", "--packing", "true", "--data", "{bin}"],
