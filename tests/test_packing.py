@@ -39,6 +39,8 @@ def _under(mesh: str, fn, *args, cp: str = "ring", sp: bool = False) -> np.ndarr
 
 
 @pytest.mark.parametrize("model_name", ["tiny", "tiny-llama"])
+
+
 @pytest.mark.parametrize("mesh, cp, sp, kernel, length", [
     ("data=1", "ring", False, "auto", L),
     ("data=1", "ring", False, "blockwise", L),
@@ -49,6 +51,8 @@ def _under(mesh: str, fn, *args, cp: str = "ring", sp: bool = False) -> np.ndarr
     ("sequence=4,tensor=2", "ring", True, "auto", L),
     ("sequence=2", "ulysses", False, "auto", L),
 ])
+
+
 def test_packed_losses_equal_each_document_run_alone(model_name, mesh, cp, sp, kernel, length):
     cfg = get_preset(model_name)
     packed, alone = TransformerLM(cfg.replace(documents_eot=EOT)), TransformerLM(cfg)
@@ -73,6 +77,8 @@ def test_packed_losses_equal_each_document_run_alone(model_name, mesh, cp, sp, k
 
 
 @pytest.mark.parametrize("remat", ["selective", "full"])
+
+
 def test_packed_gradients_are_the_same_under_recompute(remat):
     """The attention core recomputed from its inputs (segment ids among them) in the backward
     pass gives the gradients of keeping everything."""
@@ -87,6 +93,8 @@ def test_packed_gradients_are_the_same_under_recompute(remat):
 
 
 @pytest.mark.parametrize("model_name", ["tiny", "tiny-llama"])
+
+
 def test_generation_continues_a_document_as_packed_training_sees_it(model_name):
     """Generation's cache runs a prompt as one document from position 0: its prefill and
     its token-by-token steps give the logits the packed forward gives the same tokens
@@ -121,6 +129,7 @@ def test_generation_continues_a_document_as_packed_training_sees_it(model_name):
             checked += n
     assert checked > L
 
+
 def test_the_document_layout():
     inputs = jnp.array([[7, 8, 0, 9, 0, 0, 4, 5]])
     segments, positions, counted = document_layout(inputs, 0)
@@ -154,6 +163,8 @@ def test_no_attention_probability_crosses_a_document():
     ("sequence=2", "ring", "auto", True), ("sequence=4", "ring", "auto", True),
     ("sequence=2", "ulysses", "auto", False),
 ])
+
+
 def test_no_attention_path_lets_one_document_see_another(mesh, cp, kernel, balanced):
     """Every path's output for a document does not move when another document's keys and
     values do (its gradient with respect to them is exactly 0), and equals the dense path's,
@@ -217,6 +228,8 @@ def _train_packed(model, mesh: str, steps: int = 3, **step) -> tuple[list[float]
     # (data: replicas inside the executor, each weighting its routing statistics by its own rows)
     ("moe-tiny", "data=2,stage=2,expert=2", dict(pipeline_schedule="1f1b", microbatches=4)),
 ])
+
+
 def test_pipelines_train_packed_documents_as_one_device(name, mesh, step):
     """Each stage takes its microbatch's segment ids (attention within documents, positions
     from 0 in each) and the last counts only the targets one device counts: 3 packed steps
@@ -233,6 +246,7 @@ def test_pipelines_train_packed_documents_as_one_device(name, mesh, step):
     assert_params_close(params, want_params)
     unpacked_losses, _, _ = _train_packed(TransformerLM(cfg), "data=1", steps=1, accum=accum)
     assert abs(unpacked_losses[0] - want_losses[0]) > 100 * RTOL * want_losses[0]
+
 
 COMMON = ["--model", "tiny", "--n-layers", "1", "--cpu-devices", "8", "--platform", "cpu", "--steps", "2",
           "--batch-size", "8", "--seq-len", "32", "--eval-batches", "1", "--warmup-steps", "0", "--no-progress"]
@@ -264,10 +278,11 @@ def test_packing_is_on_by_default_pipelines_included_and_off_when_asked(tmp_path
     assert staged["packing"] and staged["model_config"]["documents_eot"] == 0
 
 
-def test_inspect_compiles_the_step_training_runs_packed_or_not(tmp_path, capsys):
+def test_inspect_compiles_the_packed_step_training_runs(tmp_path, capsys):
     """experiments/inspect.py compiles the program a run with the same flags trains -- packed
     by default, as training on the embedded corpus is -- and its verifier explains that
-    program's collectives and bytes (--strict): the same fingerprint as the run's report."""
+    program's collectives and bytes (--strict): the same fingerprint as the run's report.
+    (``--packing false`` changing inspect's program: tests/test_flags.py.)"""
     import importlib
     import json
     import re
@@ -277,19 +292,16 @@ def test_inspect_compiles_the_step_training_runs_packed_or_not(tmp_path, capsys)
     inspect_main = importlib.import_module("experiments.inspect").main
     shape = ["--model", "tiny", "--n-layers", "2", "--cpu-devices", "8", "--platform", "cpu", "--batch-size", "8",
              "--seq-len", "32", "--mesh", "data=2,sequence=4", "--steps", "1", "--warmup-steps", "0"]
-    fingerprints = []
-    for packing in ([], ["--packing", "false"]):
-        report = tmp_path / f"run{len(packing)}.json"
-        assert train([*shape, *packing, "--eval-batches", "1", "--no-progress", "--report", str(report)]) == 0
-        trained = json.loads(report.read_text())
-        assert trained["packing"] == (not packing)
-        capsys.readouterr()
-        assert inspect_main([*shape, *packing, "--strict"]) == 0
-        out = capsys.readouterr().out
-        assert ("documents packed" in out) == (not packing)
-        fingerprints.append(re.search(r"^compiled step: fingerprint (\w+)", out, re.M).group(1))
-        assert fingerprints[-1] == trained["program_fingerprint"]
-    assert fingerprints[0] != fingerprints[1]
+    report = tmp_path / "run.json"
+    assert train([*shape, "--eval-batches", "1", "--no-progress", "--report", str(report)]) == 0
+    trained = json.loads(report.read_text())
+    assert trained["packing"]
+    capsys.readouterr()
+    assert inspect_main([*shape, "--strict"]) == 0
+    out = capsys.readouterr().out
+    assert "documents packed" in out
+    assert re.search(r"^compiled step: fingerprint (\w+)", out, re.M).group(1) == trained["program_fingerprint"]
+
 
 def test_inspect_packs_by_the_end_of_text_id_the_runs_data_have(tmp_path):
     """Without reading the data: bytes' id by default, a tokenizer file's (an --init-from
@@ -310,11 +322,14 @@ def test_inspect_packs_by_the_end_of_text_id_the_runs_data_have(tmp_path):
     assert data_eot(DataConfig(path=f"{tmp_path / 'a.jsonl'}:0.5,{tmp_path / 'ids.tokens'}:0.5")) is None
     assert data_eot(DataConfig(path=str(tmp_path / "ids.bin"), tokenizer=str(tmp_path))) == 2
 
+
 @pytest.mark.parametrize("flags, message", [
     (["--mesh", "data=8", "--packing", "true", "--data", "{bin}"],
      "--packing true finds documents by the end-of-text id; data {bin} has no tokenizer that names one "
      "(give --tokenizer)"),
 ])
+
+
 def test_packing_that_cannot_be_is_one_line(tmp_path, capsys, flags, message):
     from jaxshard.train import main
 
