@@ -49,8 +49,19 @@ TRAIN = {
     # MaxText's configs/a3/llama_2_7b per device: sequence 4096, 4 sequences, remat "minimal"
     # (checkpoint_dots_with_no_batch_dims).
     "7b-4layers-dots": "--model llama-7b --n-layers 4 --seq-len 4096 --batch-size 4 --remat dots_no_batch",
+    # Held out: shapes and policies none of XLA's measured costs in the time model
+    # (timing.XLA_GPU) were taken from.
+    "1b-batch2-selective": "--model llama-1b --seq-len 8192 --batch-size 2 --remat selective",
+    "8b-4layers-dots": "--model llama-8b --n-layers 4 --seq-len 8192 --batch-size 2 --remat dots_no_batch",
+    "7b-4layers-full-2048": "--model llama-7b --n-layers 4 --seq-len 2048 --batch-size 8 --remat full",
 }
 PROFILE = ("1b", "8b-4layers-selective")
+# The training cases' token ids: "zipf" draws them over the model's whole vocabulary at Zipf's
+# law frequencies (the r-th commonest id at 1/r), as text has, so the embedding gradient's
+# scatter-add collides about as often as a real run's; "corpus" is train.py's embedded text as
+# bytes, 256 ids, whose adds collide far more.
+DATA = ("zipf", "corpus")
+ZIPF_TOKENS = 1 << 22
 # (batch, sequence, query heads, kv heads, head width): the 1B's and the 8B's attention.
 ATTENTION = {"1b (head 64)": (1, 8192, 32, 8, 64), "8b (head 128)": (2, 8192, 32, 8, 128),
              "8b at 4096": (4, 4096, 32, 8, 128), "8b at 16384": (1, 16384, 32, 8, 128),
@@ -227,12 +238,67 @@ def attention(shapes: dict, reps: int = 10) -> dict:
     return out
 
 
-def train(name: str, timeout: float, scratch: Path, profile: bool = False) -> dict:
+def zipf_tokens(path: Path, vocab: int, count: int = ZIPF_TOKENS, seed: int = 0) -> Path:
+    """A token file of ``count`` ids over ``vocab`` at Zipf's law frequencies, the ranks shuffled
+    over the ids (written once)."""
+    import numpy as np
+
+    from jaxshard.data.token_file import TokenWriter
+
+    if not path.exists():
+        rng = np.random.default_rng(seed)
+        p = 1.0 / np.arange(1, vocab + 1)
+        ranks = rng.choice(vocab, size=count, p=p / p.sum())
+        with TokenWriter(path, vocab) as w:
+            w.write(rng.permutation(vocab)[ranks])
+    return path
+
+
+def data_flags(name: str, data: str, scratch: Path) -> list[str]:
+    if data == "corpus":
+        return []
+    from models import get_preset
+
+    flags = TRAIN[name].split()
+    vocab = get_preset(flags[flags.index("--model") + 1]).vocab_size
+    return ["--data", str(zipf_tokens(scratch / f"zipf-{vocab}.tokens", vocab))]
+
+
+def case_shape(flags: str):
+    """A training case's model config, batch, sequence length and recompute policy."""
+    import dataclasses
+
+    from jaxshard.remat import Remat
+    from models import get_preset
+
+    f = flags.split()
+    cfg = get_preset(f[f.index("--model") + 1])
+    if "--n-layers" in f:
+        cfg = dataclasses.replace(cfg, n_layers=int(f[f.index("--n-layers") + 1]))
+    return cfg, int(f[f.index("--batch-size") + 1]), int(f[f.index("--seq-len") + 1]), Remat.parse(f[f.index("--remat") + 1])
+
+
+def predicted(flags: str, device: str = "h100"):
+    """The time model's step (``timing.StepTime``) for a training case's flags on one ``device``,
+    as train.py's report prices it (bf16 compute, float32 params)."""
+    from jaxshard.analysis import timing
+    from jaxshard.analysis.devices import KNOWN_DEVICES
+    from jaxshard.mesh import abstract_mesh
+    from jaxshard.rules import ShardingRules, Strategy
+    from models import TransformerLM
+
+    cfg, batch, seq, remat = case_shape(flags)
+    return timing.step_time(TransformerLM(cfg, remat=remat), ShardingRules(abstract_mesh({"data": 1}), Strategy()),
+                            KNOWN_DEVICES[device], batch, seq, software=timing.SOFTWARE["jaxshard"],
+                            compute_dtype="bfloat16", param_dtype="float32", remat=remat)
+
+
+def train(name: str, timeout: float, scratch: Path, profile: bool = False, data: str = "zipf") -> dict:
     """``experiments/train.py`` on case ``name``; with ``profile`` its steps 4 and 5 traced and the
     optimized HLO dumped, summed by :func:`jaxshard.analysis.profile.profile`."""
     report = scratch / f"train-{name}{'-profile' if profile else ''}.json"
     steps = 6
-    cmd = [sys.executable, str(ROOT / "experiments" / "train.py"), *TRAIN[name].split(),
+    cmd = [sys.executable, str(ROOT / "experiments" / "train.py"), *TRAIN[name].split(), *data_flags(name, data, scratch),
            "--compute-dtype", "bfloat16", "--steps", str(steps), "--eval-every", "0", "--eval-batches", "1",
            "--log-every", "1", "--report", str(report)]
     env = dict(os.environ)
@@ -257,6 +323,9 @@ def train(name: str, timeout: float, scratch: Path, profile: bool = False) -> di
 
         try:
             found = prof.profile(str(trace), str(dump), steps=2)
+            # The layer scans' copies in the optimized module (the time model's scan_copy_bytes).
+            modules = sorted(dump.glob("*jit_step*after_optimizations.txt"))
+            found["scan_copies"] = prof.scan_copies(modules[-1].read_text()) if modules else None
         except Exception as e:  # noqa: BLE001 -- a trace that cannot be read costs its case only
             found = {"error": f"{type(e).__name__}: {e}"}
         return {"case": name, "flags": TRAIN[name], "step_s": r["step_time_s_median"],
@@ -339,6 +408,9 @@ def tables(result: dict) -> str:
             guess = pred.get(model.get(part, ""), None)
             lines.append(f"| {part} | {sec * 1e3:.1f} | {'' if guess is None else f'{guess * 1e3:.1f}'} |")
         lines.append(f"| (memory-bound, predicted) | | {pred.get('memory_bound_s', 0) * 1e3:.1f} |")
+        if copies := f.get("scan_copies"):
+            lines.append(f"(the layer scans' copies in the optimized HLO: {copies['moved_bytes'] / 1e9:.1f} GB read "
+                         f"and written a step)")
         lines += ["", "| ms | part | instruction | kernel | source |", "|---|---|---|---|---|"]
         lines += [f"| {t['ms']:.2f} | {t['part']} | {t['hlo_op']} x{t['launches']} | {t['kernels'][0][:50]} | "
                   f"{t['source']} |" for t in f["top"][:25]]
@@ -355,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=1800, help="seconds; start no case after this")
     p.add_argument("--json", default=str(ROOT / "runs" / "bench_gpu.json"))
     p.add_argument("--keep", metavar="DIR", help="copy the profiles' traces and optimized HLO here")
+    p.add_argument("--data", default=DATA[0], choices=DATA, help="the training cases' token ids (see DATA)")
     a = p.parse_args(argv)
     parts = a.parts.split(",")
     if bad := [x for x in parts if x not in ("rates", "layers", "attention", "train", "profile")]:
@@ -364,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     out = Path(a.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result: dict = {"train": [], "profile": []}
+    result: dict = {"data": a.data, "train": [], "profile": []}
 
     def save() -> None:
         out.write_text(json.dumps(result, indent=1) + "\n")
@@ -400,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"{kind} {name} ({left():.0f} s left) ...", file=sys.stderr, flush=True)
             clocks = Clocks()
-            result[kind].append(train(name, left(), Path(scratch), profile=kind == "profile"))
+            result[kind].append(train(name, left(), Path(scratch), profile=kind == "profile", data=a.data))
             result[kind][-1]["clocks"] = clocks.stop()
             save()
             if kind == "profile" and a.keep:

@@ -102,17 +102,10 @@ RUNS = [
         "torchtitan", "full", "331 tokens/s per GPU", 8192 / 331),
     Run("MaxText configs/a3/llama_2_7b (1 host)",
         llama("Llama 2 7B", 32, 4096, 32, 32, 11008, 32000, 4096), "h100-a3-high", 8, {"fsdp": 8}, 32, 4096,
-        "maxtext", "dots", "492 TFLOP/s per chip (6N + causal attention)", 0.0,
-        gap="jaxshard's own step at this run's per-device shape on one H100 (the 7B cut to 4 layers, 4 "
-            "sequences of 4,096, dots without batch dims kept) measures 0.78-0.82 of this model too; its "
-            "profile puts the rest in XLA's Triton GEMM fusions (about 675 TFLOP/s, where cuBLAS runs these "
-            "shapes at 785 alone), the layer scan's copies of saved activations and the embedding "
-            "gradient's scatter, none of them a rate a published source states (docs/gpus.md)"),
+        "maxtext", "dots", "492 TFLOP/s per chip (6N + causal attention)", 0.0),
     Run("MaxText configs/a3/llama_2_7b (8 hosts)",
         llama("Llama 2 7B", 32, 4096, 32, 32, 11008, 32000, 4096), "h100-a3-high", 64, {"data": 8, "fsdp": 8}, 256,
-        4096, "maxtext", "dots", "409 TFLOP/s per chip (6N + causal attention)", 0.0,
-        gap="as on one host, and the float32 gradients' all-reduce across 8 VMs at TCPX's measured "
-            "rate (1.1 s) is priced as overlapped with the backward pass; how much of it was is not published"),
+        4096, "maxtext", "dots", "409 TFLOP/s per chip (6N + causal attention)", 0.0),
 ]
 
 

@@ -251,6 +251,28 @@ def _layer_elements(cfg: Any, rules: ShardingRules, seq_len: int, c: int, remat:
     return per_token_layer, moe
 
 
+def saved_library_outputs(cfg: Any, rules: ShardingRules, remat: Remat) -> float:
+    """Of what a dense layer saves for its backward pass (:func:`activation_bytes`), the
+    elements per token that library calls write -- the projections' matmuls (q, k, v, the
+    attention and MLP output projections, the MLP's input projections) and, where the policy
+    keeps it, the flash kernel's output and its float32 softmax statistic -- as opposed to
+    XLA's own fusions (norms, activations), which can write into a slice of the layer scan's
+    stacked buffer directly."""
+    t = rules.size(rules.activation_mesh_axes(Dim.ACT_HEADS))
+    sp = rules.size(rules.activation_mesh_axes(Dim.RESIDUAL_LENGTH)) // seq_split(rules)
+    D, N, K, H, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_mlp
+    kv_t = t if K % t == 0 else 1
+    named = {"qkv": N * H / t + 2 * K * H / kv_t, "attn_proj": D / sp, "mlp_in": cfg.mlp_in * F / t}
+    remat = Remat.parse(remat)
+    match remat.kind:
+        case Kind.FULL | Kind.OFFLOAD:
+            return 0.0
+        case Kind.NAMES:
+            return sum(named.get(n, 0.0) for n in set(remat.names))
+    dots = 2 * D / sp + named["qkv"] + named["mlp_in"]
+    return dots + (N * H / t + 2 * N / t if remat.kind == Kind.NONE else 0.0)  # + the kernel's output, statistic
+
+
 def _dense_ffn_saved(remat: Remat, F: int, mlp_in: int, t: int) -> float:
     """The MLP's part of :func:`activation_bytes`' per-token-per-layer elements."""
     match remat.kind:

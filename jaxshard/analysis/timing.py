@@ -16,17 +16,20 @@ A step's time on one device is the sum of
   bytes they move at HBM's measured rate: each activation a layer stores for the backward pass
   (Korthikanti et al. 2022's count, :func:`stored_bytes`) is written and read once in the
   forward pass, twice that in the backward, and once more per recompute; in an eager framework
-  every elementwise op's own reads and writes (:func:`eager_bytes`); and the loss's passes
-  over the logits (:data:`LOSS_BYTES`);
-* **the optimizer** -- AdamW reads and writes the optimizer state and reads the gradients once,
-  at HBM's rate;
+  every elementwise op's own reads and writes (:func:`eager_bytes`); the loss's passes
+  over the logits (:data:`LOSS_BYTES`); under XLA's layer scan the copies through its stacked
+  buffers (:func:`scan_copy_bytes`); and the embedding gradient's scatter-add at its measured
+  rate (:data:`EMBED_SCATTER`);
+* **the optimizer** -- AdamW reads and writes the params and both moments and reads the
+  gradients twice (the clipping's norm, the update), at HBM's rate;
 * **communication** that the software does not hide behind compute: each collective of the
   accounting (:mod:`jaxshard.analysis.traffic`) priced as a ring over its group at NCCL's
   measured bus bandwidth over the slowest link it crosses -- NVLink within a host, and across
   hosts the NICs of the group's devices in each host (NCCL runs one ring per NIC, so a group
   with ``g`` devices per host crosses at ``g`` NICs' bandwidth, at most NVLink's) -- gradients
   in the dtype the software reduces them in; ZeRO-1/2's gather of the updated params follows
-  the update and is never hidden;
+  the update and is never hidden; a gradient reduction the software overlaps hides behind the
+  backward pass only (its gradients exist no sooner), a gather behind the whole step;
 * **the pipeline bubble** -- (P - 1) / (V M) of the compute with P stages, V virtual stages per
   device and M microbatches -- and the stage-to-stage sends.
 
@@ -49,7 +52,7 @@ from jaxshard.axes import Dim
 from jaxshard.errors import ConfigError
 from jaxshard.model import Stageable
 from jaxshard.remat import Kind, Remat
-from jaxshard.rules import ShardingRules
+from jaxshard.rules import ShardingRules, StateKind
 
 # Flash attention's forward + backward throughput, causal, head dim 128, counted as the
 # kernel's FLOPs (causal half square, backward 2.5 forwards), measured. FlashAttention-2 (Dao
@@ -111,6 +114,12 @@ class Software:
     reduce_bytes: int | None = None  # the data-parallel gradients' dtype bytes (None: the compute dtype's)
     # HBM bytes per logit the loss moves beyond the head's matmuls (:data:`LOSS_BYTES`).
     loss_bytes: float = 0.0
+    # XLA's layer scan: saved matmul outputs and the weights copied through the scan's stacked
+    # buffers (:func:`scan_copy_bytes`).
+    scan_copies: bool = False
+    # The embedding's gradient a scatter-add of 2-byte rows (a gather from the table cast to the
+    # compute dtype; :data:`EMBED_SCATTER`), not a sorted segment sum.
+    embed_scatter: bool = False
     source: str = ""
 
 
@@ -133,6 +142,53 @@ LOSS_BYTES = {
 }
 
 
+# The embedding gradient's scatter-add of bf16 rows into the table (XLA:GPU's scatter with
+# atomic adds), updates (token x d_model elements) per second, measured on an H100 SXM at 700 W
+# in jaxshard's step (scripts/bench_gpu.py, its profile's ``input_scatter_fusion``;
+# docs/bench/gpu.json) with token ids drawn at Zipf's law frequencies over the vocabulary, as
+# text's are (the commoner ids' rows collide): 16,384 tokens x 4,096 into 32,000 rows in 4.55 ms
+# (14.7e9 a second), 8,192 x 2,048 into 128,256 rows in 0.91 ms (18.4e9). By the measured
+# vocabulary nearest the model's. Where none is measured, the scatter's bytes at HBM's rate (a
+# lower bound: atomics on colliding rows run below it).
+EMBED_SCATTER = {"h100": {32000: 14.7e9, 128256: 18.4e9}}
+for _name in ("h100-hbm2e-500w", "h100-a3-high", "h200"):  # the same chip's atomics (H200: not measured)
+    EMBED_SCATTER[_name] = EMBED_SCATTER["h100"]
+
+
+def embed_scatter_s(device: Device, tokens: float, d_model: int, vocab: int, c: int = 2) -> float:
+    """Seconds of the embedding gradient's scatter-add of ``tokens`` rows of ``d_model``."""
+    if rates := EMBED_SCATTER.get(device.name):
+        nearest = min(rates, key=lambda v: abs(v - vocab))
+        return tokens * d_model / rates[nearest]
+    return (2 * c * tokens * d_model + c * vocab * d_model) / device.hbm  # read the rows, add, zero the table
+
+
+def scan_copy_bytes(cfg: Any, rules: ShardingRules, tokens: float, remat: Remat, c: int, param_bytes: int,
+                    weights_split: int) -> float:
+    """HBM bytes one layer's copies through XLA's layer scan move per step, per device: the
+    outputs of library calls (cuBLAS's matmuls, cuDNN's attention) the layer saves for its
+    backward pass are copied into the scan's stacked buffer in the forward pass and out of it
+    in the backward (a kernel writes its own buffer, not a slice of the stack), and the
+    backward pass copies the layer's weights out of the stacked params (split
+    ``weights_split`` ways, as FSDP holds them); each copy read and written.
+
+    Read from the optimized HLO of jaxshard's step on an H100 (Llama 2 7B's shape, 4 layers,
+    ``dots_no_batch``): 7 such copies a layer forward and 14 backward, 28.8 GB a step; its
+    memcpy kernels took 9.7 ms, this count's bytes at HBM's rate 9.7 ms. The 1B's (no recompute)
+    and the 8B's (``selective``) copies took 11.7 and 10.1 ms, this count's 11.7 and 9.9
+    (docs/gpus.md)."""
+    saved = accounting.saved_library_outputs(cfg, rules, remat) * c * tokens
+    weights = layer_weights(cfg, rules) * param_bytes / weights_split
+    return 2 * (2 * saved + weights)
+
+
+def layer_weights(cfg: Any, rules: ShardingRules) -> float:
+    """One dense layer's matrix params per device, split over tensor."""
+    t = rules.size(rules.activation_mesh_axes(Dim.ACT_HEADS))
+    q, kv = cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
+    return (cfg.d_model * (2 * q + 2 * kv) + (cfg.mlp_in + 1) * cfg.d_model * cfg.d_mlp) / t
+
+
 SOFTWARE = {
     "megatron-2021": Software(
         "megatron-2021", "materialized", overlap_data=False, dropout=True, loss_bytes=LOSS_BYTES["eager"],
@@ -144,15 +200,18 @@ SOFTWARE = {
                "prefetches the next layer's gather and reduce-scatters in float32 (reduce_dtype); without "
                "torch.compile every elementwise op is a kernel"),
     "maxtext": Software(
-        "maxtext", "cudnn", overlap_data=True, reduce_bytes=4, loss_bytes=LOSS_BYTES["xla-f32"],
+        "maxtext", "cudnn", overlap_data=True, reduce_bytes=4, loss_bytes=LOSS_BYTES["xla-f32"], scan_copies=True,
+        embed_scatter=True,
         source="MaxText configs/a3 (GPU): cuDNN flash attention; float32 weights (weight_dtype) so float32 "
-               "gradients; XLA fuses elementwise work and its latency-hiding scheduler overlaps collectives"),
+               "gradients; XLA fuses elementwise work and its latency-hiding scheduler overlaps collectives; "
+               "the layers a scan (scan_layers); the embedding a gather from the table cast to the compute "
+               "dtype (Embed, use_iota_embed off)"),
     "jaxshard": Software(
         "jaxshard", "cudnn", overlap_data=True, reduce_per_microbatch=True, loss_bytes=LOSS_BYTES["xla-f32"],
+        scan_copies=True, embed_scatter=True,
         source="attention.gpu_kernel names cuDNN's flash kernel for 2-byte floats; XLA fuses elementwise "
-               "work and overlaps collectives. On one H100 its steps took 1.1-1.3x this model's time; "
-               "profiled, the rest is Triton GEMM fusions below cuBLAS's rate, the layer scan's copies "
-               "and the embedding gradient's scatter (docs/gpus.md)"),
+               "work and overlaps collectives; the layers a scan; the embedding a gather from the table "
+               "in the compute dtype (parallel/vocab.embed_lookup)"),
 }
 
 
@@ -207,6 +266,7 @@ class StepTime:
     exposed: dict[str, float] = field(default_factory=dict)  # by mesh axes, e.g. "tensor", "data+fsdp"
     hidden: dict[str, float] = field(default_factory=dict)  # communication behind compute
     flops: float = 0.0  # what the device computes, per step
+    backward: float = 0.0  # of the compute, the backward pass's (what can hide gradient reductions)
 
     @property
     def compute(self) -> float:
@@ -221,7 +281,7 @@ class StepTime:
                 "attention_s": self.attention, "memory_bound_s": self.memory_bound,
                 "optimizer_s": self.optimizer, "bubble_s": self.bubble,
                 "exposed_communication_s": dict(self.exposed), "hidden_communication_s": dict(self.hidden),
-                "flops_per_device": self.flops}
+                "backward_s": self.backward, "flops_per_device": self.flops}
 
 
 def group_bandwidth(t: Transfer, mesh: dict[str, int], device: Device) -> float:
@@ -327,6 +387,7 @@ def step_time(model: Stageable, rules: ShardingRules, device: Device,
     square = 4 * L * cfg.n_heads * cfg.d_head / tensor / cp
     if software.attention == "materialized":  # per head, q k^T and p v as batched matmuls
         attention_flops = tokens * layers * square * (3 + attn_again)
+        backward_attention = 2 + attn_again  # forwards' worth in the backward pass, against the forward's one
         dh, heads = cfg.d_head, cfg.n_heads / tensor / cp
         per_head = roofline(L / cp, dh, L, rate, device.hbm, c) + roofline(L / cp, L, dh, rate, device.hbm, c)
         attention_s = tokens / (L / cp) * heads * layers * (3 + attn_again) * per_head
@@ -337,6 +398,7 @@ def step_time(model: Stageable, rules: ShardingRules, device: Device,
                               f"known: {', '.join(FLASH_TFLOPS[software.attention])}")
         attention_flops = tokens * layers * square / 2 * (3.5 + attn_again)
         attention_s = attention_flops / (kernel * 1e12)
+        backward_attention = 2.5 + attn_again
 
     # Memory-bound work: the stored activations written and read, forward, recompute, backward.
     hbm = device.hbm
@@ -344,13 +406,29 @@ def step_time(model: Stageable, rules: ShardingRules, device: Device,
     memory_s = stored * (2 + 2 * again + 4) / hbm
     if software.eager:  # every elementwise op its own kernel: forward, recompute, backward (2x)
         memory_s = eager_bytes(cfg, tokens, tensor, c) * layers * (1 + again + 2) / hbm
+    # The backward pass's part of what is counted so far (a gradient reduction overlaps no more).
+    memory_bwd = memory_s * (2 + again) / (3 + again) if software.eager else stored * (4 + 2 * again) / hbm
     memory_s += software.loss_bytes * tokens * cfg.padded_vocab / tensor / hbm  # the loss (last stage's)
+    if software.scan_copies:  # forward and backward halves (each layer's saved outputs, its weights)
+        weights_split = rules.size(rules.state_axes(StateKind.PARAMS))  # as FSDP / ZeRO-3 holds them
+        copies = scan_copy_bytes(cfg, rules, tokens, remat, c, accounting.dtype_bytes(param_dtype), weights_split)
+        memory_s += copies * layers / hbm
+        memory_bwd += copies * layers / hbm / 2
+    if software.embed_scatter:  # the first stage's (every stage counted as the slowest)
+        scatter = embed_scatter_s(device, tokens, cfg.d_model, cfg.padded_vocab, c)
+        memory_s += scatter
+        memory_bwd += scatter
 
     mem = accounting.memory(model, rules, batch_size, seq_len, compute_dtype=compute_dtype, remat=remat,
                             grad_accum=grad_accum * microbatches, param_dtype=param_dtype)
-    optimizer_s = (2 * mem.opt_state + mem.grads + mem.params) / hbm
+    # AdamW reads and writes the params and both moments; the gradients are read twice, by the
+    # clipping's global norm and by the update.
+    optimizer_s = (2 * mem.opt_state + 2 * mem.grads + 2 * mem.params) / hbm
 
     compute = matmul_s + attention_s + memory_s + optimizer_s
+    matmul_bwd = (tokens * (2 + again) * layer_matmul * layers / rate * slowdown + 2 * head_s)
+    attention_bwd = attention_s * (backward_attention / (backward_attention + 1))
+    backward = matmul_bwd + attention_bwd + memory_bwd
     # Pipeline: (P - 1) / (V M) of the stage's compute idles.
     bubble = compute * (stages - 1) / (virtual_stages * microbatches) if stages > 1 else 0.0
 
@@ -360,26 +438,33 @@ def step_time(model: Stageable, rules: ShardingRules, device: Device,
                                     remat=remat, grad_accum=split, param_dtype=param_dtype)
     exposed: dict[str, float] = {}
     hidden: dict[str, float] = {}
+    reductions = 0.0  # of the hidden: the gradients' reductions, which only the backward pass can hide
     behind = {"data", "fsdp"} if software.overlap_data else set()
     for t in comm.transfers:
         sent = t.sent_bytes
-        if software.reduce_bytes and t.kind != "all-gather" and set(t.axes) <= {"data", "fsdp"}:
+        gradients = t.kind != "all-gather" and set(t.axes) <= {"data", "fsdp"}
+        if software.reduce_bytes and gradients:
             sent = sent * software.reduce_bytes / c  # the gradients, reduced in the software's dtype
         seconds = sent / group_bandwidth(t, mesh, device) * stage_share(t, stages)
         name = "+".join(t.axes)
         where = hidden if set(t.axes) <= behind and not t.after_update else exposed
         where[name] = where.get(name, 0.0) + seconds
+        if where is hidden and gradients:
+            reductions += seconds
     if stages > 1:  # a microbatch's activations (and their gradients) to the next stage, per chunk
         act = c * tokens // microbatches * cfg.d_model / tensor  # Megatron's scatter-gather: 1/t each
         hops = 2 * virtual_stages * microbatches
         bw = group_bandwidth(Transfer("collective-permute", ("stage",), 0, 1, "", stages), mesh, device)
         exposed["stage"] = exposed.get("stage", 0.0) + hops * act / bw
-    # What overlaps compute shows only where it outlasts it.
-    overflow = sum(hidden.values()) - compute
+    # What overlaps compute shows only where it outlasts it: all of it the step's compute, the
+    # gradients' reductions the backward pass (a gradient exists only once its layer's backward
+    # has run, and the optimizer needs them all; the pipeline's stages drain first).
+    overflow = max(sum(hidden.values()) - compute, reductions - backward)
     if overflow > 0:
         exposed["overlap overflow"] = overflow
     return StepTime(matmul=matmul_s, attention=attention_s, memory_bound=memory_s, optimizer=optimizer_s,
-                    bubble=bubble, exposed=exposed, hidden=hidden, flops=matmul_flops + attention_flops)
+                    bubble=bubble, exposed=exposed, hidden=hidden, flops=matmul_flops + attention_flops,
+                    backward=backward)
 
 
 def with_software(software: str | Software, **changes: Any) -> Software:
