@@ -148,7 +148,8 @@ COMMANDS = {
                  cases={"--model": Case(("tiny-llama",)), "--devices": Case(("4",)),
                         "--device": Case(("a100-80gb",)), "--device-memory": Case(("1KB",)),
                         "--inter-bw": Case(("1",), context=("--hosts", "2")),
-                        "--compute-dtype": Case(("float32",)), "--top": Case(("1",)),
+                        # (tiny's plans print as 0.0 GB and 0.0 ms in either dtype)
+                        "--compute-dtype": Case(("float32",), context=("--model", "llama-1b")), "--top": Case(("1",)),
                         "--vocab-multiple": Case(("384",)), "--hbm-bw": Case(("100",)),
                         "--family": Case(("llama",), drop=("--model",), context=(
                             "--n-layers", "2", "--d-model", "64", "--n-heads", "8", "--d-mlp", "128",
