@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = (
     ("vocabulary", {"errors", "options", "axes", "pytree", "mesh", "rules", "rows", "runtime", "distributed",
                     "model"}),
-    ("kernels", {"parallel", "remat"}),  # what model code calls; choose by the active rules
+    ("kernels", {"parallel", "remat", "fp8"}),  # what model code calls; choose by the active rules
     ("data", {"data"}),
     ("training", {"training"}),
     ("analysis", {"analysis"}),  # compiles and reads what training runs

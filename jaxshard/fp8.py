@@ -1,0 +1,129 @@
+"""Float8 matmuls: the scaling recipes and a scaled matmul whose backward pass runs in float8 too.
+
+A float8 matmul multiplies operands cast to 8-bit floats after each is multiplied by a scale
+that maps its largest magnitude (its *amax*) onto the format's largest finite value, and
+divides the float32 product by the scales again. Forward operands are ``float8_e4m3fn`` (3
+mantissa bits, largest 448); the output gradient is ``float8_e5m2`` (2 mantissa bits, largest
+57,344: gradients span more range than they need precision). The recipes differ in where an
+amax is taken:
+
+* **tensorwise** -- one scale per operand, from the whole tensor's amax (torchtitan's default
+  Float8 recipe);
+* **rowwise** -- one scale per row of the operand along the dimension the matmul contracts, so an
+  outlier costs only its own row precision (torchao's rowwise recipe: each of the three matmuls
+  of a linear layer, forward, input gradient and weight gradient, quantises its operands along
+  its own contraction);
+* **delayed** -- a tensorwise scale from the largest amax of the last ``H`` steps (Transformer
+  Engine's and Megatron's delayed scaling), so the step needs no reduction before its matmul;
+  the history is state that the step updates and a checkpoint keeps.
+
+Casting saturates: a value beyond the format's range becomes its largest finite value (a plain
+cast would give NaN in e4m3fn, which has no infinity). A scale is never taken from an amax of
+0 or a non-finite one: the scale falls back to 1 (dynamic) or keeps its last value (delayed),
+so a step that overflows recovers once the history has seen the large amax.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+E4M3 = jnp.float8_e4m3fn
+E5M2 = jnp.float8_e5m2
+RECIPES = ("tensorwise", "rowwise", "delayed")
+
+
+def fp8_max(dtype: Any) -> float:
+    """The largest finite value of a float8 format (448 for e4m3fn, 57,344 for e5m2)."""
+    return float(jnp.finfo(dtype).max)
+
+
+def scale_from_amax(amax: jax.Array, dtype: Any, fallback: jax.Array | float = 1.0) -> jax.Array:
+    """``fp8_max / amax`` in float32, or ``fallback`` where ``amax`` is 0 or not finite."""
+    amax = jnp.asarray(amax, jnp.float32)
+    ok = jnp.isfinite(amax) & (amax > 0)
+    return jnp.where(ok, fp8_max(dtype) / jnp.where(ok, amax, 1.0), jnp.asarray(fallback, jnp.float32))
+
+
+def amax(x: jax.Array, axis: int | None = None) -> jax.Array:
+    """The largest magnitude of ``x`` in float32: of the whole tensor, or along ``axis`` (kept
+    as a dimension of 1, so it broadcasts against ``x``)."""
+    a = jnp.abs(x.astype(jnp.float32))
+    return jnp.max(a) if axis is None else jnp.max(a, axis=axis, keepdims=True)
+
+
+def quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+    """``x * scale`` cast to the float8 ``dtype``, saturating at its largest finite value."""
+    big = fp8_max(dtype)
+    return jnp.clip(x.astype(jnp.float32) * scale, -big, big).astype(dtype)
+
+
+def dequantize(q: jax.Array, scale: jax.Array, dtype: Any = jnp.float32) -> jax.Array:
+    return (q.astype(jnp.float32) / scale).astype(dtype)
+
+
+# ---- delayed scaling --------------------------------------------------------------------------
+
+def update_history(history: jax.Array, new_amax: jax.Array) -> jax.Array:
+    """The amax history with ``new_amax`` in front and the oldest entry dropped."""
+    return jnp.concatenate([jnp.asarray(new_amax, jnp.float32).reshape(1), history[:-1]])
+
+
+def delayed_scale(history: jax.Array, previous: jax.Array, dtype: Any) -> jax.Array:
+    """The scale for this step: from the largest finite amax of the history, or ``previous``
+    where the history holds none (all 0, or a step that overflowed to inf/NaN alone)."""
+    finite = jnp.where(jnp.isfinite(history), history, 0.0)
+    return scale_from_amax(jnp.max(finite), dtype, fallback=previous)
+
+
+# ---- the scaled matmul ------------------------------------------------------------------------
+
+def _operand_scale(x: jax.Array, dtype: Any, contract: int, rowwise: bool) -> jax.Array:
+    """The scale of a 2-D operand: one for the tensor, or one per row along ``contract``."""
+    return scale_from_amax(amax(x, axis=contract if rowwise else None), dtype)
+
+
+def scaled_matmul(a: jax.Array, b: jax.Array, a_dtype: Any, b_dtype: Any, rowwise: bool,
+                  a_scale: jax.Array | None = None, b_scale: jax.Array | None = None) -> jax.Array:
+    """``a [M, K] @ b [K, N]`` in float8, float32 out: each operand scaled (its own amax along K
+    where ``rowwise``, else the tensor's; or the scales given), cast, multiplied with float32
+    accumulation, and the product divided by the scales."""
+    sa = _operand_scale(a, a_dtype, 1, rowwise) if a_scale is None else a_scale
+    sb = _operand_scale(b, b_dtype, 0, rowwise) if b_scale is None else b_scale
+    product = jax.lax.dot_general(quantize(a, sa, a_dtype), quantize(b, sb, b_dtype), (((1,), (0,)), ((), ())),
+                                  preferred_element_type=jnp.float32)
+    return product / (sa * sb)
+
+
+def fp8_matmul(x: jax.Array, w: jax.Array, recipe: str = "tensorwise") -> jax.Array:
+    """``x [..., K] @ w [K, N]`` with the forward operands in e4m3 and, in the backward pass,
+    the output gradient in e5m2: the input gradient ``g w^T`` and the weight gradient
+    ``x^T g`` are float8 matmuls too. ``recipe``: ``tensorwise`` or ``rowwise`` (dynamic
+    scales from this step's amaxes). The result in ``x``'s dtype."""
+    if recipe not in ("tensorwise", "rowwise"):
+        raise ValueError(f"fp8_matmul takes a dynamic recipe, tensorwise or rowwise, not {recipe!r}")
+    return _fp8_matmul(x, w, recipe == "rowwise")
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _fp8_matmul(x: jax.Array, w: jax.Array, rowwise: bool) -> jax.Array:
+    return _forward(x, w, rowwise)[0]
+
+
+def _forward(x, w, rowwise):
+    y = scaled_matmul(x.reshape(-1, x.shape[-1]), w, E4M3, E4M3, rowwise)
+    return y.reshape(*x.shape[:-1], w.shape[-1]).astype(x.dtype), (x, w)
+
+
+def _backward(rowwise, saved, g):
+    x, w = saved
+    g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+    dx = scaled_matmul(g2, w.T, E5M2, E4M3, rowwise).reshape(x.shape).astype(x.dtype)
+    dw = scaled_matmul(x2.T, g2, E4M3, E5M2, rowwise).astype(w.dtype)
+    return dx, dw
+
+
+_fp8_matmul.defvjp(_forward, _backward)
