@@ -157,6 +157,55 @@ def test_bf16_in_bf16_out_and_a_bad_recipe_is_one_line():
         fp8.fp8_matmul(x, w, "delayed")
 
 
+def np_delayed_step(x, w, g, meta):
+    """One step of the delayed recipe in numpy: y, dx, dw with the given scales, and the next meta."""
+    def q(a, s, dtype):
+        return np_quantize(a, s, dtype).astype(np.float64) / np.float64(s)
+
+    xs, ws, gs = (float(meta[f"{n}_scale"]) for n in "xwg")
+    y = q(x, xs, fp8.E4M3) @ q(w, ws, fp8.E4M3)
+    dx = q(g, gs, fp8.E5M2) @ q(w, ws, fp8.E4M3).T
+    dw = q(x, xs, fp8.E4M3).T @ q(g, gs, fp8.E5M2)
+    new = {}
+    for n, a, dtype in (("x", x, fp8.E4M3), ("w", w, fp8.E4M3), ("g", g, fp8.E5M2)):
+        history = np.concatenate([[np.abs(a).max()], np.asarray(meta[f"{n}_history"])[:-1]])
+        new[f"{n}_history"] = history
+        new[f"{n}_scale"] = MAX[dtype] / history.max() if history.max() > 0 else float(meta[f"{n}_scale"])
+    return y, dx, dw, new
+
+
+def test_the_delayed_matmul_quantises_with_past_scales_and_returns_the_next_meta():
+    """Five steps against the numpy reference: the forward and both gradients use the scales
+    of the steps before, the meta's 'gradient' is the next meta (histories rolled, scales from
+    their largest amax). A planted overflow -- the input jumping 1,000x -- saturates its step;
+    the same input the next step, scaled from a history that holds its amax, is accurate again."""
+    rng = np.random.default_rng(5)
+    meta = fp8.delayed_meta(history=3)
+    w = (rng.standard_normal((16, 8)) * 0.2).astype(np.float32)
+
+    @jax.jit
+    def step(x, w, m, g):
+        y, pull = jax.vjp(fp8.delayed_matmul, x, w, m)
+        return y, pull(g)
+
+    errors = []
+    big = (rng.standard_normal((4, 16)) * 1000).astype(np.float32)
+    for x in [(rng.standard_normal((4, 16)) * m).astype(np.float32) for m in (1.0, 0.8, 0.5)] + [big, big]:
+        g = (rng.standard_normal((4, 8)) * 1e-2).astype(np.float32)
+        y, (dx, dw, new) = step(jnp.asarray(x), jnp.asarray(w), meta, jnp.asarray(g))
+        y_ref, dx_ref, dw_ref, new_ref = np_delayed_step(x, w, g, meta)
+        np.testing.assert_allclose(np.asarray(y), y_ref, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(dx), dx_ref, rtol=1e-5, atol=1e-9)
+        np.testing.assert_allclose(np.asarray(dw), dw_ref, rtol=1e-5, atol=1e-9)
+        for k, v in new_ref.items():
+            np.testing.assert_allclose(np.asarray(new[k]), v, rtol=1e-6, err_msg=k)
+        errors.append(np.linalg.norm(np.asarray(y) - x @ w) / np.linalg.norm(x @ w))
+        meta = new
+    assert max(errors[:3]) < 0.1 and errors[3] > 0.5 and errors[4] < 0.1, errors  # the overflow, then recovered
+    with pytest.raises(ValueError, match="^an amax history needs at least 1 entry, got 0$"):
+        fp8.delayed_meta(history=0)
+
+
 def test_the_float8_benchmark_runs_and_says_what_each_dot_became(tmp_path, capsys):
     """scripts/bench_fp8.py shrunk, on CPU (where XLA upcasts float8 dots: it times nothing a
     GPU would); a bad shape is one line."""
