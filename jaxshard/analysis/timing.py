@@ -176,7 +176,7 @@ def scan_copy_bytes(cfg: Any, rules: ShardingRules, tokens: float, remat: Remat,
     ``dots_no_batch``): 7 such copies a layer forward and 14 backward, 28.8 GB a step; its
     memcpy kernels took 9.7 ms, this count's bytes at HBM's rate 9.7 ms. The 1B's (no recompute)
     and the 8B's (``selective``) copies took 11.7 and 10.1 ms, this count's 11.7 and 9.9
-    (docs/gpus.md)."""
+    (docs/gpus.md). An MoE layer is counted as a dense one of its ``d_mlp`` (not measured)."""
     saved = accounting.saved_library_outputs(cfg, rules, remat) * c * tokens
     weights = layer_weights(cfg, rules) * param_bytes / weights_split
     return 2 * (2 * saved + weights)
