@@ -319,13 +319,14 @@ def train(name: str, timeout: float, scratch: Path, profile: bool = False, data:
     r = json.loads(report.read_text())
     model = r["predicted"].get("time_model") or {}
     if profile:
+        from jaxshard.analysis import hlo
         from jaxshard.analysis import profile as prof
 
         try:
             found = prof.profile(str(trace), str(dump), steps=2)
             # The layer scans' copies in the optimized module (the time model's scan_copy_bytes).
             modules = sorted(dump.glob("*jit_step*after_optimizations.txt"))
-            found["scan_copies"] = prof.scan_copies(modules[-1].read_text()) if modules else None
+            found["scan_copies"] = hlo.scan_copies(modules[-1].read_text()) if modules else None
         except Exception as e:  # noqa: BLE001 -- a trace that cannot be read costs its case only
             found = {"error": f"{type(e).__name__}: {e}"}
         return {"case": name, "flags": TRAIN[name], "step_s": r["step_time_s_median"],

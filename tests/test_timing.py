@@ -186,17 +186,17 @@ def test_the_model_against_jaxshards_steps_measured_on_an_h100():
 def test_scan_copies_are_what_the_compiled_step_copies(case):
     """The layer scan's copies the model counts (timing.scan_copy_bytes) against those in the
     optimized HLO XLA:GPU compiled for jaxshard's step on an H100 (docs/bench/hlo, read by
-    analysis.profile.scan_copies): within 10%."""
+    analysis.hlo.scan_copies): within 10%."""
     import gzip
 
-    from jaxshard.analysis import profile
+    from jaxshard.analysis import hlo
     from scripts.bench_plan import abstract_rules
 
     cfg, batch, seq, remat = _bench_gpu().case_shape(_bench_gpu().TRAIN[case])
     tokens = batch * seq
     counted = timing.scan_copy_bytes(cfg, abstract_rules({"data": 1}), tokens, remat, 2, 4, 1) * cfg.n_layers
-    compiled = profile.scan_copies(gzip.open(ROOT / "docs" / "bench" / "hlo" / f"{case}.hlo.txt.gz", "rt").read())
-    assert [loop["trips"] for loop in compiled["loops"]] == [cfg.n_layers // 2] * 2  # forward, backward (2 a trip)
+    compiled = hlo.scan_copies(gzip.open(ROOT / "docs" / "bench" / "hlo" / f"{case}.hlo.txt.gz", "rt").read())
+    assert [loop["runs"] for loop in compiled["loops"]] == [cfg.n_layers // 2] * 2  # forward, backward (2 a trip)
     assert counted == pytest.approx(compiled["moved_bytes"], rel=0.1)
 
 

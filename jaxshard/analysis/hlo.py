@@ -14,6 +14,7 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -167,6 +168,31 @@ def _read(hlo_text: str) -> _Module:
             users[operand].append(m)
     return _Module(n_partitions, shapes, body, users, where, _executions(entry, calls),
                    _reachable(branches, calls), _reachable(unknown, calls))
+
+
+def scan_copies(hlo_text: str) -> dict[str, Any]:
+    """The copies through the layer scans' stacked buffers in an optimized GPU module: the
+    asynchronous dynamic-update-slice and dynamic-slice fusions (XLA:GPU runs them as memcpy: a
+    kernel's output into a slice of the stack, or a slice out of it), each run as often as its
+    loop runs. Per computation holding them: copies and bytes per run (the slice's, read once
+    and written once) and runs; ``moved_bytes``: reads and writes in all."""
+    module = _read(hlo_text)
+    loops: dict[str, dict[str, int]] = {}
+    for comp, instructions in module.body.items():
+        for m in instructions:
+            if m["op"] != "async-start" or not re.search(r"/dynamic_(update_)?slice\b", m["attrs"]):
+                continue
+            arrays = _arrays(m["shape"])  # ((operands...), result, context)
+            operands, result = arrays[:-2], arrays[-2]
+            # A dynamic-update-slice returns its buffer (the first operand) and moves the update,
+            # its other array operand; a dynamic-slice moves its result.
+            update = [a for a in operands[1:] if a[1]] if operands and operands[0] == result else []
+            moved = max(_nbytes([a]) for a in update) if update else _nbytes([result])
+            loop = loops.setdefault(comp, {"copies": 0, "bytes_per_run": 0, "runs": module.runs.get(comp, 0)})
+            loop["copies"] += 1
+            loop["bytes_per_run"] += moved
+    return {"loops": [{"body": k, **v} for k, v in loops.items()],
+            "moved_bytes": sum(2 * v["bytes_per_run"] * v["runs"] for v in loops.values())}
 
 
 def dot_flops(hlo_text: str) -> float:

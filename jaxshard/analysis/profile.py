@@ -263,59 +263,6 @@ def profile(trace_dir: str, dump_dir: str | None, steps: int, top: int = 40) -> 
     return out
 
 
-_SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
-_DTYPE_BYTES = {"pred": 1, "bf16": 2}
-
-
-def _shape_bytes(text: str) -> int:
-    m = _SHAPE.search(text)
-    dtype, dims = m.group(1), [int(d) for d in m.group(2).split(",") if d]
-    size = _DTYPE_BYTES.get(dtype) or int(dtype[1:]) // 8
-    n = 1
-    for d in dims:
-        n *= d
-    return size * n
-
-
-def scan_copies(text: str) -> dict[str, Any]:
-    """The copies through the layer scans' stacked buffers in an optimized GPU module: in each
-    ``while`` loop's body the asynchronous dynamic-update-slice and dynamic-slice fusions (XLA:GPU
-    runs them as memcpy, a kernel's output into a slice of the stack, or a slice out of it),
-    times the loop's known trip count. Per loop: copies and bytes per iteration (the slice's,
-    read once and written once), and ``moved_bytes`` in all, reads and writes."""
-    bodies: dict[str, list[str]] = {}
-    current = None
-    loops = []
-    for line in text.splitlines():
-        if not line.startswith(" ") and line.rstrip().endswith("{"):
-            current = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
-            bodies[current] = []
-        elif current is not None and line.startswith("  "):
-            bodies[current].append(line)
-            if " while(" in line and (body := re.search(r"body=%?([\w.\-]+)", line)):
-                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-                loops.append((body.group(1), int(trips.group(1)) if trips else None))
-    out: dict[str, Any] = {"loops": [], "moved_bytes": 0}
-    for body, trips in loops:
-        copies = moved = 0
-        for line in bodies.get(body, []):
-            if " async-start(" not in line or not re.search(r"/dynamic_(update_)?slice\b", line):
-                continue
-            operands, result = re.match(r"\s*%?[\w.\-]+ = \(\((.*?)\), (\w+\[[\d,]*\])", line).groups()
-            shapes = _SHAPE.findall(operands)
-            # A dynamic-update-slice returns its buffer (the first operand): it moves the update,
-            # the other array operand; a dynamic-slice moves its result.
-            arrays = [f"{dtype}[{dims}]" for dtype, dims in shapes if dims]
-            if result.split("{")[0] == arrays[0] and len(arrays) > 1:
-                moved += max(_shape_bytes(a) for a in arrays[1:])
-            else:
-                moved += _shape_bytes(result)
-            copies += 1
-        out["loops"].append({"body": body, "trips": trips, "copies": copies, "bytes_per_trip": moved})
-        out["moved_bytes"] += 2 * moved * (trips or 0)
-    return out
-
-
 def table(summary: dict[str, Any], rows: int = 25) -> str:
     """The summary as text: seconds by part, then the costliest instructions."""
     s = summary
