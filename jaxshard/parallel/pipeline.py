@@ -165,6 +165,10 @@ class Schedule:
     wgt_slot: np.ndarray | None = None  # the residuals' slot
     bwd_wslot: np.ndarray | None = None  # where B keeps what W reads
     wgt_wslot: np.ndarray | None = None
+    # A W may also run in the forward slot of a tick that has no F for the stage.
+    fwgt: np.ndarray | None = None
+    fwgt_slot: np.ndarray | None = None
+    fwgt_wslot: np.ndarray | None = None
     w_slots: int = 0
     # Zero-bubble: a stage's F (B) may come ticks after the previous (next) stage sent its
     # input (gradient); each arrival waits in a slot of an inbox: where it lands, where the
@@ -205,7 +209,7 @@ class Schedule:
         fused = (on_last & (self.fwd_chunk == V - 1)) if not self.split else np.zeros(self.fwd.shape, bool)
         work = ((self.fwd >= 0) & ~fused).astype(int)
         if self.split:
-            work += (self.bwd >= 0).astype(int) + (self.wgt >= 0).astype(int)
+            work += (self.bwd >= 0).astype(int) + (self.wgt >= 0) + (self.fwgt >= 0)
         else:
             work += (self.bwd >= 0) * (2 + (on_last & (self.bwd_chunk == V - 1)))
         return 1 - 3 * self.microbatches * V * P / (P * work.max(axis=1).sum())
@@ -283,34 +287,59 @@ def _slots(spans: list[tuple[int, int]]) -> list[int]:
     return out
 
 
-def _zero_bubble(Pn: int, M: int, layout: StageLayout | None) -> Schedule:
-    """ZB-H1 (Qi et al. 2023, Zero Bubble Pipeline Parallelism): one F, B or W a stage a
-    tick, list-scheduled: each tick a stage runs its next B if the next stage's B of that
-    microbatch (or, on the last stage, its own F) ran before; else its next F if that
-    microbatch's F ran on the previous stage and the stage holds fewer than P - s
-    microbatches' residuals; else its oldest waiting W. The first microbatches fill the
-    pipeline as 1F1B does; the Ws wait and fill the idle ticks of the end. The theory's
-    3M + P - 1 ticks plus one on 2 stages, three on 4: the residual cap, which keeps the
-    memory near 1F1B's, makes the first stage wait (P - s + 1 meets the theory on 2 stages)."""
-    f_at, b_at, w_at = {}, {}, {}
+def _zero_bubble(Pn: int, M: int, layout: StageLayout | None, cap: int | None = None) -> Schedule:
+    """ZB-H1 (Qi et al. 2023, Zero Bubble Pipeline Parallelism) on lock-step ticks: a tick
+    lasts as long as its busiest stage's work, so each tick is filled to that length.
+
+    A tick has three slots a stage runs in turn: the forward slot (an F, or a W where the stage
+    has no F to run), the backward slot (a B) and the weight slot (a W). List-scheduled tick by
+    tick: a stage runs its next F if the previous stage's ran in an earlier tick and it holds
+    fewer than ``cap`` microbatches' residuals (F done, W not yet; default P - s on stage s,
+    which keeps its memory near 1F1B's), else its oldest waiting W if the cap stopped the F;
+    its next B if the next stage's B of that microbatch ran in an earlier tick (on the last
+    stage: its own F, in this tick or before). The tick's length is the most of these any
+    stage runs (at least one); then every stage fills its free slots up to that length with
+    waiting Ws. Ws hold nothing up, so they go where a stage would idle: into the ticks the
+    next stage spends on F and B, and into the end. ``cap=2P - 1`` (1F1B's count of inputs
+    kept) meets the theory's 3M + P - 1 units of F, B and W from M = 2P, at about 1.7x the
+    memory (docs/pipelines.md)."""
+    f_at, b_at, w_at, w_first = {}, {}, {}, set()  # w_first: the Ws run in the forward slot
     next_f, next_b = [0] * Pn, [0] * Pn
     waiting: list[list[int]] = [[] for _ in range(Pn)]
     t = 0
     while len(w_at) < Pn * M:
+        ran = [0] * Pn
         for s in range(Pn):
-            i, held = next_b[s], next_f[s] - sum(1 for (_, r) in w_at if r == s)
-            if i < next_f[s] and f_at[i, s] < t and (s == Pn - 1 or b_at.get((i, s + 1), t) < t):
-                b_at[i, s] = t
+            i = next_f[s]
+            if i < M and (s == 0 or f_at.get((i, s - 1), t) < t):
+                if i - sum(1 for (_, r) in w_at if r == s) < (Pn - s if cap is None else cap):
+                    f_at[i, s] = t
+                    next_f[s] += 1
+                    ran[s] += 1
+                elif waiting[s]:  # at the cap: a W frees a microbatch's residuals
+                    w_at[waiting[s][0], s] = t
+                    w_first.add((waiting[s].pop(0), s))
+                    ran[s] += 1
+            j = next_b[s]
+            if j < next_f[s] and f_at[j, s] <= t and (s == Pn - 1 or b_at.get((j, s + 1), t) < t):
+                b_at[j, s] = t
                 next_b[s] += 1
-                waiting[s].append(i)
-            elif next_f[s] < M and held < Pn - s and (s == 0 or f_at.get((next_f[s], s - 1), t) < t):
-                f_at[next_f[s], s] = t
-                next_f[s] += 1
-            elif waiting[s] and b_at[waiting[s][0], s] < t:
+                waiting[s].append(j)
+                ran[s] += 1
+        length = max(1, *ran)
+        for s in range(Pn):
+            forward_free = not any(at == t for (i, r), at in f_at.items() if r == s) and not any(
+                w_at[k, r] == t for (k, r) in w_first if r == s)
+            if ran[s] < length and forward_free and waiting[s] and b_at[waiting[s][0], s] < t:
+                w_at[waiting[s][0], s] = t
+                w_first.add((waiting[s].pop(0), s))
+                ran[s] += 1
+            if ran[s] < length and waiting[s]:  # its B may have run in this tick's backward slot
                 w_at[waiting[s].pop(0), s] = t
         t += 1
-    names = ("fwd", "bwd", "wgt", "fwd_chunk", "bwd_chunk", "wgt_chunk", "fwd_slot", "bwd_slot", "wgt_slot",
-             "bwd_wslot", "wgt_wslot", "fwd_in", "fwd_from", "bwd_in", "bwd_from", "fwd_bslot", "bwd_bslot")
+    names = ("fwd", "bwd", "wgt", "fwgt", "fwd_chunk", "bwd_chunk", "wgt_chunk", "fwd_slot", "bwd_slot",
+             "wgt_slot", "fwgt_slot", "bwd_wslot", "wgt_wslot", "fwgt_wslot", "fwd_in", "fwd_from", "bwd_in",
+             "bwd_from", "fwd_bslot", "bwd_bslot")
     tables = {name: np.full((t, Pn), -1, np.int32) for name in names}
     slots = w_slots = in_slots = b_slots = 0
     for s in range(Pn):
@@ -328,11 +357,13 @@ def _zero_bubble(Pn: int, M: int, layout: StageLayout | None) -> Schedule:
         order = sorted(range(M), key=lambda i: b_at[i, s])
         kept = dict(zip(order, _slots([(b_at[i, s], w_at[i, s]) for i in order])))
         for i in range(M):
-            for phase, at in (("fwd", f_at), ("bwd", b_at), ("wgt", w_at)):
+            w = "fwgt" if (i, s) in w_first else "wgt"
+            for phase, at in (("fwd", f_at), ("bwd", b_at), (w, w_at)):
                 tables[phase][at[i, s], s] = i
-                tables[f"{phase}_chunk"][at[i, s], s] = 0
                 tables[f"{phase}_slot"][at[i, s], s] = res[i]
-            tables["bwd_wslot"][b_at[i, s], s] = tables["wgt_wslot"][w_at[i, s], s] = kept[i]
+                if phase != "fwgt":
+                    tables[f"{phase}_chunk"][at[i, s], s] = 0
+            tables["bwd_wslot"][b_at[i, s], s] = tables[f"{w}_wslot"][w_at[i, s], s] = kept[i]
         slots, w_slots = max(slots, max(res) + 1), max(w_slots, max(kept.values()) + 1)
     return Schedule("zb-h1", Pn, M, 1, slots=slots, layout=layout, w_slots=w_slots, in_slots=in_slots,
                     b_slots=b_slots, **tables)
@@ -433,8 +464,8 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         raise ConfigError(f"--pipeline-schedule {schedule.kind} needs the model's head apart from its last chunk")
     tables = {name: jnp.asarray(getattr(schedule, name)) for name in
               ("fwd", "bwd", "fwd_chunk", "bwd_chunk", "fwd_slot", "bwd_slot")
-              + (("wgt", "wgt_chunk", "wgt_slot", "bwd_wslot", "wgt_wslot", "fwd_in", "fwd_from", "bwd_in",
-                  "bwd_from", "fwd_bslot", "bwd_bslot") if zb else ())}
+              + (("wgt", "wgt_chunk", "wgt_slot", "bwd_wslot", "wgt_wslot", "fwgt", "fwgt_slot", "fwgt_wslot",
+                  "fwd_in", "fwd_from", "bwd_in", "bwd_from", "fwd_bslot", "bwd_bslot") if zb else ())}
     layer_ids = jnp.asarray(layout.layer_ids())
     seed = jnp.asarray(seed, jnp.float32)
     # With chunks, the last stage's output goes on to stage 0's next chunk: a ring.
@@ -598,6 +629,16 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
             return (jnp.zeros((), jnp.float32), no_side, zeros(outer), zeros_x,
                     jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), w_shapes))
 
+        def add_weights(acc, stash, k, u, res_slot, w_slot):
+            """W of microbatch ``k`` (-1: none) on chunk ``u``, from its residuals and what its
+            B kept, added into the weights' gradients (an idle slot adds nothing)."""
+            def weights(acc):
+                grads = halves.w((kept_res(stash[1], jnp.maximum(res_slot, 0), 0), chunk(u)),
+                                 kept(stash[2], jnp.maximum(w_slot, 0)))
+                return add_chunk(acc, jax.tree.unflatten(chunk_tree, grads), u)
+
+            return jax.lax.cond(k >= 0, weights, lambda acc: acc, acc)
+
         def tick(carry, t):
             received_x, received_g, stash, loss_acc, extras_acc, d_blocks_acc, d_outer_acc = carry
             # Forward slot: take the microbatch's input, run the chunk and keep its residuals
@@ -627,6 +668,9 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
             # under a zero-bubble schedule its output (the head's input). Idle: spare slot K.
             held = jnp.where(is_last(v_), y, x_in) if zb else x_in
             stash = (keep(stash_x, held, jnp.where(i >= 0, slot, K)), stash_res) + tuple(stash[2:])
+            if zb:  # a W in the forward slot (the stage runs no F this tick)
+                d_blocks_acc = add_weights(d_blocks_acc, stash, tables["fwgt"][t, s], 0,
+                                           tables["fwgt_slot"][t, s], tables["fwgt_wslot"][t, s])
             # Backward slot.
             j, w = tables["bwd"][t, s], jnp.maximum(tables["bwd_chunk"][t, s], 0)
             back = jnp.maximum(tables["bwd_slot"][t, s], 0)
@@ -641,16 +685,11 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
                     j >= 0, backward_b, idle_b, jnp.maximum(j, 0), w, kept(stash[0], back), stash[1], back,
                     received_g, jnp.maximum(tables["bwd_bslot"][t, s], 0))
                 stash_w = keep_if(stash_w, kept_w, jnp.where(j >= 0, tables["bwd_wslot"][t, s], -1))
-                # W slot: the weights' gradients from the residuals and what B kept.
-                k, u = tables["wgt"][t, s], jnp.maximum(tables["wgt_chunk"][t, s], 0)
-
-                def weights():
-                    grads = halves.w((kept_res(stash[1], jnp.maximum(tables["wgt_slot"][t, s], 0), 0), chunk(u)),
-                                     kept(stash_w, jnp.maximum(tables["wgt_wslot"][t, s], 0)))
-                    return jax.tree.unflatten(chunk_tree, grads)
-
-                d_blocks_acc = add_chunk(d_blocks_acc, jax.lax.cond(k >= 0, weights, lambda: zeros(chunk(0))), u)
                 stash = (stash[0], stash[1], stash_w) + tuple(stash[3:])
+                # W slot: the weights' gradients from the residuals and what B kept.
+                d_blocks_acc = add_weights(d_blocks_acc, stash, tables["wgt"][t, s],
+                                           jnp.maximum(tables["wgt_chunk"][t, s], 0), tables["wgt_slot"][t, s],
+                                           tables["wgt_wslot"][t, s])
             received_x = jax.lax.ppermute(y, STAGE, to_next)
             received_g = jax.lax.ppermute(d_x, STAGE, to_prev)
             extras_acc = jax.tree.map(lambda a, f, b: a + f + b, extras_acc, fwd_extras, bwd_extras)
