@@ -38,6 +38,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=5, help="timed steps per round (the fastest counts)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of the two schedules")
     p.add_argument("--remat", default="none", help="the model's --remat policy")
+    p.add_argument("--residual-cap", type=int, default=None,
+                   help="ZB-H1's cap on microbatches whose residuals a stage holds (default: P - s on stage s)")
     return p
 
 
@@ -50,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         ms = int_list(a.microbatches, "--microbatches")
         if not ms or min(ms) < 2 or min(a.steps, a.rounds, a.rows) < 1:
             raise ConfigError("--microbatches must be >= 2 (the stages); --steps, --rounds and --rows >= 1")
+        if a.residual_cap is not None and a.residual_cap < 1:
+            raise ConfigError(f"--residual-cap must be >= 1, got {a.residual_cap}")
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + SINGLE_THREAD).strip()
         from jaxshard import runtime
 
@@ -58,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from jaxshard.analysis.bubble import step_seconds
         from jaxshard.mesh import build_mesh
+        from jaxshard.parallel import pipeline
         from jaxshard.rules import ShardingRules
         from jaxshard.training.optim import OptimConfig
         from jaxshard.training.step import StepConfig, build_program
@@ -69,8 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for m in ms:
             batch = m * a.rows
-            programs = {k: build_program(model, rules, OptimConfig(), StepConfig(pipeline_schedule=k, microbatches=m))
-                        for k in KINDS}
+            layout = pipeline.StageLayout.make(model.cfg.n_layers, 2)
+            tables = {"1f1b": None, "zb-h1": pipeline._zero_bubble(2, m, layout, cap=a.residual_cap)}
+            programs = {k: build_program(model, rules, OptimConfig(), StepConfig(pipeline_schedule=k, microbatches=m),
+                                         schedule=tables[k]) for k in KINDS}
             times = {k: [] for k in KINDS}
             for _ in range(a.rounds):
                 for k in KINDS:
@@ -86,9 +93,10 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
         meta = {"backend": jax.default_backend(), "devices": 2, "cpu_count": os.cpu_count(), "jax": jax.__version__,
                 "model": "llama-tiny", "mesh": "stage=2", "rows": a.rows, "seq_len": a.seq_len, "steps": a.steps,
-                "rounds": a.rounds, "remat": a.remat, "wall_s": time.perf_counter() - t0}
+                "rounds": a.rounds, "remat": a.remat, "residual_cap": a.residual_cap, "wall_s": time.perf_counter() - t0}
         lines = [f"`stage=2` on 2 single-threaded fake CPU devices, llama-tiny (4 layers), {a.rows} x {a.seq_len} "
-                 f"tokens a microbatch, --remat {a.remat}; the fastest of {a.rounds} x {a.steps} steps.", "",
+                 f"tokens a microbatch, --remat {a.remat}, ZB-H1's residual cap "
+                 f"{'P - s' if a.residual_cap is None else a.residual_cap}; the fastest of {a.rounds} x {a.steps} steps.", "",
                  "| M | 1F1B step ms | ZB-H1 step ms | ZB-H1 / 1F1B | table idle 1F1B (theory) | "
                  "table idle ZB-H1 (theory) | temp MiB 1F1B / ZB-H1 |", "|---|---|---|---|---|---|---|"]
         for r in rows:

@@ -383,6 +383,8 @@ def test_tools_reject_bad_input_with_one_line():
                                      "--batch", "-64"), "--batch and --seq-len must be >= 1")
     assert_one_line_error(run_script("plan.py", "--model", "tiny", "--devices", "8", "--device", "h100",
                                      "--device-memory", ".."), "cannot read a size from '..'")
+    assert_one_line_error(run_script("../scripts/bench_zero_bubble.py", "--residual-cap", "0"),
+                          "--residual-cap must be >= 1, got 0")
 
 
 def test_plan_bad_input_is_one_line():

@@ -196,6 +196,21 @@ def test_zero_bubble_tables_and_their_bubble(stages):
 
 
 @pytest.mark.parametrize("mesh, microbatches", [("stage=2,data=4", 4), ("stage=4,data=2", 8)])
+def test_zero_bubble_tables_at_the_theory_match_one_device(mesh, microbatches):
+    """The cap at 2P - 1: several Bs' hand-overs waiting for their Ws at once and Ws run in the
+    forward slot, each reading its own slots (the default cap keeps one hand-over)."""
+    model, ref_losses, ref_params = deep("tiny-llama")
+    stages = int(mesh.split(",")[0].split("=")[1])
+    layout = StageLayout.make(4, stages)
+    wide = pipeline._zero_bubble(stages, microbatches, layout, cap=2 * stages - 1)
+    assert wide.w_slots > 1 and (wide.fwgt >= 0).any() and (wide.wgt >= 0).any()
+    losses, state, program = train(model, mesh, pipeline_schedule="zb-h1", microbatches=microbatches,
+                                   schedule=wide)
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    assert_params_close(program.saved(state).params, ref_params)
+
+
+@pytest.mark.parametrize("mesh, microbatches", [("stage=2,data=4", 4), ("stage=4,data=2", 8)])
 def test_zero_bubble_keeps_no_more_than_1f1b_at_twice_the_stages(mesh, microbatches):
     """Compiled temp bytes per device: ZB-H1 keeps each microbatch's residuals until its W (the
     ones B alone reads only until B), what B hands W, and arrivals waiting for their slot;
