@@ -308,6 +308,8 @@ def _zero_bubble(Pn: int, M: int, layout: StageLayout | None, cap: int | None = 
     waiting: list[list[int]] = [[] for _ in range(Pn)]
     t = 0
     while len(w_at) < Pn * M:
+        if t > 3 * (M + Pn) * Pn:  # every tick runs some op of the 3MP, or waits for a neighbour's
+            raise AssertionError(f"ZB-H1's tables for {Pn} stages, {M} microbatches, cap {cap} make no progress")
         ran = [0] * Pn
         for s in range(Pn):
             i = next_f[s]
