@@ -304,24 +304,31 @@ def _zero_bubble(Pn: int, M: int, layout: StageLayout | None, cap: int | None = 
     kept) meets the theory's 3M + P - 1 units of F, B and W from M = 2P, at about 1.7x the
     memory (docs/pipelines.md)."""
     f_at, b_at, w_at, w_first = {}, {}, {}, set()  # w_first: the Ws run in the forward slot
-    next_f, next_b = [0] * Pn, [0] * Pn
+    next_f, next_b, done_w = [0] * Pn, [0] * Pn, [0] * Pn
     waiting: list[list[int]] = [[] for _ in range(Pn)]
     t = 0
+
+    def run_w(s: int, forward_slot: bool) -> None:
+        i = waiting[s].pop(0)
+        w_at[i, s] = t
+        done_w[s] += 1
+        if forward_slot:
+            w_first.add((i, s))
+
     while len(w_at) < Pn * M:
         if t > 3 * (M + Pn) * Pn:  # every tick runs some op of the 3MP, or waits for a neighbour's
             raise AssertionError(f"ZB-H1's tables for {Pn} stages, {M} microbatches, cap {cap} make no progress")
-        ran = [0] * Pn
+        ran, forward_used = [0] * Pn, [False] * Pn
         for s in range(Pn):
             i = next_f[s]
             if i < M and (s == 0 or f_at.get((i, s - 1), t) < t):
-                if i - sum(1 for (_, r) in w_at if r == s) < (Pn - s if cap is None else cap):
+                if i - done_w[s] < (Pn - s if cap is None else cap):
                     f_at[i, s] = t
                     next_f[s] += 1
-                    ran[s] += 1
+                    ran[s], forward_used[s] = ran[s] + 1, True
                 elif waiting[s]:  # at the cap: a W frees a microbatch's residuals
-                    w_at[waiting[s][0], s] = t
-                    w_first.add((waiting[s].pop(0), s))
-                    ran[s] += 1
+                    run_w(s, forward_slot=True)
+                    ran[s], forward_used[s] = ran[s] + 1, True
             j = next_b[s]
             if j < next_f[s] and f_at[j, s] <= t and (s == Pn - 1 or b_at.get((j, s + 1), t) < t):
                 b_at[j, s] = t
@@ -330,14 +337,11 @@ def _zero_bubble(Pn: int, M: int, layout: StageLayout | None, cap: int | None = 
                 ran[s] += 1
         length = max(1, *ran)
         for s in range(Pn):
-            forward_free = not any(at == t for (i, r), at in f_at.items() if r == s) and not any(
-                w_at[k, r] == t for (k, r) in w_first if r == s)
-            if ran[s] < length and forward_free and waiting[s] and b_at[waiting[s][0], s] < t:
-                w_at[waiting[s][0], s] = t
-                w_first.add((waiting[s].pop(0), s))
+            if ran[s] < length and not forward_used[s] and waiting[s] and b_at[waiting[s][0], s] < t:
+                run_w(s, forward_slot=True)
                 ran[s] += 1
             if ran[s] < length and waiting[s]:  # its B may have run in this tick's backward slot
-                w_at[waiting[s].pop(0), s] = t
+                run_w(s, forward_slot=False)
         t += 1
     names = ("fwd", "bwd", "wgt", "fwgt", "fwd_chunk", "bwd_chunk", "wgt_chunk", "fwd_slot", "bwd_slot",
              "wgt_slot", "fwgt_slot", "bwd_wslot", "wgt_wslot", "fwgt_wslot", "fwd_in", "fwd_from", "bwd_in",
