@@ -7,7 +7,8 @@ Every process runs experiments/train.py (or --script) with the flags after ``--`
 ``--coordinator 127.0.0.1:PORT --num-processes N --process-id I --cpu-devices D --platform
 cpu`` on a free port. Output is streamed with a ``[pI]`` prefix. If one process fails, the
 others are stopped and the launcher exits with that status, naming the process; past
---timeout all are stopped.
+--timeout all are stopped. The processes run in the caller's folder, so relative paths in the
+flags (``--checkpoint-dir runs/x``) mean what they mean to the caller.
 
 ``--max-restarts N``: a job whose process failed (killed, crashed, or stopped by the hang
 watchdog -- anything but bad input, exit status 2) is started again, all its processes on a
@@ -77,12 +78,12 @@ def attempt(a: argparse.Namespace, rest: list[str], number: int, deadline: float
     procs = []
     env = {**os.environ, "JAXSHARD_ATTEMPT": str(number)}
     for i in range(processes):
-        cmd = [sys.executable, "-u", a.script, *rest, "--coordinator", f"127.0.0.1:{port}",
+        cmd = [sys.executable, "-u", os.path.abspath(a.script), *rest, "--coordinator", f"127.0.0.1:{port}",
                "--num-processes", str(processes), "--process-id", str(i),
                "--cpu-devices", str(a.devices_per_process), "--platform", "cpu",
                "--init-timeout", str(a.init_timeout)]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, cwd=ROOT, bufsize=1, env=env))
+                                      text=True, bufsize=1, env=env))
     threads = [threading.Thread(target=_stream, args=(proc, f"[p{i}]", sys.stdout), daemon=True)
                for i, proc in enumerate(procs)]
     for t in threads:

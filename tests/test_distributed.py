@@ -351,3 +351,21 @@ def test_bad_or_unreachable_coordinator_is_one_line(flags, message):
     r = run(["--mesh", "fsdp=4", "--steps", "2", *flags], devices=4, timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert message in r.stderr
+
+
+def test_the_launched_processes_run_in_the_callers_folder(tmp_path):
+    """Relative paths in the job's flags mean what they mean where the launcher was started
+    (``--checkpoint-dir runs/x`` lands in the caller's folder, not the checkout); a relative
+    --script is found from there too."""
+    (tmp_path / "job.py").write_text("import os, sys\n"
+                                     "i = sys.argv[sys.argv.index('--process-id') + 1]\n"
+                                     "out = sys.argv[sys.argv.index('--out') + 1]\n"
+                                     "os.makedirs(out, exist_ok=True)\n"
+                                     "open(os.path.join(out, i), 'w').write(os.getcwd())\n")
+    cmd = [sys.executable, str(ROOT / "scripts" / "launch_local.py"), "--processes", "2", "--script", "job.py",
+           "--", "--out", "runs/here"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for i in "01":
+        assert (tmp_path / "runs" / "here" / i).read_text() == str(tmp_path)
+    assert not (ROOT / "runs" / "here").exists()
