@@ -25,6 +25,7 @@ so a step that overflows recovers once the history has seen the large amax.
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any
 
@@ -81,52 +82,81 @@ def delayed_scale(history: jax.Array, previous: jax.Array, dtype: Any) -> jax.Ar
 
 # ---- the scaled matmul ------------------------------------------------------------------------
 
-def _operand_scale(x: jax.Array, dtype: Any, contract: int, rowwise: bool) -> jax.Array:
-    """The scale of a 2-D operand: one for the tensor, or one per row along ``contract``."""
-    return scale_from_amax(amax(x, axis=contract if rowwise else None), dtype)
+def _operand_scale(x: jax.Array, dtype: Any, contract: int, rowwise: bool, split: tuple[str, ...] = ()) -> jax.Array:
+    """The scale of a 2-D operand: one for the tensor, or one per row along ``contract``.
+    ``split``: the manual mesh axes over which the amax's reduction is split (the tensor's
+    pieces, or the rows' pieces along ``contract``) -- their maximum is taken over them, so the
+    scale is the whole tensor's on every device."""
+    a = amax(x, axis=contract if rowwise else None)
+    return scale_from_amax(jax.lax.pmax(a, split) if split else a, dtype)
 
 
 def scaled_matmul(a: jax.Array, b: jax.Array, a_dtype: Any, b_dtype: Any, rowwise: bool,
-                  a_scale: jax.Array | None = None, b_scale: jax.Array | None = None) -> jax.Array:
+                  a_scale: jax.Array | None = None, b_scale: jax.Array | None = None,
+                  a_split: tuple[str, ...] = (), b_split: tuple[str, ...] = ()) -> jax.Array:
     """``a [M, K] @ b [K, N]`` in float8, float32 out: each operand scaled (its own amax along K
     where ``rowwise``, else the tensor's; or the scales given), cast, multiplied with float32
-    accumulation, and the product divided by the scales."""
-    sa = _operand_scale(a, a_dtype, 1, rowwise) if a_scale is None else a_scale
-    sb = _operand_scale(b, b_dtype, 0, rowwise) if b_scale is None else b_scale
+    accumulation, and the product divided by the scales. ``a_split``/``b_split``: the manual
+    mesh axes an operand's amax is split over (see :func:`_operand_scale`)."""
+    sa = _operand_scale(a, a_dtype, 1, rowwise, a_split) if a_scale is None else a_scale
+    sb = _operand_scale(b, b_dtype, 0, rowwise, b_split) if b_scale is None else b_scale
     product = jax.lax.dot_general(quantize(a, sa, a_dtype), quantize(b, sb, b_dtype), (((1,), (0,)), ((), ())),
                                   preferred_element_type=jnp.float32)
     return product / (sa * sb)
 
 
-def fp8_matmul(x: jax.Array, w: jax.Array, recipe: str = "tensorwise") -> jax.Array:
+def fp8_matmul(x: jax.Array, w: jax.Array, recipe: str = "tensorwise", columns: tuple[str, ...] = ()) -> jax.Array:
     """``x [..., K] @ w [K, N]`` with the forward operands in e4m3 and, in the backward pass,
     the output gradient in e5m2: the input gradient ``g w^T`` and the weight gradient
     ``x^T g`` are float8 matmuls too. ``recipe``: ``tensorwise`` or ``rowwise`` (dynamic
-    scales from this step's amaxes). The result in ``x``'s dtype."""
+    scales from this step's amaxes). The result in ``x``'s dtype.
+
+    ``columns``: inside a region manual over these mesh axes, ``w``'s columns (N) are split
+    over them and ``x`` is whole on each device (a column-parallel projection). The amaxes
+    the split cuts are then maxed over them: ``w``'s and the output gradient's whole-tensor
+    amaxes, and in the input gradient (which contracts over N) the rowwise amaxes along N.
+    Elsewhere the partitioner sees the whole tensors and reduces the amaxes itself."""
     if recipe not in ("tensorwise", "rowwise"):
         raise ValueError(f"fp8_matmul takes a dynamic recipe, tensorwise or rowwise, not {recipe!r}")
-    return _fp8_matmul(x, w, recipe == "rowwise")
+    return _fp8_matmul(x, w, recipe == "rowwise", tuple(columns))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _fp8_matmul(x: jax.Array, w: jax.Array, rowwise: bool) -> jax.Array:
-    return _forward(x, w, rowwise)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _fp8_matmul(x: jax.Array, w: jax.Array, rowwise: bool, columns: tuple[str, ...]) -> jax.Array:
+    return _forward(x, w, rowwise, columns)[0]
 
 
-def _forward(x, w, rowwise):
-    y = scaled_matmul(x.reshape(-1, x.shape[-1]), w, E4M3, E4M3, rowwise)
+def _forward(x, w, rowwise, columns):
+    tensor = () if rowwise else columns  # a rowwise amax along K: K is whole here
+    y = scaled_matmul(x.reshape(-1, x.shape[-1]), w, E4M3, E4M3, rowwise, a_split=tensor, b_split=tensor)
     return y.reshape(*x.shape[:-1], w.shape[-1]).astype(x.dtype), (x, w)
 
 
-def _backward(rowwise, saved, g):
+def _backward(rowwise, columns, saved, g):
     x, w = saved
     g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
-    dx = scaled_matmul(g2, w.T, E5M2, E4M3, rowwise).reshape(x.shape).astype(x.dtype)
-    dw = scaled_matmul(x2.T, g2, E4M3, E5M2, rowwise).astype(w.dtype)
-    return dx, dw
+    # g w^T contracts over N, which ``columns`` split: rowwise and tensorwise amaxes alike.
+    dx = scaled_matmul(g2, w.T, E5M2, E4M3, rowwise, a_split=columns, b_split=columns)
+    # x^T g contracts over the tokens (whole here): only g's tensorwise amax is split.
+    tensor = () if rowwise else columns
+    dw = scaled_matmul(x2.T, g2, E4M3, E5M2, rowwise, a_split=tensor, b_split=tensor)
+    return dx.reshape(x.shape).astype(x.dtype), dw.astype(w.dtype)
 
 
 _fp8_matmul.defvjp(_forward, _backward)
+
+
+def dense(x: jax.Array, w: jax.Array, n_in: int, recipe: str, columns: tuple[str, ...] = ()) -> jax.Array:
+    """A linear layer's product in float8: ``x [..., K1..Kn]`` contracted with ``w [K1..Kn,
+    N1..]`` over its ``n_in`` leading dims (``bld,dnh->blnh`` is 1, ``blnh,nhd->bld`` 2), as
+    one 2-D :func:`fp8_matmul`, so a tensorwise or rowwise amax covers what the layer's matmul
+    contracts (all of a head group's outputs, say, not one head's)."""
+    k = x.shape[-n_in:]
+    if tuple(w.shape[:n_in]) != tuple(k):
+        raise ValueError(f"fp8 dense: x {x.shape} and w {w.shape} do not share {n_in} contracted dim(s)")
+    flat = fp8_matmul(x.reshape(*x.shape[:-n_in], -1), w.reshape(-1, *w.shape[n_in:]).reshape(
+        math.prod(k), -1), recipe, columns)
+    return flat.reshape(*x.shape[:-n_in], *w.shape[n_in:])
 
 
 # ---- the delayed recipe's matmul --------------------------------------------------------------

@@ -166,6 +166,11 @@ class ModelChoice:
     vocab_multiple: int | None = option(
         None, "pad the vocab to a multiple of N (e.g. so tensor divides it); padding logits are "
               "masked out of the loss", default_text=_PRESETS)
+    fp8: str | None = option(
+        None, "the blocks' linear layers (attention projections, MLP; not the embedding, head or "
+              "router) in float8: inputs and weights e4m3, output gradients e5m2, scaled per tensor "
+              "(tensorwise) or per row of the contraction (rowwise) from this step's amaxes",
+        choices=("tensorwise", "rowwise", "delayed"), default_text="off", group="precision")
     shape: Shape = section(Shape, "model shape (override the preset's fields)")
     moe: Moe = section(Moe, "mixture of experts (override the preset's; see models/moe.py)")
 

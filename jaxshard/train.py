@@ -48,7 +48,8 @@ def model_config(cfg: RunConfig, tokenizer_vocab: int | None = None):
         model_cfg = model_cfg.replace(dropout=choice.dropout)
     if choice.vocab_multiple is not None:
         model_cfg = model_cfg.replace(vocab_multiple=choice.vocab_multiple)
-    return with_moe(model_cfg, choice.moe.given())
+    model_cfg = with_moe(model_cfg, choice.moe.given())
+    return model_cfg.replace(fp8=choice.fp8) if choice.fp8 is not None else model_cfg
 
 
 def build_model(cfg: RunConfig, unroll: bool = False, tokenizer_vocab: int | None = None,

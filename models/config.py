@@ -87,6 +87,9 @@ class ModelConfig:
     # "both".
     moe_balance: str = "aux"
     moe_bias_rate: float = 0.001  # DeepSeek-V3's bias update speed gamma
+    # The blocks' linear layers (attention projections, MLP) in float8 with this scaling recipe
+    # (jaxshard.fp8: "tensorwise" or "rowwise"); None: in the compute dtype.
+    fp8: str | None = None
 
     def __post_init__(self) -> None:
         for field in ("n_layers", "d_model", "n_heads", "d_mlp", "vocab_size", "max_seq_len"):
@@ -110,6 +113,20 @@ class ModelConfig:
             self._check_moe()
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model {self.name}: dropout must be in [0, 1), got {self.dropout}")
+        if self.fp8 is not None:
+            self._check_fp8()
+
+    def _check_fp8(self) -> None:
+        from jaxshard.fp8 import RECIPES
+
+        if self.fp8 not in RECIPES:
+            raise ConfigError(f"--fp8 must be one of {', '.join(RECIPES)}, got {self.fp8!r}")
+        if self.fp8 == "delayed":
+            raise ConfigError("--fp8 delayed is not implemented yet (its amax history is not kept in the train "
+                              "state): use tensorwise or rowwise")
+        if self.moe_experts:
+            raise ConfigError("--fp8 with MoE layers is not implemented yet (the experts' grouped matmuls "
+                              "have no float8 path)")
 
     def _check_moe(self) -> None:
         E, k = self.moe_experts, self.moe_top_k

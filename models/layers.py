@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxshard import rows
+from jaxshard import fp8, rows
 from jaxshard.axes import RESIDUAL_BLD, Dim
+from jaxshard.errors import ConfigError
 from jaxshard.parallel import attention
 from jaxshard.parallel.attention import causal_attention
 from jaxshard.parallel.tensor import column_parallel
@@ -51,6 +52,32 @@ def token_einsum(spec: str, x: jax.Array, w: jax.Array, out_axes: tuple | None =
     else:
         y = jnp.einsum(spec.replace("bl", "t"), x.reshape(-1, *x.shape[2:]), w)
         y = y.reshape(*x.shape[:2], *y.shape[1:])
+    return constrain(y, out_axes) if out_axes is not None else y
+
+
+def linear(spec: str, x: jax.Array, w: jax.Array, recipe: str | None, out_axes: tuple | None = None,
+           tokens: bool = False, columns: tuple[str, ...] = ()) -> jax.Array:
+    """A block's linear layer, ``jnp.einsum(spec, x, w)`` contracting ``w``'s leading dims
+    (:func:`token_einsum` where ``tokens``); with a float8 ``recipe`` (``--fp8``) the same
+    product as a float8 matmul (:func:`jaxshard.fp8.dense`). Float8 runs under the partitioner,
+    which takes each amax over the whole tensor, or in a column-parallel projection's region
+    manual over ``columns``, the tensor axes (:func:`jaxshard.parallel.tensor.column_parallel`),
+    which maxes the amaxes its split cuts over them; inside any other manual region the amax
+    would be a piece's: a one-line error."""
+    if recipe is None:
+        if tokens:
+            return token_einsum(spec, x, w, out_axes)
+        y = jnp.einsum(spec, x, w)
+        return constrain(y, out_axes) if out_axes is not None else y
+    context = jax.sharding.get_abstract_mesh()  # the step may run a region with no rules active
+    manual = frozenset() if context.empty else frozenset(map(str, context.manual_axes))
+    if not manual <= set(columns):
+        raise ConfigError(f"--fp8 is not implemented inside a region manual over {', '.join(sorted(manual))} "
+                          "(an amax there would be a piece's, not the tensor's)")
+    xs, rest = spec.split(",")
+    ws, out = rest.split("->")
+    n_in = sum(c in xs and c not in out for c in ws)  # contracted: w's leading dims, x's trailing
+    y = fp8.dense(x, w, n_in, recipe, tuple(columns))  # () under the partitioner
     return constrain(y, out_axes) if out_axes is not None else y
 
 
@@ -168,7 +195,7 @@ class Attention(nnx.Module):
         self.wk = _param(rngs, (D, K, H), (Dim.EMBED, Dim.KV_HEADS, Dim.HEAD_DIM), std)
         self.wv = _param(rngs, (D, K, H), (Dim.EMBED, Dim.KV_HEADS, Dim.HEAD_DIM), std)
         self.wo = _param(rngs, (N, H, D), (Dim.HEADS, Dim.HEAD_DIM, Dim.EMBED), out_std)
-        self.use_bias = cfg.use_bias
+        self.use_bias, self.fp8 = cfg.use_bias, cfg.fp8
         if cfg.use_bias:
             self.bq = _const(0.0, (N, H), (Dim.HEADS, Dim.HEAD_DIM))
             self.bv = _const(0.0, (K, H), (Dim.KV_HEADS, Dim.HEAD_DIM))
@@ -187,7 +214,7 @@ class Attention(nnx.Module):
         cache; returns (output, the updated cache)."""
         q_BLNH, k_BLKH, v_BLKH = column_parallel(
             x_BLD, [self.wq[...], self.wk[...], self.wv[...]], self.weight_axes,
-            lambda x, w: jnp.einsum("bld,dnh->blnh", x, w), self.qkv_axes)
+            lambda x, w, columns: linear("bld,dnh->blnh", x, w, self.fp8, columns=columns), self.qkv_axes)
         if self.use_bias:
             q_BLNH, v_BLKH = shift(q_BLNH, self.bq[...]), shift(v_BLKH, self.bv[...])
         if rope is not None:
@@ -210,7 +237,7 @@ class Attention(nnx.Module):
         o_BLNH = tag(o_BLNH, "attn_out")
         # Row-parallel output: the partial sums over heads are reduced into the residual
         # layout (all-reduce, or reduce-scatter under SP) before the bias, as in Megatron.
-        y_BLD = tag(constrain(jnp.einsum("blnh,nhd->bld", o_BLNH, self.wo[...]), RESIDUAL_BLD), "attn_proj")
+        y_BLD = tag(linear("blnh,nhd->bld", o_BLNH, self.wo[...], self.fp8, RESIDUAL_BLD), "attn_proj")
         y_BLD = shift(y_BLD, self.bo[...]) if self.use_bias else y_BLD
         return y_BLD if cache is None else (y_BLD, cache)
 
@@ -230,7 +257,7 @@ class FeedForward(nnx.Module):
         """``d_mlp``: the hidden size (default the config's)."""
         D, F = cfg.d_model, d_mlp or cfg.d_mlp
         std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        self.kind, self.use_bias = cfg.mlp, cfg.use_bias
+        self.kind, self.use_bias, self.fp8 = cfg.mlp, cfg.use_bias, cfg.fp8
         self.w_in = _param(rngs, (D, F), (Dim.EMBED, Dim.MLP), std)
         if cfg.mlp is Mlp.SWIGLU:
             self.w_gate = _param(rngs, (D, F), (Dim.EMBED, Dim.MLP), std)
@@ -243,7 +270,8 @@ class FeedForward(nnx.Module):
         """``x_BLD`` in the residual stream's layout (split over ``tensor`` under SP)."""
         weights = [self.w_in[...]] + ([self.w_gate[...]] if self.kind is Mlp.SWIGLU else [])
         h = column_parallel(x_BLD, weights, [(Dim.EMBED, Dim.MLP)] * len(weights),
-                            lambda x, w: token_einsum("bld,df->blf", x, w),
+                            lambda x, w, columns: linear("bld,df->blf", x, w, self.fp8, tokens=True,
+                                                         columns=columns),
                             [(Dim.BATCH, Dim.LENGTH, Dim.ACT_MLP)] * len(weights))
         h_BLF = tag(h[0], "mlp_in")
         if self.use_bias:
@@ -256,7 +284,7 @@ class FeedForward(nnx.Module):
         else:
             h_BLF = elementwise(_gelu)(h_BLF)
         h_BLF = tag(constrain(h_BLF, (Dim.BATCH, Dim.LENGTH, Dim.ACT_MLP)), "mlp_hidden")
-        y_BLD = token_einsum("blf,fd->bld", h_BLF, self.w_out[...], RESIDUAL_BLD)
+        y_BLD = linear("blf,fd->bld", h_BLF, self.w_out[...], self.fp8, RESIDUAL_BLD, tokens=True)
         return shift(y_BLD, self.b_out[...]) if self.use_bias else y_BLD
 
 

@@ -44,12 +44,14 @@ def gather_sequence(x_BLD: jax.Array) -> jax.Array:
 def column_parallel(x_BLD: jax.Array, weights: Sequence[jax.Array], specs: Sequence[tuple],
                     fn: Callable[[jax.Array, jax.Array], jax.Array],
                     out_axes: Sequence[tuple]) -> list[jax.Array]:
-    """``[fn(x, w) for w in weights]`` for a sublayer input ``x`` in the residual stream's
-    layout. ``specs``: each weight's logical dims; ``out_axes``: each output's logical dims
-    (a dim the tensor axes split is split in the output too)."""
+    """``[fn(x, w, columns) for w in weights]`` for a sublayer input ``x`` in the residual
+    stream's layout. ``specs``: each weight's logical dims; ``out_axes``: each output's logical
+    dims (a dim the tensor axes split is split in the output too). ``columns``: the mesh axes
+    ``fn`` runs manual over, which split ``w``'s output columns (``()`` under the partitioner):
+    a float8 projection takes its amaxes' maximum over them."""
     rules = active()
     if rules is None:
-        return [fn(x_BLD, w) for w in weights]
+        return [fn(x_BLD, w, ()) for w in weights]
     tensor = rules.activation_mesh_axes(Dim.ACT_HEADS)
     sp = bool(set(tensor) & set(rules.activation_mesh_axes(Dim.RESIDUAL_LENGTH)))
     if not (sp and remat.keeps_activations()):
@@ -73,7 +75,7 @@ def _projections(rules, tensor, sp: bool, x_BLD: jax.Array, weights: Sequence[ja
         # No tensor parallelism; or context parallelism too; or under SP a weight tensor does
         # not split (kv heads fewer than tensor), whose input gradient the partitioner then
         # reduces better alone: the partitioner's way.
-        return [fn(x_BLD, w) for w in weights]
+        return [fn(x_BLD, w, ()) for w in weights]
     manual = frozenset(tensor)  # the batch axes stay with the partitioner
 
     def only_tensor(spec: P) -> P:
@@ -90,7 +92,7 @@ def _projections(rules, tensor, sp: bool, x_BLD: jax.Array, weights: Sequence[ja
     def local(x, *ws):
         # Backward, the projections' input gradients are summed here and all-reduced once.
         replicated, x = x.astype(dtype), jax.lax.pcast(x, tuple(tensor), to="varying").astype(dtype)
-        return [fn(x if s else replicated, w) for w, s in zip(ws, split)]
+        return [fn(x if s else replicated, w, tuple(sorted(manual))) for w, s in zip(ws, split)]
 
     return jax.shard_map(local, mesh=rules.context_mesh, in_specs=(P(), *w_specs), out_specs=out_specs,
                          axis_names=manual)(x_BLD, *weights)
