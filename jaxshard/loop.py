@@ -238,7 +238,7 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
 
     flops = accounting.flops(model.cfg, rules, B, L, remat=model.remat)
     peak, peak_source = devices.peak_flops(cfg.peak.device, cfg.peak.peak_tflops, cfg.step.compute_dtype,
-                                           jax.devices()[0])
+                                           jax.devices()[0], fp8=model.cfg.fp8 is not None)
     n_dev = jax.device_count()
     _log(f"model FLOPs per step {flops.model:.3e} ({flops.formula}); MFU peak: {peak_source}")
     # The compiled step's matmuls against the useful ones (XLA:CPU's dots; a pipeline's branches
@@ -583,8 +583,8 @@ def _time_model(cfg: RunConfig, model: Stageable, rules, schedule, flops) -> dic
     prices it), beside the measured ones: where the device is known (``--device`` or a
     recognised GPU); None otherwise, and for local SGD, whose steps differ."""
     device = devices.known_device(cfg.peak.device, jax.devices()[0])
-    if device is None or cfg.sync_every is not None:
-        return None
+    if device is None or cfg.sync_every is not None or model.cfg.fp8 is not None:
+        return None  # (the time model prices no float8 matmuls yet)
     device = dataclasses.replace(device, per_host=jax.local_device_count())
     pipe = dict(microbatches=schedule.microbatches, virtual_stages=schedule.virtual) if schedule else {}
     t = timing.step_time(model, rules, device, cfg.batch_size, cfg.seq_len, software=timing.SOFTWARE["jaxshard"],

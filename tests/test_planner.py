@@ -99,6 +99,9 @@ def test_peak_flops_for_mfu_comes_from_flags_or_a_recognised_gpu_never_a_guess()
     assert devices.peak_flops(None, 123.0, "bfloat16") == (123e12, "--peak-tflops")
     assert devices.peak_flops("a100-80gb", None, "bfloat16")[0] == 312e12
     assert devices.peak_flops("h100", None, "float32")[0] == 494e12  # TF32
+    # --fp8: the float8 peak where the device has float8 tensor cores (A100: none)
+    assert devices.peak_flops("h100", None, "bfloat16", fp8=True) == (1979e12, "--device h100 float8")
+    assert devices.peak_flops("a100-80gb", None, "bfloat16", fp8=True) == (312e12, "--device a100-80gb")
     peak, source = devices.peak_flops(None, None, "bfloat16", FakeDevice("gpu", "NVIDIA H100 80GB HBM3"))
     assert peak == 989e12 and "detected h100" in source
     assert devices.peak_flops(None, None, "bfloat16", FakeDevice("cpu", "cpu"))[0] is None

@@ -34,8 +34,14 @@ class Device:
     intra_busbw_gbs: float | None = None  # measured: nccl-tests ring bus bandwidth within a host
     inter_busbw_gbs: float | None = None  # measured: per device across hosts
     note: str = ""  # what sets this device apart (a power limit, a cloud's network)
+    fp8_tflops: float | None = None  # dense float8 tensor-core peak; None: no float8 tensor cores
 
-    def peak(self, compute_dtype: str) -> float:
+    def peak(self, compute_dtype: str, fp8: bool = False) -> float:
+        """The dense peak matmuls run at: float8's where ``fp8`` (``--fp8``) and the device has
+        float8 tensor cores (elsewhere XLA computes float8 dots in a wider type), else the
+        compute dtype's."""
+        if fp8 and self.fp8_tflops is not None:
+            return 1e12 * self.fp8_tflops
         return 1e12 * (self.bf16_tflops if compute_dtype != "float32" else self.fp32_tflops)
 
     def matmul_flops(self, compute_dtype: str) -> float:
@@ -62,7 +68,7 @@ class Device:
         return (self.inter_busbw_gbs or self.inter_host_gbs) * GB
 
 
-_H100 = dict(matmul_tflops=794.5, intra_busbw_gbs=367.2)
+_H100 = dict(matmul_tflops=794.5, intra_busbw_gbs=367.2, fp8_tflops=1979)
 # Dense (no sparsity) datasheet peaks; typical 8-GPU HGX/DGX hosts (sources below).
 KNOWN_DEVICES = {
     "h100": Device("h100", 80 * GB, 989, 494, 450, 50, 8, hbm_gbs=3350, hbm_achieved_gbs=2970,
@@ -90,6 +96,8 @@ SOURCES = {
         "494 TF32, 3.35 TB/s), H200 (SXM: 989 bf16, 4.8 TB/s, 141 GB), V100 (SXM2: 125 tensor, 15.7 fp32, "
         "900 GB/s); h100-hbm2e-500w: torchtitan docs/performance.md (Grand Teton: 96 GB HBM2e, 2.4 TB/s, "
         "500 W)",
+    "fp8_tflops": "NVIDIA datasheets, dense (half the 'with sparsity' figure): H100 SXM5 3,958 -> 1,979 TFLOPS "
+                  "FP8, H200 SXM the same; A100 and V100 have no float8 tensor cores",
     "intra_host_gbs": "NVLink per GPU, half the datasheets' bidirectional total: V100 300 GB/s, A100 600, "
                       "H100/H200 900",
     "inter_host_gbs": "one NIC per GPU as in DGX systems: DGX A100 8 x 200 Gb/s HDR (25 GB/s), DGX H100 8 x "
@@ -196,14 +204,17 @@ def known_device(device: str | None, backend_device: object | None = None) -> De
 
 
 def peak_flops(device: str | None, peak_tflops: float | None, compute_dtype: str,
-               backend_device: object | None = None) -> tuple[float | None, str]:
+               backend_device: object | None = None, fp8: bool = False) -> tuple[float | None, str]:
     """Dense peak FLOP/s of one device for MFU, and where the number came from. Never a guess:
-    an explicit --peak-tflops, a named --device, a recognised GPU, or nothing."""
+    an explicit --peak-tflops, a named --device, a recognised GPU, or nothing. ``fp8``: the
+    blocks' matmuls run in float8 (``--fp8``): the float8 peak where the device has one."""
     if peak_tflops is not None:
         return peak_tflops * 1e12, "--peak-tflops"
     found = known_device(device, backend_device)
     if found is None:
         return None, "unknown (give --peak-tflops or --device for MFU)"
+    kind = " float8" if fp8 and found.fp8_tflops is not None else ""
     if device is not None:
-        return found.peak(compute_dtype), f"--device {found.name}"
-    return found.peak(compute_dtype), f"detected {found.name} ({getattr(backend_device, 'device_kind', '')})"
+        return found.peak(compute_dtype, fp8), f"--device {found.name}{kind}"
+    return found.peak(compute_dtype, fp8), (f"detected {found.name}{kind} "
+                                            f"({getattr(backend_device, 'device_kind', '')})")
