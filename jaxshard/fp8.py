@@ -12,7 +12,8 @@ amax is taken:
 * **rowwise** -- one scale per row of the operand along the dimension the matmul contracts, so an
   outlier costs only its own row precision (torchao's rowwise recipe: each of the three matmuls
   of a linear layer, forward, input gradient and weight gradient, quantises its operands along
-  its own contraction);
+  its own contraction; the output gradient in e4m3 too, since a row's own scale gives it the
+  range, and every scale rounded down to a power of two, so scaling is exact);
 * **delayed** -- a tensorwise scale from the largest amax of the last ``H`` steps (Transformer
   Engine's and Megatron's delayed scaling), so the step needs no reduction before its matmul;
   the history is state that the step updates and a checkpoint keeps.
@@ -82,13 +83,20 @@ def delayed_scale(history: jax.Array, previous: jax.Array, dtype: Any) -> jax.Ar
 
 # ---- the scaled matmul ------------------------------------------------------------------------
 
+def power_of_two(scale: jax.Array) -> jax.Array:
+    """``scale`` rounded down to a power of two (no value then scales past the format's
+    largest), as torchao's rowwise recipe does: multiplying by it is exact."""
+    return jnp.exp2(jnp.floor(jnp.log2(scale)))
+
+
 def _operand_scale(x: jax.Array, dtype: Any, contract: int, rowwise: bool, split: tuple[str, ...] = ()) -> jax.Array:
-    """The scale of a 2-D operand: one for the tensor, or one per row along ``contract``.
-    ``split``: the manual mesh axes over which the amax's reduction is split (the tensor's
-    pieces, or the rows' pieces along ``contract``) -- their maximum is taken over them, so the
-    scale is the whole tensor's on every device."""
+    """The scale of a 2-D operand: one for the tensor, or one per row along ``contract``
+    (rounded down to a power of two). ``split``: the manual mesh axes over which the amax's
+    reduction is split (the tensor's pieces, or the rows' pieces along ``contract``) -- their
+    maximum is taken over them, so the scale is the whole tensor's on every device."""
     a = amax(x, axis=contract if rowwise else None)
-    return scale_from_amax(jax.lax.pmax(a, split) if split else a, dtype)
+    scale = scale_from_amax(jax.lax.pmax(a, split) if split else a, dtype)
+    return power_of_two(scale) if rowwise else scale
 
 
 def scaled_matmul(a: jax.Array, b: jax.Array, a_dtype: Any, b_dtype: Any, rowwise: bool,
@@ -107,8 +115,8 @@ def scaled_matmul(a: jax.Array, b: jax.Array, a_dtype: Any, b_dtype: Any, rowwis
 
 def fp8_matmul(x: jax.Array, w: jax.Array, recipe: str = "tensorwise", columns: tuple[str, ...] = ()) -> jax.Array:
     """``x [..., K] @ w [K, N]`` with the forward operands in e4m3 and, in the backward pass,
-    the output gradient in e5m2: the input gradient ``g w^T`` and the weight gradient
-    ``x^T g`` are float8 matmuls too. ``recipe``: ``tensorwise`` or ``rowwise`` (dynamic
+    the output gradient in e5m2 (rowwise: e4m3): the input gradient ``g w^T`` and the weight
+    gradient ``x^T g`` are float8 matmuls too. ``recipe``: ``tensorwise`` or ``rowwise`` (dynamic
     scales from this step's amaxes). The result in ``x``'s dtype.
 
     ``columns``: inside a region manual over these mesh axes, ``w``'s columns (N) are split
@@ -118,29 +126,40 @@ def fp8_matmul(x: jax.Array, w: jax.Array, recipe: str = "tensorwise", columns: 
     Elsewhere the partitioner sees the whole tensors and reduces the amaxes itself."""
     if recipe not in ("tensorwise", "rowwise"):
         raise ValueError(f"fp8_matmul takes a dynamic recipe, tensorwise or rowwise, not {recipe!r}")
-    return _fp8_matmul(x, w, recipe == "rowwise", tuple(columns))
+    return _fp8_matmul(x, w, recipe == "rowwise", tuple(columns), 1)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _fp8_matmul(x: jax.Array, w: jax.Array, rowwise: bool, columns: tuple[str, ...]) -> jax.Array:
-    return _forward(x, w, rowwise, columns)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _fp8_matmul(x: jax.Array, w: jax.Array, rowwise: bool, columns: tuple[str, ...], n_in: int) -> jax.Array:
+    return _forward(x, w, rowwise, columns, n_in)[0]
 
 
-def _forward(x, w, rowwise, columns):
+def _as_2d(x, w, n_in):
+    """``x [..., K1..Kn]`` as ``[M, K]``, ``w [K1..Kn, N1..]`` as ``[K, N]``. (Reshaped here, not
+    by the caller, so the saved residuals are the arrays given: a weight gathered by the
+    caller is then re-gathered in the backward pass, not kept, as its policy says.)"""
+    k = math.prod(w.shape[:n_in])
+    return x.reshape(-1, k), w.reshape(k, -1)
+
+
+def _forward(x, w, rowwise, columns, n_in):
     tensor = () if rowwise else columns  # a rowwise amax along K: K is whole here
-    y = scaled_matmul(x.reshape(-1, x.shape[-1]), w, E4M3, E4M3, rowwise, a_split=tensor, b_split=tensor)
-    return y.reshape(*x.shape[:-1], w.shape[-1]).astype(x.dtype), (x, w)
+    x2, w2 = _as_2d(x, w, n_in)
+    y = scaled_matmul(x2, w2, E4M3, E4M3, rowwise, a_split=tensor, b_split=tensor)
+    return y.reshape(*x.shape[:x.ndim - n_in], *w.shape[n_in:]).astype(x.dtype), (x, w)
 
 
-def _backward(rowwise, columns, saved, g):
+def _backward(rowwise, columns, n_in, saved, g):
     x, w = saved
-    g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+    x2, w2 = _as_2d(x, w, n_in)
+    g2 = g.reshape(x2.shape[0], w2.shape[1])
+    grad = E4M3 if rowwise else E5M2
     # g w^T contracts over N, which ``columns`` split: rowwise and tensorwise amaxes alike.
-    dx = scaled_matmul(g2, w.T, E5M2, E4M3, rowwise, a_split=columns, b_split=columns)
+    dx = scaled_matmul(g2, w2.T, grad, E4M3, rowwise, a_split=columns, b_split=columns)
     # x^T g contracts over the tokens (whole here): only g's tensorwise amax is split.
     tensor = () if rowwise else columns
-    dw = scaled_matmul(x2.T, g2, E4M3, E5M2, rowwise, a_split=tensor, b_split=tensor)
-    return dx.reshape(x.shape).astype(x.dtype), dw.astype(w.dtype)
+    dw = scaled_matmul(x2.T, g2, E4M3, grad, rowwise, a_split=tensor, b_split=tensor)
+    return dx.reshape(x.shape).astype(x.dtype), dw.reshape(w.shape).astype(w.dtype)
 
 
 _fp8_matmul.defvjp(_forward, _backward)
@@ -151,12 +170,11 @@ def dense(x: jax.Array, w: jax.Array, n_in: int, recipe: str, columns: tuple[str
     N1..]`` over its ``n_in`` leading dims (``bld,dnh->blnh`` is 1, ``blnh,nhd->bld`` 2), as
     one 2-D :func:`fp8_matmul`, so a tensorwise or rowwise amax covers what the layer's matmul
     contracts (all of a head group's outputs, say, not one head's)."""
-    k = x.shape[-n_in:]
-    if tuple(w.shape[:n_in]) != tuple(k):
+    if tuple(w.shape[:n_in]) != tuple(x.shape[x.ndim - n_in:]):
         raise ValueError(f"fp8 dense: x {x.shape} and w {w.shape} do not share {n_in} contracted dim(s)")
-    flat = fp8_matmul(x.reshape(*x.shape[:-n_in], -1), w.reshape(-1, *w.shape[n_in:]).reshape(
-        math.prod(k), -1), recipe, columns)
-    return flat.reshape(*x.shape[:-n_in], *w.shape[n_in:])
+    if recipe not in ("tensorwise", "rowwise"):
+        raise ValueError(f"fp8 dense takes a dynamic recipe, tensorwise or rowwise, not {recipe!r}")
+    return _fp8_matmul(x, w, recipe == "rowwise", tuple(columns), n_in)
 
 
 # ---- the delayed recipe's matmul --------------------------------------------------------------

@@ -35,6 +35,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxshard import fp8
 from jaxshard.axes import BATCH_AXES, Dim, LogicalAxes, MeshAxis
 from jaxshard.errors import ConfigError
 from jaxshard.options import flag, option, parse_bool
@@ -479,10 +480,30 @@ def _gather(x, src, dst):
 _gather.defvjp(lambda x, src, dst: (_gather(x, src, dst), None), _relayout_bwd)
 
 
-def for_compute(params: Any, axes_tree: Any) -> Any:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gather_fp8(x, src, dst):
+    """:func:`_gather` of a weight that a float8 matmul takes with a tensorwise scale
+    (``--fp8 tensorwise``), as torchtitan's float8 all-gather: quantised to e4m3 where it rests
+    with its whole tensor's scale (the partitioner reduces the amax over the shards), gathered
+    as float8 (1 byte an element), and multiplied back by the scale. The matmul's own
+    quantisation then finds the same amax and gives back the same float8 values. The gradient
+    passes straight through, reduce-scattered as :func:`_gather`'s."""
+    scale = fp8.scale_from_amax(fp8.amax(x), fp8.E4M3)
+    # Quantised where it rests (pinned there, or the partitioner gathers the wider input).
+    resting = jax.lax.with_sharding_constraint(fp8.quantize(x, scale, fp8.E4M3), src)
+    gathered = jax.lax.with_sharding_constraint(resting, dst)
+    return checkpoint_name(fp8.dequantize(gathered, scale, x.dtype), GATHERED)
+
+
+_gather_fp8.defvjp(lambda x, src, dst: (_gather_fp8(x, src, dst), None), _relayout_bwd)
+
+
+def for_compute(params: Any, axes_tree: Any, fp8_weights: bool = False) -> Any:
     """Params as a layer uses them: ZeRO-3/FSDP all-gather the weights here, and the gradient
     is reduce-scattered straight into its at-rest layout (DDP/ZeRO-1: all-reduced), where the
-    layer's backward pass produces it."""
+    layer's backward pass produces it. ``fp8_weights``: the layer's matrices (its params of two
+    or more dims: a dense block's linear layers) feed tensorwise float8 matmuls and are
+    gathered as float8 (:func:`_gather_fp8`)."""
     rules = _ACTIVE.get()
     if rules is None:
         return params
@@ -502,6 +523,8 @@ def for_compute(params: Any, axes_tree: Any) -> Any:
             return x
         # Gathered (ZeRO-3/FSDP), or with a gradient reduce-scattered where it is made (ZeRO-2):
         # a named copy that the remat policies need not save (jaxshard.remat).
+        if fp8_weights and len(ax) >= 2 and compute != at_rest:
+            return _gather_fp8(x, grads, rules.named(compute))
         return _gather(x, grads, rules.named(compute))
 
     return jax.tree.map(gather, params, axes_tree)

@@ -15,9 +15,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Bottom first. A module's layer is named by its first component under jaxshard/.
 LAYERS = (
+    # (fp8: the float8 numerics, jax alone; the rules gather weights in float8 with them)
     ("vocabulary", {"errors", "options", "axes", "pytree", "mesh", "rules", "rows", "runtime", "distributed",
-                    "model"}),
-    ("kernels", {"parallel", "remat", "fp8"}),  # what model code calls; choose by the active rules
+                    "model", "fp8"}),
+    ("kernels", {"parallel", "remat"}),  # what model code calls; choose by the active rules
     ("data", {"data"}),
     ("training", {"training"}),
     ("analysis", {"analysis"}),  # compiles and reads what training runs

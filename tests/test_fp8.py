@@ -26,10 +26,12 @@ def np_scale(x, dtype, axis=None):
 
 
 def np_matmul(a, b, a_dtype, b_dtype, rowwise):
-    """The reference: quantise each operand (rowwise along the contraction), multiply exactly
-    (float64) and divide by the scales."""
+    """The reference: quantise each operand (rowwise along the contraction, the scales rounded
+    down to powers of two), multiply exactly (float64) and divide by the scales."""
     sa = np_scale(a, a_dtype, 1 if rowwise else None)
     sb = np_scale(b, b_dtype, 0 if rowwise else None)
+    if rowwise:
+        sa, sb = (np.float32(2.0) ** np.floor(np.log2(s)) for s in (sa, sb))
     qa = np_quantize(a, sa, a_dtype).astype(np.float64)
     qb = np_quantize(b, sb, b_dtype).astype(np.float64)
     return (qa @ qb) / (sa.astype(np.float64) * sb.astype(np.float64))
@@ -112,23 +114,25 @@ def test_delayed_scaling_keeps_a_history_and_recovers_from_an_overflow():
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_the_scaled_matmul_and_its_float8_gradients_match_the_reference(recipe):
     """Forward in e4m3 x e4m3; backward, the input gradient g w^T (e5m2 x e4m3) and the weight
-    gradient x^T g (e4m3 x e5m2), each quantised along its own contraction: against the numpy
-    reference to float32 rounding."""
+    gradient x^T g (e4m3 x e5m2) -- rowwise: the gradient in e4m3, each operand quantised along
+    its own contraction with a power-of-two scale: against the numpy reference to float32
+    rounding."""
     rng = np.random.default_rng(3)
     x = rng.standard_normal((2, 8, 32)).astype(np.float32)
     x[0, 3] *= 40  # an outlier token
     w = (rng.standard_normal((32, 16)) * 0.1).astype(np.float32)
     g = (rng.standard_normal((2, 8, 16)) * 1e-3).astype(np.float32)
     rowwise = recipe == "rowwise"
+    grad = fp8.E4M3 if rowwise else fp8.E5M2
 
     y, pull = jax.vjp(lambda a, b: fp8.fp8_matmul(a, b, recipe), jnp.asarray(x), jnp.asarray(w))
     dx, dw = pull(jnp.asarray(g))
     x2, g2 = x.reshape(-1, 32), g.reshape(-1, 16)
     np.testing.assert_allclose(np.asarray(y).reshape(-1, 16), np_matmul(x2, w, fp8.E4M3, fp8.E4M3, rowwise),
                                rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(dx).reshape(-1, 32), np_matmul(g2, w.T, fp8.E5M2, fp8.E4M3, rowwise),
+    np.testing.assert_allclose(np.asarray(dx).reshape(-1, 32), np_matmul(g2, w.T, grad, fp8.E4M3, rowwise),
                                rtol=1e-5, atol=1e-9)
-    np.testing.assert_allclose(np.asarray(dw), np_matmul(x2.T, g2, fp8.E4M3, fp8.E5M2, rowwise),
+    np.testing.assert_allclose(np.asarray(dw), np_matmul(x2.T, g2, fp8.E4M3, grad, rowwise),
                                rtol=1e-5, atol=1e-9)
     # And close to the exact matmul: 3 mantissa bits, errors that average out over K.
     exact = x2 @ w
@@ -227,3 +231,38 @@ def test_the_float8_benchmark_runs_and_says_what_each_dot_became(tmp_path, capsy
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].endswith(
         "--shapes takes MxKxN with positive integers, e.g. 16384x4096x14336; got 12x3")
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_column_parallel_float8_matmul_scales_by_the_whole_tensor(recipe):
+    """``dense`` in a region manual over ``tensor`` whose two devices each hold half of w's
+    columns (one half 10x the other, the output gradient's halves 100x apart): the output and
+    both gradients equal the one-device float8 matmul's, because the amaxes the split cuts --
+    w's and the gradient's whole-tensor ones, and the input gradient's rows along N -- are
+    maxed over ``tensor``. A shard's own amax would give the small half another scale."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((16, 32)).astype(np.float32))
+    w = rng.standard_normal((32, 8)).astype(np.float32)
+    w[:, :4] *= 10
+    g = rng.standard_normal((16, 8)).astype(np.float32) * 1e-3
+    g[:, 4:] *= 100
+    w, g = jnp.asarray(w), jnp.asarray(g)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tensor",))
+
+    def split(x, w):
+        # (x marked varying, as jaxshard.parallel.tensor.column_parallel does: its gradient's
+        # partial sums are then all-reduced on the way out)
+        local = lambda x, w: fp8.dense(jax.lax.pcast(x, ("tensor",), to="varying"), w, 1, recipe, ("tensor",))  # noqa: E731
+        return jax.shard_map(local, mesh=mesh,
+                             in_specs=(P(), P(None, "tensor")), out_specs=P(None, "tensor"))(x, w)
+
+    def whole(x, w):
+        return fp8.dense(x, w, 1, recipe)
+
+    for fn in (split, whole):
+        fn.result = jax.jit(lambda x, w, fn=fn: jax.vjp(fn, x, w)[1](g) + (fn(x, w),))(x, w)
+    for got, want in zip(split.result, whole.result):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-9)

@@ -16,11 +16,11 @@ from tests.harness import BATCH, SEQ, assert_live_shardings, make_program, rando
 
 # Float8 rounds each operand to 3 (e4m3) or 2 (e5m2) mantissa bits. A value reduced in another
 # order on another mesh now and then lands on the other side of a rounding boundary: one
-# element of an operand moves by a float8 step, so a gradient can differ by ~1e-4 (seen: 3e-4)
-# where float32 runs agree to 1e-6. Scales taken from a shard's amax instead of the tensor's
-# move every element: the gradients then differ by ~8e-2 (checked by dropping the maximum
-# over the tensor axes in jaxshard/fp8.py).
-GRAD_RTOL = 2e-3
+# element of an operand moves by a float8 step, so a gradient can differ by ~1e-3 (seen: 2.4e-3,
+# rowwise) where float32 runs agree to 1e-6. Scales taken from a shard's amax instead of the
+# tensor's move every element: the gradients then differ by ~3e-2 to 9e-2 (checked by dropping
+# the maximum over the tensor axes in jaxshard/fp8.py).
+GRAD_RTOL = 5e-3
 # Five steps of Adam at lr 1e-2 turn such a flip in a near-zero gradient into a full-size
 # update of that element, so the losses are held to bf16's tolerance (tests/test_precision.py).
 LOSS_RTOL = 2e-2
@@ -91,15 +91,18 @@ DOT = re.compile(r"stablehlo\.dot_general.*:\s*\(tensor<[^>]*x(\w+)>, tensor<[^>
 def test_the_compiled_step_runs_each_linear_layers_three_matmuls_in_float8(recipe):
     """The lowered step of tiny-llama (7 linear layers a block: q, k, v, the attention output,
     the gate, up and down projections) holds each one's forward (e4m3 x e4m3), input gradient
-    (e5m2 x e4m3) and weight gradient (e4m3 x e5m2) in the layer scan's body; the embedding
-    and the head stay in float32."""
+    (e5m2 x e4m3; rowwise e4m3 x e4m3) and weight gradient (e4m3 x e5m2; rowwise e4m3 x e4m3)
+    in the layer scan's body; the embedding and the head stay in float32."""
     program = make_program(fp8_model("tiny-llama", recipe), "data=2,fsdp=2,tensor=2")
     text = program.lower_step(BATCH, SEQ).as_text()
     kinds = [m.groups() for m in DOT.finditer(text)]
     count = {pair: kinds.count(pair) for pair in set(kinds)}
-    assert count.get(("f8E4M3FN", "f8E4M3FN")) == 7, count
-    assert count.get(("f8E5M2", "f8E4M3FN")) == 7, count
-    assert count.get(("f8E4M3FN", "f8E5M2")) == 7, count
+    if recipe == "rowwise":
+        assert count.get(("f8E4M3FN", "f8E4M3FN")) == 21 and len(count) == 2, count
+    else:
+        assert count.get(("f8E4M3FN", "f8E4M3FN")) == 7, count
+        assert count.get(("f8E5M2", "f8E4M3FN")) == 7, count
+        assert count.get(("f8E4M3FN", "f8E5M2")) == 7, count
     assert count.get(("f32", "f32"), 0) >= 2  # the head's logits and their gradients
 
 
@@ -126,3 +129,81 @@ def test_bad_float8_configs_are_one_line(change, message):
     with pytest.raises(ConfigError) as e:
         get_preset("tiny-llama").replace(**change)
     assert str(e.value) == message
+
+
+# ---- float8 all-gather under FSDP ----------------------------------------------------------
+
+PARTITIONED = """
+import sys
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+sys.path.insert(0, {root!r})
+from tests.harness import BATCH, SEQ, make_program
+from models import TransformerLM, get_preset
+recipe = None if sys.argv[1] == "off" else sys.argv[1]
+make_program(TransformerLM(get_preset("tiny-llama").replace(fp8=recipe)), "fsdp=8",
+             dtype="bfloat16").lower_step(BATCH, SEQ).compile()
+"""
+
+
+def partitioned_gathers(recipe: str, folder) -> dict[tuple[tuple[int, ...], str], int]:
+    """The all-gathers of the step XLA's SPMD partitioner made (before the CPU backend's float
+    normalization widens 2-byte and float8 collectives), compiled in a process of its own that
+    dumps it: per gathered shape and element type, the bytes of one."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from jaxshard.analysis import hlo
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "XLA_FLAGS": f"--xla_dump_to={folder} --xla_dump_hlo_as_text "
+                                      "--xla_dump_hlo_module_re=jit_step --xla_dump_hlo_pass_re=spmd-partitioning"}
+    done = subprocess.run([sys.executable, "-c", PARTITIONED.format(root=str(root)), recipe], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (dump,) = Path(folder).glob("*jit_step*after_spmd-partitioning*.txt")
+    text = dump.read_text()
+    types = {}
+    for line in text.splitlines():  # each all-gather's element type, by instruction name
+        if m := re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\w+)\[[\d,]*\]\S*\s+all-gather\(", line):
+            types[m[1]] = m[2]
+    found = {}
+    for c in hlo.parse(text):
+        if c.kind == "all-gather":
+            found[c.shapes[0], types[c.name.split("#")[0]]] = c.bytes
+    return found
+
+
+def test_tensorwise_float8_gathers_the_fsdp_weights_in_half_of_bf16s_bytes(tmp_path):
+    """FSDP under --fp8 tensorwise: each block matrix that bf16 gathers as bf16 is gathered as
+    float8 with its shape, half the bytes; the rest (norm scales, the embedding and head) as
+    before. XLA:CPU then widens float8 collectives to float16 (its float normalization, as it
+    widens bf16 to float32), which the verifier's prediction knows: the compiled step's
+    collectives match it, and gather 0.57x float32's bytes (the block matrices at 2 of 4)."""
+    bf16 = partitioned_gathers("off", tmp_path / "bf16")
+    f8 = partitioned_gathers("tensorwise", tmp_path / "f8")
+    matrices = {shape: nbytes for (shape, dtype), nbytes in f8.items() if dtype == "f8e4m3fn"}
+    assert len(matrices) == 5, f8  # q; k and v; the output; gate and up; down
+    assert {k: v for k, v in f8.items() if k[0] not in matrices} == {k: v for k, v in bf16.items()
+                                                                     if k[0] not in matrices}
+    for shape, nbytes in matrices.items():
+        assert bf16[shape, "bf16"] == 2 * nbytes, shape
+    from jaxshard.analysis import inspect
+
+    def gathered(model):
+        program = make_program(model, "fsdp=8")
+        check = inspect.verify(model, program, program.lower_step(BATCH, SEQ).compile(), BATCH, SEQ)
+        assert not check.flags, check.flags
+        return dict((k, c) for k, p, c in check.by_kind)["all-gather"]
+
+    ratio = gathered(fp8_model("tiny-llama", "tensorwise")) / gathered(TransformerLM(get_preset("tiny-llama")))
+    assert 0.5 < ratio < 0.6, ratio
+
+
+def test_rowwise_float8_gathers_in_the_compute_dtype(tmp_path):
+    """Rowwise scales a weight along K for the forward matmul and along N for the input
+    gradient's: no one float8 copy serves both (torchao gathers float8 for tensorwise only)."""
+    dtypes = {dtype for _, dtype in partitioned_gathers("rowwise", tmp_path)}
+    assert "f8e4m3fn" not in dtypes and "bf16" in dtypes

@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+import jax
+
 # The shapes' measure and the collectives (one module per strategy) live below; their names
 # are the accounting's too.
 from jaxshard.analysis import hlo
@@ -368,7 +370,9 @@ def step_options(step: StepConfig, model: LanguageModel, program: Program) -> di
     accumulation, the model's remat policy, and the reducer -- 'explicit' where the program
     reduces the gradients in buckets itself."""
     return {"compute_dtype": step.compute_dtype, "remat": model.remat, "grad_accum": step.grad_accum,
-            "param_dtype": step.param_dtype, "reducer": "explicit" if program.buckets else "gspmd"}
+            "param_dtype": step.param_dtype, "reducer": "explicit" if program.buckets else "gspmd",
+            # XLA:CPU widens float8 collectives to float16 (its float normalization)
+            "fp8_bytes": 2 if jax.default_backend() == "cpu" else 1}
 
 
 def predict(model: Stageable, rules: ShardingRules, batch_size: int, seq_len: int, schedule: Any = None,
@@ -377,10 +381,10 @@ def predict(model: Stageable, rules: ShardingRules, batch_size: int, seq_len: in
     :func:`pipeline_memory` and :func:`pipeline_communication` (the collectives outside the
     schedule's slots). ``kwargs``: compute_dtype, remat, grad_accum, param_dtype (and reducer,
     without a schedule)."""
-    reducer = kwargs.pop("reducer", "gspmd")
+    reducer, fp8_bytes = kwargs.pop("reducer", "gspmd"), kwargs.pop("fp8_bytes", 1)
     if schedule is None:
         return (memory(model, rules, batch_size, seq_len, **kwargs),
-                communication(model, rules, batch_size, seq_len, reducer=reducer, **kwargs))
+                communication(model, rules, batch_size, seq_len, reducer=reducer, fp8_bytes=fp8_bytes, **kwargs))
     dtypes = {k: kwargs[k] for k in ("compute_dtype", "param_dtype") if k in kwargs}
     return (pipeline_memory(model, rules, schedule, batch_size, seq_len, **kwargs),
             pipeline_communication(model, rules, schedule, batch_size, seq_len, **dtypes))

@@ -20,11 +20,12 @@ import numpy as np
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+                **dict.fromkeys(("f8e4m3fn", "f8e5m2", "f8e4m3", "f8e4m3fnuz", "f8e5m2fnuz", "f8e4m3b11fnuz"), 1)}
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = (?P<shape>\(.*?\)|\S+) "
                     r"(?P<op>[\w\-]+)\((?P<operands>[^)]*)\)(?P<attrs>.*)$")
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[\w.\-]+)\s*\((?P<params>.*)\)\s*->.*\{\s*$")
-_ARRAY = re.compile(r"\b(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\]")
+_ARRAY = re.compile(r"\b(?P<dtype>[a-z]+\d*(?:[a-z]+\d*)*)\[(?P<dims>[\d,]*)\]")
 _CALLS = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 
@@ -374,7 +375,7 @@ def fingerprint(hlo_text: str) -> str:
 
 
 # A layout's memory space: S(5) is the host (XLA's kHostMemorySpace), as in f32[8]{0:S(5)}.
-_HOST_ARRAY = re.compile(r"\b(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\]\{[^}]*S\(5\)[^}]*\}")
+_HOST_ARRAY = re.compile(r"\b(?P<dtype>[a-z]+\d*(?:[a-z]+\d*)*)\[(?P<dims>[\d,]*)\]\{[^}]*S\(5\)[^}]*\}")
 
 
 def host_argument_bytes(hlo_text: str) -> int:

@@ -22,12 +22,13 @@ STEP = (tensor.layers, vocab.parallel, tensor.kv_heads, experts.dispatch, contex
 
 def communication(model: LanguageModel, rules: ShardingRules, batch_size: int, seq_len: int, *,
                   compute_dtype: str = "float32", remat: Remat = Remat.NONE,
-                  grad_accum: int = 1, param_dtype: str = "float32", reducer: str = "gspmd") -> Communication:
+                  grad_accum: int = 1, param_dtype: str = "float32", reducer: str = "gspmd",
+                  fp8_bytes: int = 1) -> Communication:
     """The collectives one step needs, per device, with the textbook reason for each.
     ``reducer`` 'explicit' (jaxshard.training.reducer) reduces every gradient whole, as DDP
     does: a learned position table's too, where GSPMD reduces only the rows the step used."""
     ledger = Ledger(model, rules, batch_size, seq_len, compute_dtype=compute_dtype, remat=remat,
-                    grad_accum=grad_accum, param_dtype=param_dtype, reducer=reducer)
+                    grad_accum=grad_accum, param_dtype=param_dtype, reducer=reducer, fp8_bytes=fp8_bytes)
     for p in ledger.params:
         use = ledger.use(p)
         data_parallel.gathers(ledger, use)

@@ -38,9 +38,10 @@ def gathers(ledger: Ledger, use: ParamUse) -> None:
                f"{p.path}: ZeRO-1/2 all-gather of the updated params", after_update=True)
     # FSDP/ZeRO-3 gathers a layer's weights again for its backward pass, unless they are kept.
     regather = rules.strategy.reshard_after_forward and p.in_layers
-    ledger.add("all-gather", spec_axes(p.params) - use.model_axes, use.used,
+    ledger.add("all-gather", spec_axes(p.params) - use.model_axes, use.gathered,
                use.per_micro * (2 if regather else 1),
-               f"{p.path}: ZeRO-3/FSDP all-gather of the weights for compute")
+               f"{p.path}: ZeRO-3/FSDP all-gather of the weights for compute"
+               + (" (float8)" if use.gathered != use.used else ""))
 
 
 def gradient(ledger: Ledger, use: ParamUse) -> None:

@@ -76,6 +76,7 @@ class ParamUse:
     reduce: set[str]
     scatter: set[str]
     first: set[str]
+    gathered: int = 0  # the bytes of one FSDP gather of it (float8 weights: 1 an element; else ``used``)
 
 
 class Ledger:
@@ -83,8 +84,11 @@ class Ledger:
 
     def __init__(self, model: LanguageModel, rules: ShardingRules, batch_size: int, seq_len: int, *,
                  compute_dtype: str = "float32", remat: Remat = Remat.NONE, grad_accum: int = 1,
-                 param_dtype: str = "float32", reducer: str = "gspmd"):
+                 param_dtype: str = "float32", reducer: str = "gspmd", fp8_bytes: int = 1):
+        """``fp8_bytes``: what a float8 element takes in a collective (1; 2 on XLA:CPU, which
+        widens float8 collectives to float16)."""
         self.model, self.cfg, self.rules, self.sizes = model, model.cfg, rules, rules.sizes
+        self.fp8_bytes = fp8_bytes
         self.seq_len, self.grad_accum, self.reducer = seq_len, grad_accum, reducer
         self.c, self.pb = dtype_bytes(compute_dtype), dtype_bytes(param_dtype)
         self.remat = Remat.parse(remat)
@@ -117,8 +121,12 @@ class Ledger:
         model_axes = spec_axes(p.compute)
         used = self.c * shard_elems(p.shape, p.compute, self.sizes)
         per_micro = self.grad_accum
+        # --fp8 tensorwise gathers a block's matrices as float8 (rules._gather_fp8).
+        fp8 = getattr(self.cfg, "fp8", None) == "tensorwise" and p.in_layers and len(p.shape) >= 3
+        gathered = self.fp8_bytes * used // self.c if fp8 else used
         if p.in_layers:
             used //= p.shape[0]
+            gathered //= p.shape[0]
             per_micro *= p.shape[0]
         # (Not over the axes that split the param itself: an expert's tokens come to its device.)
         reduce = set(self.split) - model_axes
@@ -127,7 +135,7 @@ class Ledger:
             reduce |= set(tensor)  # computed on tensor-split activations
         scatter = (spec_axes(p.reduced) - model_axes) & reduce
         first = (spec_axes(p.grads) - model_axes) & scatter or scatter
-        return ParamUse(p, used, per_micro, model_axes, reduce, scatter, first)
+        return ParamUse(p, used, per_micro, model_axes, reduce, scatter, first, gathered)
 
     def communication(self) -> Communication:
         return Communication(self.transfers, self.allowances)
