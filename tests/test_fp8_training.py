@@ -207,3 +207,26 @@ def test_rowwise_float8_gathers_in_the_compute_dtype(tmp_path):
     gradient's: no one float8 copy serves both (torchao gathers float8 for tensorwise only)."""
     dtypes = {dtype for _, dtype in partitioned_gathers("rowwise", tmp_path)}
     assert "f8e4m3fn" not in dtypes and "bf16" in dtypes
+
+
+def test_the_float8_training_benchmark_runs_and_compares_with_bf16(tmp_path, capsys):
+    """scripts/bench_fp8_train.py shrunk (10 steps of tiny-llama, bf16 and tensorwise): the
+    table, the JSON and the plot; a bad --runs is one line."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_fp8_train
+
+    argv = ["--model", "tiny-llama", "--runs", "bf16,tensorwise", "--steps", "10", "--batch-size", "4",
+            "--seq-len", "16", "--eval-every", "5", "--cpu-devices", "1", "--out", str(tmp_path)]
+    assert bench_fp8_train.main(argv) == 0
+    out = json.loads((tmp_path / "fp8_train.json").read_text())
+    assert set(out["runs"]) == {"bf16", "tensorwise"} and len(out["runs"]["tensorwise"]["loss"]) == 10
+    assert out["final"]["tensorwise"] != out["final"]["bf16"]  # float8 rounds differently
+    assert (tmp_path / "fp8_train.png").stat().st_size > 1000
+    assert "| tensorwise |" in capsys.readouterr().out
+    assert bench_fp8_train.main(["--runs", "e4m3", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == ("error: --runs takes a comma-separated list of bf16, tensorwise, "
+                                               "rowwise; got 'e4m3'")
