@@ -221,3 +221,64 @@ def _delayed_backward(saved, g):
 
 
 delayed_matmul.defvjp(_delayed_forward, _delayed_backward)
+
+
+# ---- the delayed recipe in a model ------------------------------------------------------------
+
+META_SUFFIX = "_fp8"  # a delayed linear layer's state sits beside its weight: "wq" -> "wq_fp8"
+HISTORY = 16  # amaxes kept per operand (Transformer Engine's default amax_history_len is 1024; 16 here)
+
+
+def delayed_init(history: int = HISTORY) -> jax.Array:
+    """A delayed float8 linear layer's state as one ``[3, history + 1]`` float32 array: a row
+    each for the input, the weight and the output gradient, holding its amax history (newest
+    first) and, last, the scale its next step quantises with (1 before any history)."""
+    if history < 1:
+        raise ValueError(f"an amax history needs at least 1 entry, got {history}")
+    return jnp.concatenate([jnp.zeros((3, history), jnp.float32), jnp.ones((3, 1), jnp.float32)], axis=1)
+
+
+def delayed_dense(x: jax.Array, w: jax.Array, meta: jax.Array, n_in: int, columns: tuple[str, ...] = ()) -> jax.Array:
+    """:func:`dense` with delayed tensorwise scales from ``meta`` (:func:`delayed_init`'s
+    layout): the input and weight quantised with the scales earlier steps set, the output
+    gradient likewise in the backward pass, and this step's amaxes (each the whole tensor's:
+    maxed over ``columns`` in a column-parallel region) rolled into the histories. The next
+    meta comes back as ``meta``'s cotangent (see :func:`delayed_matmul`): a step stores it in
+    place of an update."""
+    if tuple(w.shape[:n_in]) != tuple(x.shape[x.ndim - n_in:]):
+        raise ValueError(f"fp8 dense: x {x.shape} and w {w.shape} do not share {n_in} contracted dim(s)")
+    return _delayed_dense(x, w, meta, n_in, tuple(columns))
+
+
+def _whole_amax(a: jax.Array, columns: tuple[str, ...]) -> jax.Array:
+    a = amax(a)
+    return jax.lax.pmax(a, columns) if columns else a
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _delayed_dense(x, w, meta, n_in, columns):
+    return _delayed_dense_fwd(x, w, meta, n_in, columns)[0]
+
+
+def _delayed_dense_fwd(x, w, meta, n_in, columns):
+    x2, w2 = _as_2d(x, w, n_in)
+    y = scaled_matmul(x2, w2, E4M3, E4M3, False, meta[0, -1], meta[1, -1])
+    out = y.reshape(*x.shape[:x.ndim - n_in], *w.shape[n_in:]).astype(x.dtype)
+    return out, (x, w, meta, _whole_amax(x2, columns), _whole_amax(w2, columns))
+
+
+def _delayed_dense_bwd(n_in, columns, saved, g):
+    x, w, meta, x_amax, w_amax = saved
+    x2, w2 = _as_2d(x, w, n_in)
+    g2 = g.reshape(x2.shape[0], w2.shape[1])
+    dx = scaled_matmul(g2, w2.T, E5M2, E4M3, False, meta[2, -1], meta[1, -1])
+    dw = scaled_matmul(x2.T, g2, E4M3, E5M2, False, meta[0, -1], meta[2, -1])
+    rows = []
+    for row, seen, dtype in ((0, x_amax, E4M3), (1, w_amax, E4M3), (2, _whole_amax(g2, columns), E5M2)):
+        history = update_history(meta[row, :-1], seen)
+        rows.append(jnp.concatenate([history, delayed_scale(history, meta[row, -1], dtype).reshape(1)]))
+    new = jnp.stack(rows).astype(meta.dtype)  # the same on every device of ``columns``
+    return dx.reshape(x.shape).astype(x.dtype), dw.reshape(w.shape).astype(w.dtype), new
+
+
+_delayed_dense.defvjp(_delayed_dense_fwd, _delayed_dense_bwd)

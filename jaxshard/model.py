@@ -169,7 +169,8 @@ class ModelChoice:
     fp8: str | None = option(
         None, "the blocks' linear layers (attention projections, MLP; not the embedding, head or "
               "router) in float8: inputs and weights e4m3, output gradients e5m2, scaled per tensor "
-              "(tensorwise) or per row of the contraction (rowwise) from this step's amaxes",
+              "from this step's amaxes (tensorwise), per row of the contraction (rowwise: gradients "
+              "e4m3 too), or per tensor from the last 16 steps' amaxes, kept with the params (delayed)",
         choices=("tensorwise", "rowwise", "delayed"), default_text="off", group="precision")
     shape: Shape = section(Shape, "model shape (override the preset's fields)")
     moe: Moe = section(Moe, "mixture of experts (override the preset's; see models/moe.py)")

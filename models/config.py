@@ -88,7 +88,7 @@ class ModelConfig:
     moe_balance: str = "aux"
     moe_bias_rate: float = 0.001  # DeepSeek-V3's bias update speed gamma
     # The blocks' linear layers (attention projections, MLP) in float8 with this scaling recipe
-    # (jaxshard.fp8: "tensorwise" or "rowwise"); None: in the compute dtype.
+    # (jaxshard.fp8: "tensorwise", "rowwise" or "delayed"); None: in the compute dtype.
     fp8: str | None = None
 
     def __post_init__(self) -> None:
@@ -121,9 +121,6 @@ class ModelConfig:
 
         if self.fp8 not in RECIPES:
             raise ConfigError(f"--fp8 must be one of {', '.join(RECIPES)}, got {self.fp8!r}")
-        if self.fp8 == "delayed":
-            raise ConfigError("--fp8 delayed is not implemented yet (its amax history is not kept in the train "
-                              "state): use tensorwise or rowwise")
         if self.moe_experts:
             raise ConfigError("--fp8 with MoE layers is not implemented yet (the experts' grouped matmuls "
                               "have no float8 path)")

@@ -36,6 +36,12 @@ def _const(value: float, shape: tuple[int, ...], axes: tuple[Dim, ...]) -> nnx.P
     return nnx.Param(jnp.full(shape, value, jnp.float32), logical_axes=axes)
 
 
+def _meta() -> nnx.Param:
+    """A delayed float8 linear layer's amax histories and scales (:func:`jaxshard.fp8.delayed_init`):
+    a param whose "gradient" is its next value, which the step stores (``training.optim``)."""
+    return nnx.Param(fp8.delayed_init(), logical_axes=(None, None))
+
+
 def token_einsum(spec: str, x: jax.Array, w: jax.Array, out_axes: tuple | None = None) -> jax.Array:
     """``jnp.einsum(spec, x, w)`` for a ``spec`` whose input and output start with ``bl``, laid
     out as ``out_axes`` says (if given). Batch and length are flattened into one token dim around
@@ -56,14 +62,15 @@ def token_einsum(spec: str, x: jax.Array, w: jax.Array, out_axes: tuple | None =
 
 
 def linear(spec: str, x: jax.Array, w: jax.Array, recipe: str | None, out_axes: tuple | None = None,
-           tokens: bool = False, columns: tuple[str, ...] = ()) -> jax.Array:
+           tokens: bool = False, columns: tuple[str, ...] = (), meta: jax.Array | None = None) -> jax.Array:
     """A block's linear layer, ``jnp.einsum(spec, x, w)`` contracting ``w``'s leading dims
     (:func:`token_einsum` where ``tokens``); with a float8 ``recipe`` (``--fp8``) the same
     product as a float8 matmul (:func:`jaxshard.fp8.dense`). Float8 runs under the partitioner,
     which takes each amax over the whole tensor, or in a column-parallel projection's region
     manual over ``columns``, the tensor axes (:func:`jaxshard.parallel.tensor.column_parallel`),
     which maxes the amaxes its split cuts over them; inside any other manual region the amax
-    would be a piece's: a one-line error."""
+    would be a piece's: a one-line error. ``meta``: the delayed recipe's state
+    (:func:`jaxshard.fp8.delayed_dense`)."""
     if recipe is None:
         if tokens:
             return token_einsum(spec, x, w, out_axes)
@@ -77,7 +84,10 @@ def linear(spec: str, x: jax.Array, w: jax.Array, recipe: str | None, out_axes: 
     xs, rest = spec.split(",")
     ws, out = rest.split("->")
     n_in = sum(c in xs and c not in out for c in ws)  # contracted: w's leading dims, x's trailing
-    y = fp8.dense(x, w, n_in, recipe, tuple(columns))  # () under the partitioner
+    if recipe == "delayed":
+        y = fp8.delayed_dense(x, w, meta, n_in, tuple(columns))
+    else:
+        y = fp8.dense(x, w, n_in, recipe, tuple(columns))  # () under the partitioner
     return constrain(y, out_axes) if out_axes is not None else y
 
 
@@ -196,6 +206,8 @@ class Attention(nnx.Module):
         self.wv = _param(rngs, (D, K, H), (Dim.EMBED, Dim.KV_HEADS, Dim.HEAD_DIM), std)
         self.wo = _param(rngs, (N, H, D), (Dim.HEADS, Dim.HEAD_DIM, Dim.EMBED), out_std)
         self.use_bias, self.fp8 = cfg.use_bias, cfg.fp8
+        if cfg.fp8 == "delayed":
+            self.wq_fp8, self.wk_fp8, self.wv_fp8, self.wo_fp8 = (_meta() for _ in range(4))
         if cfg.use_bias:
             self.bq = _const(0.0, (N, H), (Dim.HEADS, Dim.HEAD_DIM))
             self.bv = _const(0.0, (K, H), (Dim.KV_HEADS, Dim.HEAD_DIM))
@@ -212,9 +224,11 @@ class Attention(nnx.Module):
         ``cache`` (decoding), ``x``'s tokens sit at slots ``cache.start + l`` (``rope`` per row,
         ``[B, L, H/2]``): their keys and values are written there and the queries attend to the
         cache; returns (output, the updated cache)."""
+        metas = [self.wq_fp8[...], self.wk_fp8[...], self.wv_fp8[...]] if self.fp8 == "delayed" else None
         q_BLNH, k_BLKH, v_BLKH = column_parallel(
             x_BLD, [self.wq[...], self.wk[...], self.wv[...]], self.weight_axes,
-            lambda x, w, columns: linear("bld,dnh->blnh", x, w, self.fp8, columns=columns), self.qkv_axes)
+            lambda x, w, columns, meta: linear("bld,dnh->blnh", x, w, self.fp8, columns=columns, meta=meta),
+            self.qkv_axes, metas)
         if self.use_bias:
             q_BLNH, v_BLKH = shift(q_BLNH, self.bq[...]), shift(v_BLKH, self.bv[...])
         if rope is not None:
@@ -237,7 +251,8 @@ class Attention(nnx.Module):
         o_BLNH = tag(o_BLNH, "attn_out")
         # Row-parallel output: the partial sums over heads are reduced into the residual
         # layout (all-reduce, or reduce-scatter under SP) before the bias, as in Megatron.
-        y_BLD = tag(linear("blnh,nhd->bld", o_BLNH, self.wo[...], self.fp8, RESIDUAL_BLD), "attn_proj")
+        y_BLD = tag(linear("blnh,nhd->bld", o_BLNH, self.wo[...], self.fp8, RESIDUAL_BLD,
+                           meta=self.wo_fp8[...] if self.fp8 == "delayed" else None), "attn_proj")
         y_BLD = shift(y_BLD, self.bo[...]) if self.use_bias else y_BLD
         return y_BLD if cache is None else (y_BLD, cache)
 
@@ -258,6 +273,10 @@ class FeedForward(nnx.Module):
         D, F = cfg.d_model, d_mlp or cfg.d_mlp
         std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
         self.kind, self.use_bias, self.fp8 = cfg.mlp, cfg.use_bias, cfg.fp8
+        if cfg.fp8 == "delayed":
+            self.w_in_fp8, self.w_out_fp8 = _meta(), _meta()
+            if cfg.mlp is Mlp.SWIGLU:
+                self.w_gate_fp8 = _meta()
         self.w_in = _param(rngs, (D, F), (Dim.EMBED, Dim.MLP), std)
         if cfg.mlp is Mlp.SWIGLU:
             self.w_gate = _param(rngs, (D, F), (Dim.EMBED, Dim.MLP), std)
@@ -269,10 +288,13 @@ class FeedForward(nnx.Module):
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         """``x_BLD`` in the residual stream's layout (split over ``tensor`` under SP)."""
         weights = [self.w_in[...]] + ([self.w_gate[...]] if self.kind is Mlp.SWIGLU else [])
+        delayed = self.fp8 == "delayed"
+        metas = ([self.w_in_fp8[...]] + ([self.w_gate_fp8[...]] if self.kind is Mlp.SWIGLU else [])
+                 if delayed else None)
         h = column_parallel(x_BLD, weights, [(Dim.EMBED, Dim.MLP)] * len(weights),
-                            lambda x, w, columns: linear("bld,df->blf", x, w, self.fp8, tokens=True,
-                                                         columns=columns),
-                            [(Dim.BATCH, Dim.LENGTH, Dim.ACT_MLP)] * len(weights))
+                            lambda x, w, columns, meta: linear("bld,df->blf", x, w, self.fp8, tokens=True,
+                                                               columns=columns, meta=meta),
+                            [(Dim.BATCH, Dim.LENGTH, Dim.ACT_MLP)] * len(weights), metas)
         h_BLF = tag(h[0], "mlp_in")
         if self.use_bias:
             h_BLF = shift(h_BLF, self.b_in[...])
@@ -284,7 +306,8 @@ class FeedForward(nnx.Module):
         else:
             h_BLF = elementwise(_gelu)(h_BLF)
         h_BLF = tag(constrain(h_BLF, (Dim.BATCH, Dim.LENGTH, Dim.ACT_MLP)), "mlp_hidden")
-        y_BLD = linear("blf,fd->bld", h_BLF, self.w_out[...], self.fp8, RESIDUAL_BLD, tokens=True)
+        y_BLD = linear("blf,fd->bld", h_BLF, self.w_out[...], self.fp8, RESIDUAL_BLD, tokens=True,
+                       meta=self.w_out_fp8[...] if delayed else None)
         return shift(y_BLD, self.b_out[...]) if self.use_bias else y_BLD
 
 

@@ -1,7 +1,7 @@
 """Float8 training against bf16: the same model, init and batches, trained with ``--fp8`` off,
-tensorwise and rowwise, and the loss curves compared.
+tensorwise, rowwise and delayed, and the loss curves compared.
 
-    python scripts/bench_fp8_train.py                    # llama-tiny, 200 steps: ~9 minutes on 2 CPU cores
+    python scripts/bench_fp8_train.py                    # llama-tiny, 200 steps: ~14 minutes on 2 CPU cores
     python scripts/bench_fp8_train.py --steps 20 --out /tmp/fp8
 
 Each run is ``experiments/train.py`` on the default corpus (the Python standard library's
@@ -24,7 +24,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUNS = ("bf16", "tensorwise", "rowwise")
+RUNS = ("bf16", "tensorwise", "rowwise", "delayed")
 TAIL = 10  # the final loss: the mean of this many last steps' train losses
 
 

@@ -50,14 +50,18 @@ def one_device(name: str, recipe: str):
     return _ONE_DEVICE[name, recipe]
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-@pytest.mark.parametrize("name, mesh, kwargs", [
+MESHES = [
     ("tiny-llama", "data=2,fsdp=2,tensor=2", {}),  # column-parallel regions manual over tensor
     ("tiny-llama", "data=2,tensor=4", {}),  # 2 kv heads: k and v not split by tensor
     ("tiny", "data=2,tensor=4", {"sequence_parallel": True}),  # GPT-2 (biases, GELU) under SP
     ("tiny-llama", "fsdp=8", {}),  # weights gathered for each layer
     ("tiny-llama", "data=2,fsdp=2,tensor=2", {"remat": "full"}),  # the block recomputed in float8
-])
+]
+
+
+@pytest.mark.parametrize("recipe, name, mesh, kwargs",
+                         [(r, *m) for r in ("tensorwise", "rowwise") for m in MESHES]
+                         + [("delayed", *m) for m in MESHES[:3]])
 def test_float8_training_on_a_mesh_matches_float8_on_one_device(recipe, name, mesh, kwargs):
     """The first step's gradients per parameter, and five steps' losses on random batches, as
     the float8 one-device run's; the state laid out as the rules say. Were an amax a shard's
@@ -119,8 +123,6 @@ def test_float8_where_it_does_not_run_yet_is_one_line(mesh, step, message):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"fp8": "delayed"}, "--fp8 delayed is not implemented yet (its amax history is not kept in the train state): "
-                         "use tensorwise or rowwise"),
     ({"fp8": "e4m3"}, "--fp8 must be one of tensorwise, rowwise, delayed, got 'e4m3'"),
     ({"fp8": "tensorwise", "moe_experts": 4}, "--fp8 with MoE layers is not implemented yet (the experts' "
                                                "grouped matmuls have no float8 path)"),
@@ -229,4 +231,78 @@ def test_the_float8_training_benchmark_runs_and_compares_with_bf16(tmp_path, cap
     assert "| tensorwise |" in capsys.readouterr().out
     assert bench_fp8_train.main(["--runs", "e4m3", "--out", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == ("error: --runs takes a comma-separated list of bf16, tensorwise, "
-                                               "rowwise; got 'e4m3'")
+                                               "rowwise, delayed; got 'e4m3'")
+
+
+# ---- the delayed recipe's state ------------------------------------------------------------
+
+def test_delayed_scaling_keeps_each_layers_amax_history_in_the_params():
+    """Two steps of --fp8 delayed: every linear layer's state holds, per operand, the amaxes of
+    the steps so far (newest first) and the scale from their maximum -- the weight's row is
+    checked against the live weights of each step; the scales start at 1."""
+    from jaxshard import fp8
+
+    model = fp8_model("tiny-llama", "delayed")
+    program = make_program(model, "data=2,fsdp=2,tensor=2")
+    state = program.init(0)
+    before = jax.tree.map(np.asarray, state.params)
+    assert np.all(before["blocks"]["attn"]["wq_fp8"][:, :, -1] == 1.0)
+    weights = [before]
+    for batch in random_batches(model.cfg.vocab_size)[:2]:
+        state, _ = program.step(state, jax.device_put(batch, program.batch_sharding))
+        weights.append(jax.tree.map(np.asarray, state.params))
+    after = weights[-1]
+    for part, names in (("attn", ("wq", "wk", "wv", "wo")), ("ffn", ("w_in", "w_gate", "w_out"))):
+        for name in names:
+            meta = after["blocks"][part][f"{name}_fp8"]  # [layers, 3, history + 1]
+            assert meta.shape == (model.cfg.n_layers, 3, fp8.HISTORY + 1)
+            for layer in range(model.cfg.n_layers):
+                hist = meta[layer, :, :-1]
+                assert np.all(hist[:, :2] > 0) and np.all(hist[:, 2:] == 0), (name, hist[:, :3])
+                seen = [np.abs(w["blocks"][part][name][layer]).max() for w in weights[1::-1]]
+                np.testing.assert_allclose(hist[1, :2], seen, rtol=1e-6, err_msg=name)
+                want = [448.0, 448.0, 57344.0] / hist.max(axis=1)
+                np.testing.assert_allclose(meta[layer, :, -1], want, rtol=1e-6, err_msg=name)
+
+
+def test_a_resumed_delayed_float8_run_keeps_its_amax_histories(tmp_path):
+    """Checkpointed at step 2 and resumed: the float8 states come back as saved, and steps 3
+    and 4 are those of the run that did not stop."""
+    from jaxshard.training.checkpoint import CheckpointConfig, Checkpointer
+
+    model = fp8_model("tiny-llama", "delayed")
+    program = make_program(model, "data=2,fsdp=2,tensor=2")
+    batches = [jax.device_put(b, program.batch_sharding) for b in random_batches(model.cfg.vocab_size)[:4]]
+    state = program.init(0)
+    losses = []
+    for i, batch in enumerate(batches):
+        state, metrics = program.step(state, batch)
+        losses.append(float(metrics["loss"]))
+        if i == 1:
+            ckpt = Checkpointer(CheckpointConfig(directory=str(tmp_path)))
+            ckpt.save(2, state, {"step": 2})
+            ckpt.close()
+            saved = jax.tree.map(np.asarray, state.params)
+    ckpt = Checkpointer(CheckpointConfig(directory=str(tmp_path), resume=True))
+    restored, _ = ckpt.restore(program.layout.abstract, None)
+    ckpt.close()
+    meta = restored.params["blocks"]["ffn"]["w_out_fp8"]
+    assert np.array_equal(np.asarray(meta), saved["blocks"]["ffn"]["w_out_fp8"]) and np.asarray(meta)[0, 0, 1] > 0
+    resumed = []
+    for batch in batches[2:]:
+        restored, metrics = program.step(restored, batch)
+        resumed.append(float(metrics["loss"]))
+    assert resumed == losses[2:]
+
+
+@pytest.mark.parametrize("step, message", [
+    ({"grad_accum": 2}, "--fp8 delayed takes each step's amaxes from one pass: not yet with --grad-accum, "
+                        "2-byte --param-dtype or float16"),
+    ({"param_dtype": "bfloat16"}, "--fp8 delayed takes each step's amaxes from one pass: not yet with "
+                                  "--grad-accum, 2-byte --param-dtype or float16"),
+])
+def test_delayed_float8_where_it_does_not_run_yet_is_one_line(step, message):
+    with pytest.raises(ConfigError) as e:
+        make_program(fp8_model("tiny-llama", "delayed"), "data=8", **{"accum" if k == "grad_accum" else k: v
+                                                                       for k, v in step.items()})
+    assert str(e.value) == message

@@ -42,31 +42,35 @@ def gather_sequence(x_BLD: jax.Array) -> jax.Array:
 
 
 def column_parallel(x_BLD: jax.Array, weights: Sequence[jax.Array], specs: Sequence[tuple],
-                    fn: Callable[[jax.Array, jax.Array], jax.Array],
-                    out_axes: Sequence[tuple]) -> list[jax.Array]:
-    """``[fn(x, w, columns) for w in weights]`` for a sublayer input ``x`` in the residual
-    stream's layout. ``specs``: each weight's logical dims; ``out_axes``: each output's logical
-    dims (a dim the tensor axes split is split in the output too). ``columns``: the mesh axes
-    ``fn`` runs manual over, which split ``w``'s output columns (``()`` under the partitioner):
-    a float8 projection takes its amaxes' maximum over them."""
+                    fn: Callable[..., jax.Array], out_axes: Sequence[tuple],
+                    extras: Sequence[jax.Array] | None = None) -> list[jax.Array]:
+    """``[fn(x, w, columns, extra) for w in weights]`` for a sublayer input ``x`` in the
+    residual stream's layout. ``specs``: each weight's logical dims; ``out_axes``: each output's
+    logical dims (a dim the tensor axes split is split in the output too). ``columns``: the
+    mesh axes ``fn`` runs manual over, which split ``w``'s output columns (``()`` under the
+    partitioner): a float8 projection takes its amaxes' maximum over them. ``extras``: one
+    replicated array per weight that ``fn`` takes too (a delayed float8 layer's state), else
+    None."""
+    extras = list(extras) if extras is not None else [None] * len(weights)
     rules = active()
     if rules is None:
-        return [fn(x_BLD, w, ()) for w in weights]
+        return [fn(x_BLD, w, (), e) for w, e in zip(weights, extras)]
     tensor = rules.activation_mesh_axes(Dim.ACT_HEADS)
     sp = bool(set(tensor) & set(rules.activation_mesh_axes(Dim.RESIDUAL_LENGTH)))
     if not (sp and remat.keeps_activations()):
-        return _projections(rules, tensor, sp, x_BLD, weights, specs, fn, out_axes)
+        return _projections(rules, tensor, sp, x_BLD, weights, specs, fn, out_axes, extras)
 
-    def kept(x, *ws):
+    def kept(x, ws, es):
         # Pinned to the sequence split on both sides of the forward/backward boundary (or the
         # partitioner may keep the gathered layout after all).
-        return _projections(rules, tensor, sp, constrain(x, RESIDUAL_BLD), ws, specs, fn, out_axes)
+        return _projections(rules, tensor, sp, constrain(x, RESIDUAL_BLD), ws, specs, fn, out_axes, es)
 
-    return remat.from_inputs(kept)(constrain(x_BLD, RESIDUAL_BLD), *weights)
+    return remat.from_inputs(kept)(constrain(x_BLD, RESIDUAL_BLD), list(weights), extras)
 
 
 def _projections(rules, tensor, sp: bool, x_BLD: jax.Array, weights: Sequence[jax.Array],
-                 specs: Sequence[tuple], fn: Callable, out_axes: Sequence[tuple]) -> list[jax.Array]:
+                 specs: Sequence[tuple], fn: Callable, out_axes: Sequence[tuple],
+                 extras: Sequence[jax.Array | None]) -> list[jax.Array]:
     x_BLD = gather_sequence(x_BLD)
     # A weight's compute spec holds the model-parallel (tensor) axes only.
     w_specs = [rules.compute_param_spec(ax, tuple(w.shape)) for ax, w in zip(specs, weights)]
@@ -75,7 +79,7 @@ def _projections(rules, tensor, sp: bool, x_BLD: jax.Array, weights: Sequence[ja
         # No tensor parallelism; or context parallelism too; or under SP a weight tensor does
         # not split (kv heads fewer than tensor), whose input gradient the partitioner then
         # reduces better alone: the partitioner's way.
-        return [fn(x_BLD, w, ()) for w in weights]
+        return [fn(x_BLD, w, (), e) for w, e in zip(weights, extras)]
     manual = frozenset(tensor)  # the batch axes stay with the partitioner
 
     def only_tensor(spec: P) -> P:
@@ -89,10 +93,11 @@ def _projections(rules, tensor, sp: bool, x_BLD: jax.Array, weights: Sequence[ja
         # float32 anyway): on CPU the input crosses it, and its gradient is reduced, in float32.
         x_BLD = x_BLD.astype(jnp.float32)
 
-    def local(x, *ws):
+    def local(x, ws, es):
         # Backward, the projections' input gradients are summed here and all-reduced once.
         replicated, x = x.astype(dtype), jax.lax.pcast(x, tuple(tensor), to="varying").astype(dtype)
-        return [fn(x if s else replicated, w, tuple(sorted(manual))) for w, s in zip(ws, split)]
+        return [fn(x if s else replicated, w, tuple(sorted(manual)), e) for w, s, e in zip(ws, split, es)]
 
-    return jax.shard_map(local, mesh=rules.context_mesh, in_specs=(P(), *w_specs), out_specs=out_specs,
-                         axis_names=manual)(x_BLD, *weights)
+    e_specs = [None if e is None else P() for e in extras]
+    return jax.shard_map(local, mesh=rules.context_mesh, in_specs=(P(), list(w_specs), e_specs),
+                         out_specs=out_specs, axis_names=manual)(x_BLD, list(weights), extras)

@@ -93,13 +93,43 @@ def without_router_bias(grads: Any) -> Any:
     return jax.tree.map(lambda g, b: jnp.zeros_like(g) if b else g, grads, router_bias_mask(grads))
 
 
+def fp8_meta_mask(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> Any:
+    """Per leaf of a params-shaped ``tree``: whether it is a delayed float8 layer's amax
+    histories and scales (``jaxshard.fp8.delayed_init``), whose "gradient" is its next value."""
+    from jaxshard.fp8 import META_SUFFIX
+
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: str(getattr(path[-1], "key", "")).endswith(META_SUFFIX), tree, is_leaf=is_leaf)
+
+
+def stored_apart(grads: Any) -> tuple[Any, Any]:
+    """(``grads`` with the delayed float8 states' zeroed, those states' next values or None):
+    the gradients are averaged, normed and clipped without them."""
+    mask = fp8_meta_mask(grads)
+    if not any(jax.tree.leaves(mask)):
+        return grads, None
+    return (jax.tree.map(lambda g, m: jnp.zeros_like(g) if m else g, grads, mask),
+            jax.tree.map(lambda g, m: g if m else None, grads, mask))
+
+
+def stored_back(grads: Any, stored: Any) -> Any:
+    """``grads`` with the delayed float8 states' next values (:func:`stored_apart`) back in place."""
+    if stored is None:
+        return grads
+    return jax.tree.map(lambda g, n: g if n is None else n.astype(g.dtype), grads, stored,
+                        is_leaf=lambda x: x is None)
+
+
 def make(cfg: OptimConfig, param_axes: Any, router_bias_rate: float = 0.0) -> optax.GradientTransformation:
     """AdamW; the gradients come clipped (:func:`clip`, with the norm the step reports). A
     model with MoE routing biases (``router_bias_rate`` > 0) moves each by the rate against the
     sign of its gradient -- the loads' deviation from the mean, f_e - 1/E -- and Adam sees a
     zero gradient for them (DeepSeek-V3's b_e += gamma sign(mean load - load_e))."""
-    tx = optax.adamw(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                     weight_decay=cfg.weight_decay, mask=decay_mask(param_axes))
+    is_meta = fp8_meta_mask(param_axes, is_leaf=lambda x: isinstance(x, tuple))
+    decay = jax.tree.map(lambda d, m: d and not m, decay_mask(param_axes), is_meta)
+    tx = optax.adamw(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay)
+    if any(jax.tree.leaves(is_meta)):
+        tx = _stores(tx, is_meta)
     is_bias = router_bias_mask(param_axes, is_leaf=lambda x: isinstance(x, tuple))
     if not any(jax.tree.leaves(is_bias)):
         return tx
@@ -109,6 +139,20 @@ def make(cfg: OptimConfig, param_axes: Any, router_bias_rate: float = 0.0) -> op
         updates, state = tx.update(inner, state, params)
         return jax.tree.map(lambda u, g, b: (-router_bias_rate * jnp.sign(g)).astype(u.dtype) if b else u,
                             updates, grads, is_bias), state
+
+    return optax.GradientTransformation(tx.init, update)
+
+
+def _stores(tx: optax.GradientTransformation, is_meta: Any) -> optax.GradientTransformation:
+    """``tx`` for all but the delayed float8 states, which take their "gradient" (the next
+    state) as their new value: Adam sees a zero gradient for them, and their update is the
+    difference."""
+
+    def update(grads, state, params=None):
+        inner = jax.tree.map(lambda g, m: jnp.zeros_like(g) if m else g, grads, is_meta)
+        updates, state = tx.update(inner, state, params)
+        return jax.tree.map(lambda u, g, p, m: (g - p).astype(u.dtype) if m else u, updates, grads, params,
+                            is_meta), state
 
     return optax.GradientTransformation(tx.init, update)
 

@@ -391,6 +391,10 @@ def build_program(model: Stageable, rules: ShardingRules, optim_cfg: optim.Optim
                           "(capacity groups are whole sequences)")
     if Remat.parse(model.remat).kind is Kind.OFFLOAD:
         check_host_memory(rules.mesh, "--remat offload")
+    if getattr(model.cfg, "fp8", None) == "delayed" and (cfg.grad_accum > 1 or cfg.param_dtype != "float32"
+                                                          or cfg.scaled):
+        raise ConfigError("--fp8 delayed takes each step's amaxes from one pass: not yet with --grad-accum, "
+                          "2-byte --param-dtype or float16")
     tx = optim.make(optim_cfg, model.param_axes(), optim.router_bias_rate(model))
     if cfg.param_dtype != "float32":
         tx = optim.with_master(tx)
@@ -431,9 +435,10 @@ def build_program(model: Stageable, rules: ShardingRules, optim_cfg: optim.Optim
             count = sums.tokens
             # Unscaled and averaged in float32, whatever dtype the gradients were reduced in.
             divisor = count if factor is None else count * factor
+            grads, stored = optim.stored_apart(grads)  # --fp8 delayed: the next float8 states
             grads = jax.tree.map(lambda g: g.astype(jnp.float32) / divisor, grads)
             grad_norm = optim.global_norm(optim.without_router_bias(grads), layout.reduce_shardings)
-            grads = optim.clip(grads, grad_norm, optim_cfg.grad_clip)
+            grads = optim.stored_back(optim.clip(grads, grad_norm, optim_cfg.grad_clip), stored)
             old_opt_state = move(state.opt_state, rest.opt_state, compute.opt_state)
             updates, opt_state = tx.update(grads, old_opt_state, old_params)
             params = optim.apply(old_params, updates, old_opt_state)
