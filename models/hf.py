@@ -32,6 +32,7 @@ from typing import Any, Iterator
 import jax
 import numpy as np
 
+from jaxshard import fp8
 from jaxshard.errors import ConfigError, JaxshardError
 from jaxshard.pytree import named_leaves
 from models.config import ModelConfig, Mlp, Norm, Positions, RopeScaling
@@ -345,6 +346,10 @@ def load_params(folder: str | os.PathLike, model: Any, shardings: Any) -> Any:
         names = dict(named_leaves(shardings))
         leaves = []
         for name, x in named_leaves(abstract):
+            if name.endswith(fp8.META_SUFFIX):  # --fp8 delayed: a fresh amax history per layer
+                fresh = np.broadcast_to(np.asarray(fp8.delayed_init()), x.shape)
+                leaves.append(jax.make_array_from_callback(x.shape, names[name], lambda i, f=fresh: f[i]))
+                continue
             if name not in table:
                 raise HfError(f"param {name} of model {cfg.name} has no Hugging Face tensor")
             t, stacked = table[name], name.startswith("blocks/")
@@ -453,6 +458,8 @@ def export(params: Any, cfg: ModelConfig, folder: str | os.PathLike, tokenizer_j
             files[-1], sizes[-1] = {}, 0
 
     for name, x in named_leaves(params):
+        if name.endswith(fp8.META_SUFFIX):
+            continue  # --fp8 delayed's amax histories: training state, not weights
         full = np.asarray(multihost_utils.process_allgather(x, tiled=True), np.float32)
         for key, part, tensor in _hf_tensors(cfg, name, full):
             if part is None:

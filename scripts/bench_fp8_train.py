@@ -1,7 +1,7 @@
 """Float8 training against bf16: the same model, init and batches, trained with ``--fp8`` off,
 tensorwise, rowwise and delayed, and the loss curves compared.
 
-    python scripts/bench_fp8_train.py                    # llama-tiny, 200 steps: ~14 minutes on 2 CPU cores
+    python scripts/bench_fp8_train.py                    # llama-tiny, 200 steps: ~16 minutes on 2 CPU cores
     python scripts/bench_fp8_train.py --steps 20 --out /tmp/fp8
 
 Each run is ``experiments/train.py`` on the default corpus (the Python standard library's

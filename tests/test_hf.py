@@ -225,3 +225,24 @@ def test_bad_folders_fail_with_one_line(tmp_path, hf_folders):
         hf.family(get_preset("moe-tiny"))
     with pytest.raises(ConfigError, match="neither a GPT-2 nor a Llama"):
         hf.family(get_preset("tiny").replace(tie_embeddings=False))
+
+
+def test_a_delayed_float8_models_export_holds_its_weights_only(tmp_path):
+    """--fp8 delayed keeps amax histories beside the weights (``wq_fp8``, ...): training state
+    that the Hugging Face folder leaves out; the weights are written as without float8."""
+    plain, delayed = _our_model("tiny-llama"), _our_model("tiny-llama", fp8="delayed")
+    params = delayed.init(jax.random.key(3))
+    assert any(key.endswith("_fp8") for key, _ in named_leaves(params))
+    ours = load_file(hf.export(params, delayed.cfg, tmp_path / "f8") / "model.safetensors")
+    weights = {k: v for k, v in params["blocks"]["attn"].items() if not k.endswith("_fp8")}
+    base = load_file(hf.export({**params, "blocks": {**params["blocks"], "attn": weights, "ffn": {
+        k: v for k, v in params["blocks"]["ffn"].items() if not k.endswith("_fp8")}}}, plain.cfg,
+        tmp_path / "plain") / "model.safetensors")
+    assert sorted(ours) == sorted(base)
+    for key in base:
+        np.testing.assert_array_equal(ours[key], base[key], err_msg=key)
+    # ... and it imports into a delayed float8 model with fresh histories (scales 1).
+    back = hf.load_params(tmp_path / "f8", delayed, _shardings(delayed, _rules("fsdp=2,tensor=2")))
+    meta = np.asarray(back["blocks"]["attn"]["wq_fp8"])
+    assert meta.shape == (delayed.cfg.n_layers, 3, 17) and np.all(meta[..., :-1] == 0) and np.all(meta[..., -1] == 1)
+    np.testing.assert_array_equal(np.asarray(back["blocks"]["attn"]["wq"]), np.asarray(params["blocks"]["attn"]["wq"]))
