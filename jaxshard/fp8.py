@@ -177,53 +177,7 @@ def dense(x: jax.Array, w: jax.Array, n_in: int, recipe: str, columns: tuple[str
     return _fp8_matmul(x, w, recipe == "rowwise", tuple(columns), n_in)
 
 
-# ---- the delayed recipe's matmul --------------------------------------------------------------
-
-def delayed_meta(history: int = 16) -> dict[str, jax.Array]:
-    """The state of one delayed-scaling matmul: each operand's amax history and its scale for
-    the next step (1 before any history), for the input ``x``, the weight ``w`` and the output
-    gradient ``g``."""
-    if history < 1:
-        raise ValueError(f"an amax history needs at least 1 entry, got {history}")
-    zeros, one = jnp.zeros(history, jnp.float32), jnp.ones((), jnp.float32)
-    return {f"{name}_{kind}": (zeros if kind == "history" else one) for name in "xwg" for kind in ("history", "scale")}
-
-
-@jax.custom_vjp
-def delayed_matmul(x: jax.Array, w: jax.Array, meta: dict[str, jax.Array]) -> jax.Array:
-    """``x [..., K] @ w [K, N]`` in float8 with delayed tensorwise scales: the operands and the
-    output gradient are quantised with ``meta``'s scales (set from the amaxes of earlier
-    steps, so no reduction waits before the matmul), and this step's amaxes go into the
-    histories. The updated ``meta`` comes back as its cotangent: the gradient with respect to
-    ``meta`` *is* the next step's meta, which a step stores instead of applying an update
-    (flax's and Transformer Engine's convention). Used once per step as here, that is exact;
-    a sum over uses (microbatches accumulated, a meta shared by several matmuls) is not an
-    amax, so a caller that accumulates must combine the metas by their maximum instead."""
-    return _delayed_forward(x, w, meta)[0]
-
-
-def _delayed_forward(x, w, meta):
-    y = scaled_matmul(x.reshape(-1, x.shape[-1]), w, E4M3, E4M3, False, meta["x_scale"], meta["w_scale"])
-    return y.reshape(*x.shape[:-1], w.shape[-1]).astype(x.dtype), (x, w, meta, amax(x), amax(w))
-
-
-def _delayed_backward(saved, g):
-    x, w, meta, x_amax, w_amax = saved
-    g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
-    dx = scaled_matmul(g2, w.T, E5M2, E4M3, False, meta["g_scale"], meta["w_scale"])
-    dw = scaled_matmul(x2.T, g2, E4M3, E5M2, False, meta["x_scale"], meta["g_scale"])
-    new = {}
-    for name, seen, dtype in (("x", x_amax, E4M3), ("w", w_amax, E4M3), ("g", amax(g), E5M2)):
-        history = update_history(meta[f"{name}_history"], seen)
-        new[f"{name}_history"] = history
-        new[f"{name}_scale"] = delayed_scale(history, meta[f"{name}_scale"], dtype)
-    return dx.reshape(x.shape).astype(x.dtype), dw.astype(w.dtype), new
-
-
-delayed_matmul.defvjp(_delayed_forward, _delayed_backward)
-
-
-# ---- the delayed recipe in a model ------------------------------------------------------------
+# ---- the delayed recipe -----------------------------------------------------------------------
 
 META_SUFFIX = "_fp8"  # a delayed linear layer's state sits beside its weight: "wq" -> "wq_fp8"
 HISTORY = 16  # amaxes kept per operand (Transformer Engine's default amax_history_len is 1024; 16 here)
@@ -243,8 +197,10 @@ def delayed_dense(x: jax.Array, w: jax.Array, meta: jax.Array, n_in: int, column
     layout): the input and weight quantised with the scales earlier steps set, the output
     gradient likewise in the backward pass, and this step's amaxes (each the whole tensor's:
     maxed over ``columns`` in a column-parallel region) rolled into the histories. The next
-    meta comes back as ``meta``'s cotangent (see :func:`delayed_matmul`): a step stores it in
-    place of an update."""
+    meta comes back as ``meta``'s cotangent: the gradient with respect to ``meta`` *is* the
+    next step's meta, which a step stores instead of applying an update (flax's and
+    Transformer Engine's convention). Used once per step, that is exact; a sum over uses
+    (microbatches accumulated) is not an amax, so accumulating needs a maximum instead."""
     if tuple(w.shape[:n_in]) != tuple(x.shape[x.ndim - n_in:]):
         raise ValueError(f"fp8 dense: x {x.shape} and w {w.shape} do not share {n_in} contracted dim(s)")
     return _delayed_dense(x, w, meta, n_in, tuple(columns))
