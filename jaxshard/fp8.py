@@ -38,6 +38,13 @@ E5M2 = jnp.float8_e5m2
 RECIPES = ("tensorwise", "rowwise", "delayed")
 
 
+def gathers_as_float8(recipe: str | None, layer_axes: tuple) -> bool:
+    """Whether FSDP gathers a layer's param of these logical dims (the layer stack's left out)
+    as float8: a matrix (two dims or more: a dense block's linear layers) under tensorwise
+    scaling, whose one scale serves the forward matmul and the input gradient's alike."""
+    return recipe == "tensorwise" and len(layer_axes) >= 2
+
+
 def fp8_max(dtype: Any) -> float:
     """The largest finite value of a float8 format (448 for e4m3fn, 57,344 for e5m2)."""
     return float(jnp.finfo(dtype).max)

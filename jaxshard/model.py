@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import jax
 
 from jaxshard.errors import ConfigError
+from jaxshard.fp8 import RECIPES
 from jaxshard.options import flag, option, section
 
 Params = dict[str, Any]
@@ -171,7 +172,7 @@ class ModelChoice:
               "router) in float8: inputs and weights e4m3, output gradients e5m2, scaled per tensor "
               "from this step's amaxes (tensorwise), per row of the contraction (rowwise: gradients "
               "e4m3 too), or per tensor from the last 16 steps' amaxes, kept with the params (delayed)",
-        choices=("tensorwise", "rowwise", "delayed"), default_text="off", group="precision")
+        choices=RECIPES, default_text="off", group="precision")
     shape: Shape = section(Shape, "model shape (override the preset's fields)")
     moe: Moe = section(Moe, "mixture of experts (override the preset's; see models/moe.py)")
 

@@ -498,12 +498,12 @@ def _gather_fp8(x, src, dst):
 _gather_fp8.defvjp(lambda x, src, dst: (_gather_fp8(x, src, dst), None), _relayout_bwd)
 
 
-def for_compute(params: Any, axes_tree: Any, fp8_weights: bool = False) -> Any:
+def for_compute(params: Any, axes_tree: Any, fp8_recipe: str | None = None) -> Any:
     """Params as a layer uses them: ZeRO-3/FSDP all-gather the weights here, and the gradient
     is reduce-scattered straight into its at-rest layout (DDP/ZeRO-1: all-reduced), where the
-    layer's backward pass produces it. ``fp8_weights``: the layer's matrices (its params of two
-    or more dims: a dense block's linear layers) feed tensorwise float8 matmuls and are
-    gathered as float8 (:func:`_gather_fp8`)."""
+    layer's backward pass produces it. ``fp8_recipe``: the layer's float8 recipe (``--fp8``);
+    the params :func:`jaxshard.fp8.gathers_as_float8` names are gathered as float8
+    (:func:`_gather_fp8`)."""
     rules = _ACTIVE.get()
     if rules is None:
         return params
@@ -523,7 +523,7 @@ def for_compute(params: Any, axes_tree: Any, fp8_weights: bool = False) -> Any:
             return x
         # Gathered (ZeRO-3/FSDP), or with a gradient reduce-scattered where it is made (ZeRO-2):
         # a named copy that the remat policies need not save (jaxshard.remat).
-        if fp8_weights and len(ax) >= 2 and compute != at_rest:
+        if fp8.gathers_as_float8(fp8_recipe, ax) and compute != at_rest:
             return _gather_fp8(x, grads, rules.named(compute))
         return _gather(x, grads, rules.named(compute))
 

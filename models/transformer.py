@@ -137,8 +137,7 @@ class TransformerLM:
         """One layer, given that layer's (unstacked) params, cast to the dtype of its input.
         With that layer's ``cache`` (decoding, :meth:`extend`): (output, the updated cache)."""
         layer_params = cast_floats(layer_params, x_BLD.dtype)
-        block = nnx.merge(self._block_def, for_compute(layer_params, self.block_axes,
-                                                       fp8_weights=self.cfg.fp8 == "tensorwise"))
+        block = nnx.merge(self._block_def, for_compute(layer_params, self.block_axes, self.cfg.fp8))
         if cache is None:
             return block(x_BLD, self._rope(x_BLD.shape[1]), key)
         positions_BL = cache.start[:, None] + jnp.arange(x_BLD.shape[1])

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxshard.axes import Dim
 from jaxshard.errors import ConfigError
+from jaxshard.fp8 import META_SUFFIX
 from jaxshard.model import LanguageModel
 from jaxshard.options import flag, option
 from jaxshard.rules import spec_axes
@@ -96,8 +97,6 @@ def without_router_bias(grads: Any) -> Any:
 def fp8_meta_mask(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> Any:
     """Per leaf of a params-shaped ``tree``: whether it is a delayed float8 layer's amax
     histories and scales (``jaxshard.fp8.delayed_init``), whose "gradient" is its next value."""
-    from jaxshard.fp8 import META_SUFFIX
-
     return jax.tree_util.tree_map_with_path(
         lambda path, _: str(getattr(path[-1], "key", "")).endswith(META_SUFFIX), tree, is_leaf=is_leaf)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from jaxshard.analysis import hlo
 from jaxshard.analysis.shards import ParamInfo, dtype_bytes, param_infos, seq_split, shard_elems
 from jaxshard.axes import Dim
+from jaxshard.fp8 import gathers_as_float8
 from jaxshard.model import LanguageModel
 from jaxshard.remat import Remat
 from jaxshard.rules import ShardingRules, spec_axes
@@ -76,7 +77,7 @@ class ParamUse:
     reduce: set[str]
     scatter: set[str]
     first: set[str]
-    gathered: int = 0  # the bytes of one FSDP gather of it (float8 weights: 1 an element; else ``used``)
+    gathered: int  # the bytes of one FSDP gather of it (float8 weights: 1 an element; else ``used``)
 
 
 class Ledger:
@@ -122,8 +123,8 @@ class Ledger:
         used = self.c * shard_elems(p.shape, p.compute, self.sizes)
         per_micro = self.grad_accum
         # --fp8 tensorwise gathers a block's matrices as float8 (rules._gather_fp8).
-        fp8 = getattr(self.cfg, "fp8", None) == "tensorwise" and p.in_layers and len(p.shape) >= 3
-        gathered = self.fp8_bytes * used // self.c if fp8 else used
+        float8 = p.in_layers and gathers_as_float8(getattr(self.cfg, "fp8", None), p.axes[1:])
+        gathered = self.fp8_bytes * used // self.c if float8 else used
         if p.in_layers:
             used //= p.shape[0]
             gathered //= p.shape[0]
