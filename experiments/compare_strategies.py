@@ -109,14 +109,15 @@ def main(argv: list[str] | None = None) -> int:
                          "algorithm.", "", *notes]
         lines += ["", f"## Bytes per parameter per device ({a.devices} devices)", "",
                   "Params + gradients + optimizer state (Adam's moments, and the float32 master copy "
-                  "of 2-byte params), the textbook's next to the live arrays: the state as "
-                  "initialised and one batch's gradients in the layout the step reduces them to.", "",
+                  "of 2-byte params), the textbook's next to the live arrays: the state "
+                  "created in its layout (init's) and gradient-shaped arrays in the layout the step "
+                  "reduces the gradients to.", "",
                   "| strategy | params | offload | textbook (params + grads + optimizer) | "
                   "textbook device | measured device | textbook host | measured host |",
                   "|" + "---|" * 8]
         for name in inspect.CLASSIC_STRATEGIES:
             for dtype in ("float32", "bfloat16"):
-                for r in inspect.bytes_per_param(model, name, a.devices, dtype, a.batch_size, a.seq_len):
+                for r in inspect.bytes_per_param(model, name, a.devices, dtype):
                     lines.append(f"| {name} | {dtype} | {','.join(r.offload) or '-'} | "
                                  f"{r.predicted.formula} | {r.predicted.device:.2f} | {r.device:.2f} | "
                                  f"{r.predicted.host:.2f} | {r.host:.2f} |")

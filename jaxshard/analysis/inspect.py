@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import jax
-import numpy as np
+import jax.numpy as jnp
 
 from jaxshard.analysis import accounting, hlo
 from jaxshard.mesh import build_mesh
@@ -37,24 +37,26 @@ def max_bytes_per_device(tree: Any, where: str | None = None) -> int:
     return max(bytes_per_device(tree, where).values(), default=0)
 
 
-def stored_bytes(program: Program, state: Any, batch_size: int, seq_len: int) -> tuple[int, int]:
+def stored_bytes(program: Program, state: Any) -> tuple[int, int]:
     """(device, host) bytes of params, gradients and optimizer state that the most loaded
-    device holds, measured from live arrays: ``state`` as it lies, and one batch's gradients
-    materialised in the layout the step reduces them to (inside the step they are transient)."""
+    device holds, measured from live arrays: ``state`` as it lies, and a params-shaped tree
+    materialised in the layout the step reduces the gradients to (inside the step they are
+    transient; their values do not change their bytes, so they are zeros: no backward pass is
+    traced to count them)."""
     layout = program.layout
-
-    def grads(params, batch):
-        return jax.grad(lambda p: program.loss(p, batch, None)[0])(params)
-
-    batch = jax.device_put(
-        {k: np.zeros(x.shape, x.dtype) for k, x in program.abstract_batch(batch_size, seq_len).items()},
-        program.batch_sharding)
-    params = jax.device_put(state.params, layout.compute.params)
-    g = jax.jit(grads, out_shardings=layout.grad_shardings)(params, batch)
+    g = materialize(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), layout.abstract.params),
+                    layout.grad_shardings)
     held = [bytes_per_device(t, "device") for t in (state.params, state.opt_state, g)]
     device = max(sum(h.get(d, 0) for h in held) for d in set().union(*held))
     host = max(bytes_per_device(state, "host").values(), default=0)
     return device, host
+
+
+def materialize(abstract: Any, shardings: Any) -> Any:
+    """Zeros shaped like ``abstract`` (a tree of ShapeDtypeStruct), each array created in its
+    sharding (host memory included): the live layout of a state without initialising it."""
+    return jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract),
+                   out_shardings=shardings)()
 
 
 # The classic table's rows: name, mesh over N devices, ZeRO stage (FSDP is stage 3 over fsdp).
@@ -75,8 +77,7 @@ class BytesPerParam:
     host: float
 
 
-def bytes_per_param(model: Stageable, strategy: str, n: int, param_dtype: str = "float32",
-                    batch_size: int = 8, seq_len: int = 32) -> list[BytesPerParam]:
+def bytes_per_param(model: Stageable, strategy: str, n: int, param_dtype: str = "float32") -> list[BytesPerParam]:
     """``strategy`` (a :data:`CLASSIC_STRATEGIES` name) on the first ``n`` devices, without and
     with each offload it supports, measured with :func:`stored_bytes`."""
     mesh_t, stage = CLASSIC_STRATEGIES[strategy]
@@ -88,7 +89,8 @@ def bytes_per_param(model: Stageable, strategy: str, n: int, param_dtype: str = 
         rules = ShardingRules(mesh, Strategy(zero=zero, offload=offload))
         program = build_program(model, rules, OptimConfig(),
                                 StepConfig(param_dtype=param_dtype, compute_dtype=param_dtype))
-        device, host = stored_bytes(program, program.init(0), batch_size, seq_len)
+        state = materialize(program.layout.abstract, program.layout.shardings)  # the layout init writes
+        device, host = stored_bytes(program, state)
         rows.append(BytesPerParam(
             strategy, mesh_t.format(n=n), param_dtype, offload,
             accounting.classic_bytes_per_param(stage, n, accounting.dtype_bytes(param_dtype), offload),
