@@ -8,9 +8,11 @@ on which nothing runs.
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 from test_distributed import COMMON, ROOT, assert_close, assert_params_close, losses, uninterrupted  # noqa: F401
@@ -47,6 +49,26 @@ def srun(env, args, processes=2, timeout=300):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
+def sbatch_and_wait(env, args, timeout=400) -> tuple[str, int]:
+    """Submits ``sbatch ARGS`` and waits for the job to end: its final state and exit status as
+    the controller reports them. (``sbatch --wait`` polls at intervals that grow to 10 s, so it
+    returns up to 10 s after the job ended; this asks every 0.2 s.)"""
+    r = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                       env=env)
+    assert r.returncode == 0, r.stderr
+    job = r.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        shown = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=30,
+                               env=env).stdout
+        state = re.search(r"JobState=(\w+)", shown)
+        if state and state[1] not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED"):
+            return state[1], int(re.search(r"ExitCode=(\d+):", shown)[1])
+        time.sleep(0.2)
+    subprocess.run(["scancel", job], env=env, timeout=30)
+    raise AssertionError(f"job {job} still running after {timeout} s")
+
+
 def test_srun_runs_two_processes_that_train_like_one(slurm, tmp_path, uninterrupted):
     """Two processes started by srun, with no flag saying who is who: JAX reads the layout
     (coordinator from the node list, process ids) from SLURM, each process reads its own rows."""
@@ -65,13 +87,13 @@ def test_the_sbatch_template_restarts_a_killed_process_and_loses_nothing(slurm, 
     again with --resume, and the job ends as the uninterrupted run did."""
     source, want = uninterrupted
     metrics, out = tmp_path / "m.jsonl", tmp_path / "job.out"
-    cmd = ["sbatch", "--wait", "-p", "debug", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0",
-           "--overcommit", f"--output={out}", str(TEMPLATE), *TRAIN[3:], *TEN_STEPS,
-           "--checkpoint-dir", str(tmp_path / "ck"), "--metrics", str(metrics), "--export", str(tmp_path / "p.npz")]
+    args = ["-p", "debug", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0",
+            "--overcommit", f"--output={out}", str(TEMPLATE), *TRAIN[3:], *TEN_STEPS,
+            "--checkpoint-dir", str(tmp_path / "ck"), "--metrics", str(metrics), "--export", str(tmp_path / "p.npz")]
     env = {**slurm, "JAXSHARD_PYTHON": sys.executable, "MAX_RESTARTS": "2", "JAXSHARD_FAULT": "kill:1:8"}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
+    state, status = sbatch_and_wait(env, args)
     log = out.read_text()
-    assert r.returncode == 0, r.stderr + log[-4000:]
+    assert (state, status) == ("COMPLETED", 0), log[-4000:]
     assert "2 processes on 1 node(s)" in log
     assert "restart 1/2: the job step ended with status" in log and "restart 2/2" not in log
     assert f"resumed from {tmp_path / 'ck'}/5" in log
