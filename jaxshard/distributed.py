@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import sys
 import time
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ class DistributedError(JaxshardError):
     """A multi-process job that cannot start."""
 
 
+_JOINED = False  # set once this process has joined a multi-process job
 TIMEOUT_S = 120.0  # how long a multi-process start waits for every process without --init-timeout
 
 
@@ -122,12 +124,38 @@ def initialize(cfg: DistributedConfig, platform: str | None = None) -> None:
                 and not (platform or os.environ.get("JAX_PLATFORMS", "")).startswith("cpu")):
             gpus = slurm_local_devices(os.environ, _node_gpus())
         jax.distributed.initialize(initialization_timeout=int(cfg.timeout_s), local_device_ids=gpus)
+        _joined()
         return
     if os.environ.get("JAXSHARD_FAULT") == f"never-start:{cfg.process_id}":
         time.sleep(10 * cfg.timeout_s)  # fault injection for the tests: a host that never comes up
     rendezvous(cfg)
     jax.distributed.initialize(coordinator_address=cfg.coordinator, num_processes=cfg.num_processes,
                                process_id=cfg.process_id, initialization_timeout=int(cfg.timeout_s))
+    _joined()
+
+
+def _joined() -> None:
+    global _JOINED
+    _JOINED = True
+
+
+def joined() -> bool:
+    """Whether this process is one of a multi-process job (:func:`initialize` joined one)."""
+    return _JOINED
+
+
+def exit_failed(code: int) -> None:
+    """End a process of a multi-process job that failed (``code`` != 0) at once. Python's exit
+    would run JAX's shutdown, whose barrier waits for every process of the job -- up to
+    ``jax.distributed.initialize``'s shutdown timeout, 300 s, where a peer has died (the usual
+    reason this one failed: its collectives lost the peer). What the run writes is closed by
+    then (the checkpointer waits for its last save before the error leaves the loop), so
+    nothing is lost; the launcher or scheduler sees the status at once. A no-op in a
+    one-process run and for status 0."""
+    if _JOINED and code:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _node_gpus() -> int:

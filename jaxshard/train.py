@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
+import traceback
 
 from jaxshard import cli, distributed, runtime
 from jaxshard.errors import ConfigError
@@ -113,6 +114,21 @@ def restore_model(directory: str, rules, step: int | None = None):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Train as the flags say; the exit status. A process of a multi-process job that fails
+    ends at once with its status (:func:`jaxshard.distributed.exit_failed`) rather than wait
+    for its peers, which may be dead, in JAX's shutdown."""
+    try:
+        return _main(argv)
+    except BaseException as e:
+        code = 1 if not isinstance(e, SystemExit) else e.code if isinstance(e.code, int) else int(e.code is not None)
+        if code and distributed.joined():
+            if not isinstance(e, SystemExit):
+                traceback.print_exc()
+            distributed.exit_failed(code)
+        raise
+
+
+def _main(argv: list[str] | None) -> int:
     started = time.perf_counter()  # goodput's wall time starts here
     with cli.one_line_errors():
         cfg = cli.parse_train(argv)

@@ -45,19 +45,6 @@ def _stream(proc: subprocess.Popen, prefix: str, out) -> None:
         out.flush()
 
 
-def _stop(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    end = time.monotonic() + grace
-    for p in procs:
-        try:
-            p.wait(max(0.1, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 def _describe(code: int) -> str:
     if code < 0:
         try:
@@ -65,6 +52,31 @@ def _describe(code: int) -> str:
         except ValueError:
             return f"signal {-code}"
     return f"status {code}"
+
+
+def _stop(procs: list[subprocess.Popen], ended: dict[int, tuple[float, int]], settle: float = 1.0,
+          grace: float = 5.0) -> dict[int, str]:
+    """Ends every process still running: each gets ``settle`` s to end by itself (a process of
+    a job that lost a peer fails in its next collective and exits), then SIGTERM, then SIGKILL
+    after ``grace`` s. How each that was running at the call ended, by index."""
+    running = [i for i in range(len(procs)) if i not in ended]
+    end = time.monotonic() + settle
+    while time.monotonic() < end and any(i not in ended for i in running):
+        time.sleep(0.02)
+    how = {i: f"ended with {_describe(ended[i][1])}" for i in running if i in ended}
+    for i in running:
+        if i not in ended:
+            procs[i].send_signal(signal.SIGTERM)
+            how[i] = "stopped (SIGTERM)"
+    end = time.monotonic() + grace
+    for i in running:
+        try:
+            procs[i].wait(max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            procs[i].kill()
+            procs[i].wait()
+            how[i] = f"killed (still running {grace:g} s after SIGTERM)"
+    return how
 
 
 BAD_INPUT = 2  # a one-line error: the same flags would fail again
@@ -86,33 +98,45 @@ def attempt(a: argparse.Namespace, rest: list[str], number: int, deadline: float
                                       text=True, bufsize=1, env=env))
     threads = [threading.Thread(target=_stream, args=(proc, f"[p{i}]", sys.stdout), daemon=True)
                for i, proc in enumerate(procs)]
-    for t in threads:
+    # When each process ended: the first to fail is the one named (its peers fail after it,
+    # their collectives having lost it), however close together the polls below see them.
+    # (A waiting thread holds the process's lock, so poll() would answer None: read ``ended``.)
+    ended: dict[int, tuple[float, int]] = {}
+
+    def wait(i: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        ended[i] = (time.monotonic(), code)
+
+    waiters = [threading.Thread(target=wait, args=(i, proc), daemon=True) for i, proc in enumerate(procs)]
+    for t in threads + waiters:
         t.start()
     failed = None
     try:
         while True:
-            codes = [proc.poll() for proc in procs]
-            failed = next(((i, c) for i, c in enumerate(codes) if c not in (None, 0)), None)
+            codes = [ended[i][1] if i in ended else None for i in range(len(procs))]
+            done = sorted((when, i, code) for i, (when, code) in list(ended.items()) if code != 0)
+            failed = (done[0][1], done[0][2]) if done else None
             if failed or all(c == 0 for c in codes):
                 break
             if time.monotonic() > deadline:
                 running = [str(i) for i, c in enumerate(codes) if c is None]
-                _stop(procs)
+                _stop(procs, ended, settle=0)
                 return 124, (f"error: timed out after {a.timeout:g} s; process(es) {', '.join(running)} "
                              "still running were stopped"), None
             time.sleep(0.1)
     except KeyboardInterrupt:
-        _stop(procs)
+        _stop(procs, ended, settle=0)
         return 130, "", None
-    if failed:
-        _stop(procs)
+    others = _stop(procs, ended) if failed else {}
     for t in threads:
         t.join(timeout=2)
     if not failed:
         return 0, "", None
     i, code = failed
-    return (code if code > 0 else 128 - code,
-            f"process {i} of {processes} exited with {_describe(code)}; stopped the others", i)
+    # The others that were running as it failed (those that had failed before it too are named).
+    rest = "".join(f"; process {j} {how}" for j, how in sorted(others.items())) + "".join(
+        f"; process {j} ended with {_describe(c)}" for j, (_, c) in sorted(ended.items()) if j != i and j not in others)
+    return code if code > 0 else 128 - code, f"process {i} of {processes} exited with {_describe(code)}{rest}", i
 
 
 def main(argv: list[str] | None = None) -> int:
