@@ -120,25 +120,35 @@ def scaled_matmul(a: jax.Array, b: jax.Array, a_dtype: Any, b_dtype: Any, rowwis
     return product / (sa * sb)
 
 
-def fp8_matmul(x: jax.Array, w: jax.Array, recipe: str = "tensorwise", columns: tuple[str, ...] = ()) -> jax.Array:
+def fp8_matmul(x: jax.Array, w: jax.Array, recipe: str = "tensorwise", columns: tuple[str, ...] = (),
+               rows: tuple[str, ...] = ()) -> jax.Array:
     """``x [..., K] @ w [K, N]`` with the forward operands in e4m3 and, in the backward pass,
     the output gradient in e5m2 (rowwise: e4m3): the input gradient ``g w^T`` and the weight
     gradient ``x^T g`` are float8 matmuls too. ``recipe``: ``tensorwise`` or ``rowwise`` (dynamic
     scales from this step's amaxes). The result in ``x``'s dtype.
 
-    ``columns``: inside a region manual over these mesh axes, ``w``'s columns (N) are split
-    over them and ``x`` is whole on each device (a column-parallel projection). The amaxes
-    the split cuts are then maxed over them: ``w``'s and the output gradient's whole-tensor
-    amaxes, and in the input gradient (which contracts over N) the rowwise amaxes along N.
+    Inside a region manual over some mesh axes each device holds a piece, and an amax the
+    split cuts is maxed over the axes that cut it, so every device quantises with the whole
+    tensor's scale (as one device would):
+
+    * ``columns``: ``w``'s columns (N) are split over these and ``x`` is whole on each device
+      (a column-parallel projection): ``w``'s and the output gradient's whole-tensor amaxes,
+      and in the input gradient (which contracts over N) the rowwise amaxes along N;
+    * ``rows``: the tokens (``x``'s and the output gradient's leading dims, M) are split over
+      these, ``w`` whole on each device (a pipeline's data-parallel replicas, a hand-written
+      gradient reduction): ``x``'s and the output gradient's whole-tensor amaxes, and in the
+      weight gradient (which contracts over M) the rowwise amaxes along M.
+
     Elsewhere the partitioner sees the whole tensors and reduces the amaxes itself."""
     if recipe not in ("tensorwise", "rowwise"):
         raise ValueError(f"fp8_matmul takes a dynamic recipe, tensorwise or rowwise, not {recipe!r}")
-    return _fp8_matmul(x, w, recipe == "rowwise", tuple(columns), 1)
+    return _fp8_matmul(x, w, recipe == "rowwise", tuple(columns), 1, tuple(rows))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _fp8_matmul(x: jax.Array, w: jax.Array, rowwise: bool, columns: tuple[str, ...], n_in: int) -> jax.Array:
-    return _forward(x, w, rowwise, columns, n_in)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _fp8_matmul(x: jax.Array, w: jax.Array, rowwise: bool, columns: tuple[str, ...], n_in: int,
+                rows: tuple[str, ...]) -> jax.Array:
+    return _forward(x, w, rowwise, columns, n_in, rows)[0]
 
 
 def _as_2d(x, w, n_in):
@@ -149,39 +159,43 @@ def _as_2d(x, w, n_in):
     return x.reshape(-1, k), w.reshape(k, -1)
 
 
-def _forward(x, w, rowwise, columns, n_in):
-    tensor = () if rowwise else columns  # a rowwise amax along K: K is whole here
+def _forward(x, w, rowwise, columns, n_in, rows):
+    # Contracting K, whole here: a rowwise amax along it needs no maximum over devices.
+    x_split, w_split = ((), ()) if rowwise else (columns + rows, columns)
     x2, w2 = _as_2d(x, w, n_in)
-    y = scaled_matmul(x2, w2, E4M3, E4M3, rowwise, a_split=tensor, b_split=tensor)
+    y = scaled_matmul(x2, w2, E4M3, E4M3, rowwise, a_split=x_split, b_split=w_split)
     return y.reshape(*x.shape[:x.ndim - n_in], *w.shape[n_in:]).astype(x.dtype), (x, w)
 
 
-def _backward(rowwise, columns, n_in, saved, g):
+def _backward(rowwise, columns, n_in, rows, saved, g):
     x, w = saved
     x2, w2 = _as_2d(x, w, n_in)
     g2 = g.reshape(x2.shape[0], w2.shape[1])
     grad = E4M3 if rowwise else E5M2
-    # g w^T contracts over N, which ``columns`` split: rowwise and tensorwise amaxes alike.
-    dx = scaled_matmul(g2, w2.T, grad, E4M3, rowwise, a_split=columns, b_split=columns)
-    # x^T g contracts over the tokens (whole here): only g's tensorwise amax is split.
-    tensor = () if rowwise else columns
-    dw = scaled_matmul(x2.T, g2, E4M3, grad, rowwise, a_split=tensor, b_split=tensor)
+    # g w^T contracts over N, which ``columns`` split: g's amax along it or whole, w's alike.
+    dx = scaled_matmul(g2, w2.T, grad, E4M3, rowwise, a_split=columns + (() if rowwise else rows),
+                       b_split=columns)
+    # x^T g contracts over the tokens M, which ``rows`` split: x's and g's amaxes along M or whole.
+    whole = () if rowwise else columns
+    dw = scaled_matmul(x2.T, g2, E4M3, grad, rowwise, a_split=rows + whole, b_split=rows + whole)
     return dx.reshape(x.shape).astype(x.dtype), dw.reshape(w.shape).astype(w.dtype)
 
 
 _fp8_matmul.defvjp(_forward, _backward)
 
 
-def dense(x: jax.Array, w: jax.Array, n_in: int, recipe: str, columns: tuple[str, ...] = ()) -> jax.Array:
+def dense(x: jax.Array, w: jax.Array, n_in: int, recipe: str, columns: tuple[str, ...] = (),
+          rows: tuple[str, ...] = ()) -> jax.Array:
     """A linear layer's product in float8: ``x [..., K1..Kn]`` contracted with ``w [K1..Kn,
     N1..]`` over its ``n_in`` leading dims (``bld,dnh->blnh`` is 1, ``blnh,nhd->bld`` 2), as
-    one 2-D :func:`fp8_matmul`, so a tensorwise or rowwise amax covers what the layer's matmul
-    contracts (all of a head group's outputs, say, not one head's)."""
+    one 2-D :func:`fp8_matmul` (``columns``, ``rows``: its manual split), so a tensorwise or
+    rowwise amax covers what the layer's matmul contracts (all of a head group's outputs, say,
+    not one head's)."""
     if tuple(w.shape[:n_in]) != tuple(x.shape[x.ndim - n_in:]):
         raise ValueError(f"fp8 dense: x {x.shape} and w {w.shape} do not share {n_in} contracted dim(s)")
     if recipe not in ("tensorwise", "rowwise"):
         raise ValueError(f"fp8 dense takes a dynamic recipe, tensorwise or rowwise, not {recipe!r}")
-    return _fp8_matmul(x, w, recipe == "rowwise", tuple(columns), n_in)
+    return _fp8_matmul(x, w, recipe == "rowwise", tuple(columns), n_in, tuple(rows))
 
 
 # ---- the delayed recipe -----------------------------------------------------------------------

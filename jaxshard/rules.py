@@ -190,6 +190,19 @@ class ShardingRules:
         context = jax.sharding.get_abstract_mesh()
         return frozenset() if context.empty else frozenset(map(str, context.manual_axes))
 
+    @property
+    def manual_token_axes(self) -> tuple[str, ...]:
+        """The axes of the manual region being traced that split the tokens (batch or length):
+        each device holds its own rows of every activation."""
+        tokens = {*self._batch_axes, *self.activation_table.get(Dim.LENGTH, ())}
+        return tuple(a for a in self.mesh.axis_names if a in self.manual_axes and a in tokens)
+
+    @property
+    def manual_stack_axes(self) -> tuple[str, ...]:
+        """The axes of the manual region being traced that split the layer stack (``stage``):
+        each device runs its own layers, none of whose tensors the axis splits."""
+        return tuple(a for a in self.manual_axes if a == str(MeshAxis.STAGE))
+
     def active_axes(self, axes) -> tuple[str, ...]:
         """The axes of ``axes`` (names or MeshAxis) with size > 1, in mesh nesting order."""
         wanted = {str(a) for a in axes}

@@ -65,12 +65,15 @@ def linear(spec: str, x: jax.Array, w: jax.Array, recipe: str | None, out_axes: 
            tokens: bool = False, columns: tuple[str, ...] = (), meta: jax.Array | None = None) -> jax.Array:
     """A block's linear layer, ``jnp.einsum(spec, x, w)`` contracting ``w``'s leading dims
     (:func:`token_einsum` where ``tokens``); with a float8 ``recipe`` (``--fp8``) the same
-    product as a float8 matmul (:func:`jaxshard.fp8.dense`). Float8 runs under the partitioner,
-    which takes each amax over the whole tensor, or in a column-parallel projection's region
-    manual over ``columns``, the tensor axes (:func:`jaxshard.parallel.tensor.column_parallel`),
-    which maxes the amaxes its split cuts over them; inside any other manual region the amax
-    would be a piece's: a one-line error. ``meta``: the delayed recipe's state
-    (:func:`jaxshard.fp8.delayed_dense`)."""
+    product as a float8 matmul (:func:`jaxshard.fp8.dense`), whose amaxes must be the whole
+    tensors' on any mesh. Under the partitioner they are. Inside a region manual over mesh
+    axes, each such axis must be one the amaxes can be maxed over: ``columns``, the tensor axes
+    of a column-parallel projection (:func:`jaxshard.parallel.tensor.column_parallel`), or an
+    axis that splits the tokens (a pipeline's data-parallel replicas, the explicit gradient
+    reducer's ``data``); ``stage`` splits no tensor (each stage runs its own layers). Any other
+    is a one-line error, and so is the delayed recipe inside any manual region but a
+    column-parallel one (its state's update, a cotangent, would be summed over the pieces).
+    ``meta``: the delayed recipe's state (:func:`jaxshard.fp8.delayed_dense`)."""
     if recipe is None:
         if tokens:
             return token_einsum(spec, x, w, out_axes)
@@ -78,16 +81,23 @@ def linear(spec: str, x: jax.Array, w: jax.Array, recipe: str | None, out_axes: 
         return constrain(y, out_axes) if out_axes is not None else y
     context = jax.sharding.get_abstract_mesh()  # the step may run a region with no rules active
     manual = frozenset() if context.empty else frozenset(map(str, context.manual_axes))
-    if not manual <= set(columns):
-        raise ConfigError(f"--fp8 is not implemented inside a region manual over {', '.join(sorted(manual))} "
+    rules = active()
+    rows = () if rules is None else tuple(a for a in rules.manual_token_axes if a not in columns)
+    other = manual - set(columns) - set(rows) - set(() if rules is None else rules.manual_stack_axes)
+    if other:
+        raise ConfigError(f"--fp8 is not implemented inside a region manual over {', '.join(sorted(other))} "
                           "(an amax there would be a piece's, not the tensor's)")
+    if recipe == "delayed" and manual - set(columns):
+        raise ConfigError(f"--fp8 delayed is not implemented inside a region manual over "
+                          f"{', '.join(sorted(manual - set(columns)))} (its state's update would be summed over "
+                          "the pieces: microbatches or replicas)")
     xs, rest = spec.split(",")
     ws, out = rest.split("->")
     n_in = sum(c in xs and c not in out for c in ws)  # contracted: w's leading dims, x's trailing
     if recipe == "delayed":
         y = fp8.delayed_dense(x, w, meta, n_in, tuple(columns))
     else:
-        y = fp8.dense(x, w, n_in, recipe, tuple(columns))  # () under the partitioner
+        y = fp8.dense(x, w, n_in, recipe, tuple(columns), rows)  # () and () under the partitioner
     return constrain(y, out_axes) if out_axes is not None else y
 
 

@@ -27,14 +27,14 @@ def random_batches(vocab: int, seed: int = 0):
 
 def make_program(model, mesh_spec: str, *, zero=0, sequence_parallel=False, accum=1,
                  dtype="float32", seed=0, devices=None, reshard_after_forward=True, offload=(),
-                 context_parallel="ring", schedule=None, **step):
+                 context_parallel="ring", schedule=None, optim=OPTIM, **step):
     """``mesh_spec`` on the first devices it needs (all 8 unless its sizes say fewer);
     ``schedule``: a pipeline schedule's own tables (default: the one the flags ask for)."""
     rules = ShardingRules(build_mesh(mesh_spec, devices or first_devices(mesh_spec)),
                           Strategy(zero=zero, sequence_parallel=sequence_parallel,
                                    reshard_after_forward=reshard_after_forward, offload=offload,
                                    context_parallel=context_parallel))
-    return build_program(model, rules, OPTIM, StepConfig(grad_accum=accum, compute_dtype=dtype, seed=seed, **step),
+    return build_program(model, rules, optim, StepConfig(grad_accum=accum, compute_dtype=dtype, seed=seed, **step),
                          schedule=schedule)
 
 

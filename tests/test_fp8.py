@@ -268,3 +268,37 @@ def test_a_column_parallel_float8_matmul_scales_by_the_whole_tensor(recipe):
         fn.result = jax.jit(lambda x, w, fn=fn: jax.vjp(fn, x, w)[1](g) + (fn(x, w),))(x, w)
     for got, want in zip(split.result, whole.result):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_row_split_float8_matmul_scales_by_the_whole_tensor(recipe):
+    """``dense`` in a region manual over ``data`` whose two devices each hold half of the
+    tokens (x's halves 10x apart, the output gradient's 100x), w whole on each (a pipeline's
+    replicas, as the executor runs them): the output and both gradients equal the one-device
+    float8 matmul's, because the amaxes the split cuts -- x's and the gradient's whole-tensor
+    ones, and the weight gradient's rows along the tokens -- are maxed over ``data``."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((16, 32)).astype(np.float32)
+    x[:8] *= 10
+    g = rng.standard_normal((16, 8)).astype(np.float32) * 1e-3
+    g[8:] *= 100
+    x, g = jnp.asarray(x), jnp.asarray(g)
+    w = jnp.asarray(rng.standard_normal((32, 8)).astype(np.float32))
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+
+    def split(x, w):
+        # (w marked varying: its gradient's partial sums are then all-reduced on the way out)
+        local = lambda x, w: fp8.dense(x, jax.lax.pcast(w, ("data",), to="varying"), 1, recipe, rows=("data",))  # noqa: E731
+        return jax.shard_map(local, mesh=mesh, in_specs=(P("data", None), P()), out_specs=P("data", None))(x, w)
+
+    def whole(x, w):
+        return fp8.dense(x, w, 1, recipe)
+
+    for fn in (split, whole):
+        fn.result = jax.jit(lambda x, w, fn=fn: jax.vjp(fn, x, w)[1](g) + (fn(x, w),))(x, w)
+    for got, want in zip(split.result, whole.result):
+        # (w's gradient sums the devices' partial products in another order: 1e-5)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-9)

@@ -82,6 +82,9 @@ def check(model: LanguageModel, rules: ShardingRules, cfg: StepConfig, sync_ever
                           "--virtual-stages, --stage-layers or --balance")
     if model.moe_layers:
         raise ConfigError("--sync-every covers dense models (this one has MoE layers)")
+    if getattr(model.cfg, "fp8", None):
+        raise ConfigError("--sync-every with --fp8 is not implemented (a replica's amaxes would be maxed over "
+                          "the replicas in every matmul: the communication local SGD leaves out)")
     if cfg.param_dtype != "float32" or cfg.scaled:
         raise ConfigError("--sync-every needs float32 params and no loss scaling "
                           "(--param-dtype float32, --compute-dtype float32 or bfloat16)")

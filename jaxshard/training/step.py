@@ -391,10 +391,11 @@ def build_program(model: Stageable, rules: ShardingRules, optim_cfg: optim.Optim
                           "(capacity groups are whole sequences)")
     if Remat.parse(model.remat).kind is Kind.OFFLOAD:
         check_host_memory(rules.mesh, "--remat offload")
-    if getattr(model.cfg, "fp8", None) == "delayed" and (cfg.grad_accum > 1 or cfg.param_dtype != "float32"
-                                                          or cfg.scaled):
+    if getattr(model.cfg, "fp8", None) == "delayed" and (cfg.grad_accum > 1 or schedule is not None
+                                                          or cfg.reducer != "gspmd"
+                                                          or cfg.param_dtype != "float32" or cfg.scaled):
         raise ConfigError("--fp8 delayed takes each step's amaxes from one pass: not yet with --grad-accum, "
-                          "2-byte --param-dtype or float16")
+                          "a pipeline's microbatches, --strategy explicit, 2-byte --param-dtype or float16")
     tx = optim.make(optim_cfg, model.param_axes(), optim.router_bias_rate(model))
     if cfg.param_dtype != "float32":
         tx = optim.with_master(tx)
