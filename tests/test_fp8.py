@@ -235,6 +235,15 @@ def test_the_float8_benchmark_runs_and_says_what_each_dot_became(tmp_path, capsy
         "--shapes takes MxKxN with positive integers, e.g. 16384x4096x14336; got 12x3")
 
 
+def assert_split_equals_whole(split, recipe, x, w, g, rtol):
+    """``split(x, w)`` -- ``dense`` in a manual region -- gives the output and both gradients
+    (for the output gradient ``g``) of the one-device float8 matmul of ``recipe``."""
+    whole = lambda x, w: fp8.dense(x, w, 1, recipe)  # noqa: E731
+    got, want = (jax.jit(lambda x, w, fn=fn: jax.vjp(fn, x, w)[1](g) + (fn(x, w),))(x, w) for fn in (split, whole))
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=1e-9)
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_a_column_parallel_float8_matmul_scales_by_the_whole_tensor(recipe):
     """``dense`` in a region manual over ``tensor`` whose two devices each hold half of w's
@@ -261,13 +270,7 @@ def test_a_column_parallel_float8_matmul_scales_by_the_whole_tensor(recipe):
         return jax.shard_map(local, mesh=mesh,
                              in_specs=(P(), P(None, "tensor")), out_specs=P(None, "tensor"))(x, w)
 
-    def whole(x, w):
-        return fp8.dense(x, w, 1, recipe)
-
-    for fn in (split, whole):
-        fn.result = jax.jit(lambda x, w, fn=fn: jax.vjp(fn, x, w)[1](g) + (fn(x, w),))(x, w)
-    for got, want in zip(split.result, whole.result):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-9)
+    assert_split_equals_whole(split, recipe, x, w, g, rtol=1e-6)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
@@ -294,11 +297,4 @@ def test_a_row_split_float8_matmul_scales_by_the_whole_tensor(recipe):
         local = lambda x, w: fp8.dense(x, jax.lax.pcast(w, ("data",), to="varying"), 1, recipe, rows=("data",))  # noqa: E731
         return jax.shard_map(local, mesh=mesh, in_specs=(P("data", None), P()), out_specs=P("data", None))(x, w)
 
-    def whole(x, w):
-        return fp8.dense(x, w, 1, recipe)
-
-    for fn in (split, whole):
-        fn.result = jax.jit(lambda x, w, fn=fn: jax.vjp(fn, x, w)[1](g) + (fn(x, w),))(x, w)
-    for got, want in zip(split.result, whole.result):
-        # (w's gradient sums the devices' partial products in another order: 1e-5)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-9)
+    assert_split_equals_whole(split, recipe, x, w, g, rtol=1e-5)  # (w's gradient's partial sums in another order)
