@@ -146,7 +146,7 @@ def test_a_checkpoint_keeps_the_layer_order_whatever_the_stage_layout(tmp_path):
     """Saved under uneven stages (3 + 1 layers: stage 1 stores an empty slot), resumed under
     interleaved chunks (stage 0 holding layers 0 and 2) and without stages: the checkpoint holds
     the stack in model order, so each continues the uninterrupted run."""
-    model = ["--model", "llama-tiny", "--batch-size", "8"]  # 4 layers
+    model = ["--model", "tiny-llama", "--n-layers", "4", "--batch-size", "8"]
     r = run([*model, "--mesh", "stage=2,data=4", "--stage-layers", "3,1", "--steps", "4",
              "--save-every", "2", "--checkpoint-dir", str(tmp_path / "ck"), "--metrics", str(tmp_path / "pp.jsonl")])
     assert r.returncode == 0, r.stderr
