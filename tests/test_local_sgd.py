@@ -353,7 +353,8 @@ def test_sync_every_through_the_command_line(tmp_path):
     def losses(path):
         return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
 
-    common = ["--mesh", "data=4", "--cpu-devices", "4", "--batch-size", "8", "--seq-len", "32", "--steps", "6"]
+    common = ["--model", "tiny", "--mesh", "data=4", "--cpu-devices", "4", "--batch-size", "8", "--seq-len", "32",
+              "--steps", "6"]
     ddp = cli_train(*common, "--metrics", str(tmp_path / "ddp.jsonl"))
     one = cli_train(*common, "--sync-every", "1", "--metrics", str(tmp_path / "h1.jsonl"))
     assert ddp.returncode == 0 and one.returncode == 0, ddp.stderr + one.stderr
@@ -371,7 +372,7 @@ def test_sync_every_through_the_command_line(tmp_path):
     assert predicted["kind"] == synced["kind"] == "all-reduce"
     assert predicted["bytes"] == 4 * 4 * report["n_params"] and abs(synced["bytes"] - predicted["bytes"]) <= 64
     assert sum(c["bytes"] for c in report["collectives"]) <= 64
-    other = cli_train("--mesh", "data=2", "--cpu-devices", "2", "--batch-size", "8", "--seq-len", "32",
+    other = cli_train("--model", "tiny", "--mesh", "data=2", "--cpu-devices", "2", "--batch-size", "8", "--seq-len", "32",
                       "--steps", "8", "--sync-every", "4", "--checkpoint-dir", ck, "--resume")
     assert_one_line_error(other, "the checkpoint holds 4 replicas (data=4) but this mesh has data=2")
 
