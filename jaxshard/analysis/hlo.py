@@ -10,6 +10,7 @@ take slices of it. A collective inside a loop counts once per iteration (``known
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections import defaultdict
@@ -131,6 +132,7 @@ class _Module:
     data_dependent: set[str]  # computations run by a loop whose trip count is known only at run time
 
 
+@functools.lru_cache(maxsize=2)  # a run reads its step's module for its collectives and its FLOPs
 def _read(hlo_text: str) -> _Module:
     n_partitions = int(m[1]) if (m := re.search(r"num_partitions=(\d+)", hlo_text)) else 1
     shapes: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
