@@ -115,16 +115,17 @@ def restore_model(directory: str, rules, step: int | None = None):
 
 def main(argv: list[str] | None = None) -> int:
     """Train as the flags say; the exit status. A process of a multi-process job that fails
-    ends at once with its status (:func:`jaxshard.distributed.exit_failed`) rather than wait
-    for its peers, which may be dead, in JAX's shutdown."""
+    with an error (a collective that lost its peer, a crash) ends at once with status 1
+    (:func:`jaxshard.distributed.exit_failed`) rather than wait for its peers, which may be
+    dead, in JAX's shutdown. Bad input (a one-line error, status 2) and an interrupt exit
+    through the shutdown: every process meets them alike, and leaving together is what keeps
+    the peers of the coordinating process from aborting when it is gone."""
     try:
         return _main(argv)
-    except BaseException as e:
-        code = 1 if not isinstance(e, SystemExit) else e.code if isinstance(e.code, int) else int(e.code is not None)
-        if code and distributed.joined():
-            if not isinstance(e, SystemExit):
-                traceback.print_exc()
-            distributed.exit_failed(code)
+    except Exception:
+        if distributed.joined():
+            traceback.print_exc()
+            distributed.exit_failed(1)
         raise
 
 
