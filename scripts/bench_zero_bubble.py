@@ -1,16 +1,21 @@
 """Zero-bubble pipelining: ZB-H1 against 1F1B, step time, memory and the tables' bubble.
 
-    python scripts/bench_zero_bubble.py                 # ~4 minutes on 2 CPU cores
-    python scripts/bench_zero_bubble.py --steps 3 --microbatches 2 --out /tmp/zb
+    python scripts/bench_zero_bubble.py                 # ~7 minutes on 2 CPU cores
+    python scripts/bench_zero_bubble.py --steps 3 --microbatches 2 --d-model 256 --out /tmp/zb
 
 ``stage=2`` on 2 fake CPU devices, each single-threaded (a core each, so a waiting stage really
-idles, as in bench_pipeline.py's bubble part), llama-tiny (4 layers: 2 a stage), --rows x
---seq-len tokens a microbatch. For each M: the fastest of --steps steps of 1F1B and of ZB-H1
-(the backward slot split into B and W, W deferred into the idle ticks), the compiled step's
-temporary bytes, and each table's idle fraction (F, B and W one unit each) beside the theory:
-(P - 1)/(M + P - 1) for 1F1B, (P - 1)/(3M + P - 1) for ZB-H1. The two runs alternate, each
-timed --rounds times, so that the machine's drift falls on both. Writes zero_bubble.json and
-zero_bubble.md to --out.
+idles, as in bench_pipeline.py's bubble part), llama-tiny's 4 layers (2 a stage) at width
+--d-model (MLP 4x), --rows x --seq-len tokens a microbatch. For each M: the fastest of --steps
+steps of 1F1B and of ZB-H1 (the backward slot split into B and W, W deferred into the idle
+ticks), the compiled step's temporary bytes, and each table's idle fraction (F, B and W one unit
+each) beside the theory: (P - 1)/(M + P - 1) for 1F1B, (P - 1)/(3M + P - 1) for ZB-H1. The two
+runs alternate, each timed --rounds times, so that the machine's drift falls on both; each
+round's ratio is reported too. Writes zero_bubble.json and zero_bubble.md to --out.
+
+The default width is 1024, a real model's order (GPT-2 medium's): ZB-H1 keeps and re-reads more
+bytes than 1F1B per microbatch (what B hands W), and on a CPU's memory bandwidth those bytes
+cost in proportion to 1 / width of the compute. At llama-tiny's own 256 (``--d-model 256 --rows
+4``) they take what the smaller bubble saves (docs/pipelines.md).
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", default="docs/bench")
     p.add_argument("--microbatches", default="2,4,8", help="comma-separated values of M")
-    p.add_argument("--rows", type=int, default=8, help="sequences per microbatch")
+    p.add_argument("--d-model", type=int, default=1024, help="the model's width (MLP 4x, 4 heads)")
+    p.add_argument("--rows", type=int, default=1, help="sequences per microbatch")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=5, help="timed steps per round (the fastest counts)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of the two schedules")
@@ -52,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         ms = int_list(a.microbatches, "--microbatches")
         if not ms or min(ms) < 2 or min(a.steps, a.rounds, a.rows) < 1:
             raise ConfigError("--microbatches must be >= 2 (the stages); --steps, --rounds and --rows >= 1")
+        if a.d_model < 4 or a.d_model % 4:
+            raise ConfigError(f"--d-model must be a multiple of the 4 heads, got {a.d_model}")
         if a.residual_cap is not None and a.residual_cap < 1:
             raise ConfigError(f"--residual-cap must be >= 1, got {a.residual_cap}")
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + SINGLE_THREAD).strip()
@@ -68,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         from jaxshard.training.step import StepConfig, build_program
         from models import TransformerLM, get_preset
 
-        model = TransformerLM(get_preset("llama-tiny"), remat=a.remat)
+        model = TransformerLM(get_preset("llama-tiny").replace(d_model=a.d_model, d_mlp=4 * a.d_model), remat=a.remat)
         rules = ShardingRules(build_mesh("stage=2", jax.devices()[:2]))
         t0 = time.perf_counter()
         rows = []
@@ -82,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(a.rounds):
                 for k in KINDS:
                     times[k].append(step_seconds(programs[k], batch, a.seq_len, model.cfg.vocab_size, a.steps))
-            row = {"microbatches": m, "batch_size": batch}
+            row = {"microbatches": m, "batch_size": batch,
+                   "ratio_rounds": [z / o for z, o in zip(times["zb-h1"], times["1f1b"])]}
             for k, program in programs.items():
                 s = program.schedule
                 temp = program.lower_step(batch, a.seq_len).compile().memory_analysis().temp_size_in_bytes
@@ -92,17 +101,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"M={m}: 1f1b {row['1f1b']['step_s'] * 1e3:.1f} ms, zb-h1 {row['zb-h1']['step_s'] * 1e3:.1f} ms",
                   file=sys.stderr, flush=True)
         meta = {"backend": jax.default_backend(), "devices": 2, "cpu_count": os.cpu_count(), "jax": jax.__version__,
-                "model": "llama-tiny", "mesh": "stage=2", "rows": a.rows, "seq_len": a.seq_len, "steps": a.steps,
+                "model": "llama-tiny", "d_model": a.d_model, "mesh": "stage=2", "rows": a.rows, "seq_len": a.seq_len, "steps": a.steps,
                 "rounds": a.rounds, "remat": a.remat, "residual_cap": a.residual_cap, "wall_s": time.perf_counter() - t0}
-        lines = [f"`stage=2` on 2 single-threaded fake CPU devices, llama-tiny (4 layers), {a.rows} x {a.seq_len} "
+        lines = [f"`stage=2` on 2 single-threaded fake CPU devices, llama-tiny (4 layers) at width {a.d_model}, "
+                 f"{a.rows} x {a.seq_len} "
                  f"tokens a microbatch, --remat {a.remat}, ZB-H1's residual cap "
                  f"{'P - s' if a.residual_cap is None else a.residual_cap}; the fastest of {a.rounds} x {a.steps} steps.", "",
-                 "| M | 1F1B step ms | ZB-H1 step ms | ZB-H1 / 1F1B | table idle 1F1B (theory) | "
-                 "table idle ZB-H1 (theory) | temp MiB 1F1B / ZB-H1 |", "|---|---|---|---|---|---|---|"]
+                 "| M | 1F1B step ms | ZB-H1 step ms | ZB-H1 / 1F1B | each round | table idle 1F1B (theory) | "
+                 "table idle ZB-H1 (theory) | temp MiB 1F1B / ZB-H1 |", "|---|---|---|---|---|---|---|---|"]
         for r in rows:
             o, z = r["1f1b"], r["zb-h1"]
             lines.append(f"| {r['microbatches']} | {o['step_s'] * 1e3:.1f} | {z['step_s'] * 1e3:.1f} | "
-                         f"{z['step_s'] / o['step_s']:.3f} | {o['table_idle']:.3f} ({o['theory']:.3f}) | "
+                         f"{z['step_s'] / o['step_s']:.3f} | {' '.join(f'{x:.2f}' for x in r['ratio_rounds'])} | "
+                         f"{o['table_idle']:.3f} ({o['theory']:.3f}) | "
                          f"{z['table_idle']:.3f} ({z['theory']:.3f}) | {o['temp_bytes'] / 2**20:.2f} / "
                          f"{z['temp_bytes'] / 2**20:.2f} |")
         md = "\n".join(lines)
