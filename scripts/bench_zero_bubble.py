@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         for m in ms:
             batch = m * a.rows
             layout = pipeline.StageLayout.make(model.cfg.n_layers, 2)
-            tables = {"1f1b": None, "zb-h1": pipeline._zero_bubble(2, m, layout, cap=a.residual_cap)}
+            tables = {"1f1b": None, "zb-h1": pipeline.make_schedule("zb-h1", 2, m, layout=layout,
+                                                                    residual_cap=a.residual_cap)}
             programs = {k: build_program(model, rules, OptimConfig(), StepConfig(pipeline_schedule=k, microbatches=m),
                                          schedule=tables[k]) for k in KINDS}
             times = {k: [] for k in KINDS}

@@ -17,7 +17,6 @@ from jaxshard.analysis.bubble import packed
 from jaxshard.errors import ConfigError
 from jaxshard.parallel.balance import Costs, assign
 from jaxshard.parallel.pipeline import StageLayout, make_schedule
-from jaxshard.parallel import pipeline
 from jaxshard.training.step import StepConfig, balance_stages
 from models import TransformerLM, get_preset
 
@@ -98,6 +97,11 @@ def test_packed_tables_give_one_stage_all_its_slots_and_no_waiting():
 def test_bad_schedules_are_one_line_errors(kind, stages, microbatches, virtual, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         make_schedule(kind, stages, microbatches, virtual)
+    if kind != "zb-h1":  # a residual cap is ZB-H1's alone
+        with pytest.raises(ConfigError, match=re.escape(f"must be >= 1; got 2 for {kind}")):
+            make_schedule(kind, 2, 2, residual_cap=2)
+    with pytest.raises(ConfigError, match="got 0 for zb-h1"):
+        make_schedule("zb-h1", 2, 2, residual_cap=0)
 
 
 def test_a_stage_layout_stores_each_device_its_chunks():
@@ -188,7 +192,7 @@ def test_zero_bubble_tables_and_their_bubble(stages):
         assert zb.slots == stages and zb.w_slots == 1
         if m == stages:
             assert zb.idle() < one.idle()
-        wide = pipeline._zero_bubble(stages, m, None, cap=2 * stages - 1)
+        wide = make_schedule("zb-h1", stages, m, residual_cap=2 * stages - 1)
         check_zero_bubble_table(wide)
         if m >= 2 * stages:
             assert wide.idle() == pytest.approx(wide.bubble())
@@ -202,7 +206,7 @@ def test_zero_bubble_tables_at_the_theory_match_one_device(mesh, microbatches):
     model, ref_losses, ref_params = deep("tiny-llama")
     stages = int(mesh.split(",")[0].split("=")[1])
     layout = StageLayout.make(4, stages)
-    wide = pipeline._zero_bubble(stages, microbatches, layout, cap=2 * stages - 1)
+    wide = make_schedule("zb-h1", stages, microbatches, layout=layout, residual_cap=2 * stages - 1)
     assert wide.w_slots > 1 and (wide.fwgt >= 0).any() and (wide.wgt >= 0).any()
     losses, state, program = train(model, mesh, pipeline_schedule="zb-h1", microbatches=microbatches,
                                    schedule=wide)

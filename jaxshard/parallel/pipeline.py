@@ -216,15 +216,18 @@ class Schedule:
 
 
 def make_schedule(kind: str, stages: int, microbatches: int, virtual: int = 1,
-                  layout: StageLayout | None = None) -> Schedule:
+                  layout: StageLayout | None = None, residual_cap: int | None = None) -> Schedule:
     """``naive``: one microbatch through the stages in turn (vertical model parallelism);
     ``gpipe``: every forward, then every backward; ``1f1b``: microbatch i runs forward on stage s
     at tick i + s and backward at tick i + 2P - 2 - s, so a stage holds at most 2P - 1 inputs;
     ``interleaved``: 1F1B over V chunks per stage, microbatches taken P at a time through each
-    chunk in turn (Megatron's order), with one forward and one backward slot per tick."""
+    chunk in turn (Megatron's order), with one forward and one backward slot per tick;
+    ``zb-h1``: :func:`_zero_bubble`, ``residual_cap`` its cap (default P - s on stage s)."""
     Pn, M, V = stages, microbatches, virtual
     if kind not in SCHEDULES:
         raise ConfigError(f"--pipeline-schedule must be one of {', '.join(SCHEDULES)}, got {kind!r}")
+    if residual_cap is not None and (kind != "zb-h1" or residual_cap < 1):
+        raise ConfigError(f"a residual cap is ZB-H1's and must be >= 1; got {residual_cap} for {kind}")
     if Pn < 2:
         raise ConfigError(f"--pipeline-schedule {kind} needs a stage axis of size > 1 in --mesh")
     if kind == "naive" and M != 1:
@@ -243,7 +246,7 @@ def make_schedule(kind: str, stages: int, microbatches: int, virtual: int = 1,
     elif V != 1:
         raise ConfigError(f"--virtual-stages needs --pipeline-schedule interleaved, got {kind}")
     if kind == "zb-h1":
-        return _zero_bubble(Pn, M, layout)
+        return _zero_bubble(Pn, M, layout, cap=residual_cap)
     # (microbatch, virtual stage u) -> its forward and backward tick; u runs on stage u % P.
     fwd_at, bwd_at = {}, {}
     for i in range(M):
