@@ -14,7 +14,7 @@ round's ratio is reported too. Writes zero_bubble.json and zero_bubble.md to --o
 
 The default width is 1024, a real model's order (GPT-2 medium's): ZB-H1 keeps and re-reads more
 bytes than 1F1B per microbatch (what B hands W), and on a CPU's memory bandwidth those bytes
-cost in proportion to 1 / width of the compute. At llama-tiny's own 256 (``--d-model 256 --rows
+cost, against the matmuls' time, in proportion to 1 / width. At llama-tiny's own 256 (``--d-model 256 --rows
 4``) they take what the smaller bubble saves (docs/pipelines.md).
 """
 
@@ -58,8 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         ms = int_list(a.microbatches, "--microbatches")
         if not ms or min(ms) < 2 or min(a.steps, a.rounds, a.rows) < 1:
             raise ConfigError("--microbatches must be >= 2 (the stages); --steps, --rounds and --rows >= 1")
-        if a.d_model < 4 or a.d_model % 4:
-            raise ConfigError(f"--d-model must be a multiple of the 4 heads, got {a.d_model}")
+        if a.d_model < 8 or a.d_model % 8:
+            raise ConfigError(f"--d-model must be a multiple of 8 (4 heads of an even width, for RoPE), "
+                              f"got {a.d_model}")
         if a.residual_cap is not None and a.residual_cap < 1:
             raise ConfigError(f"--residual-cap must be >= 1, got {a.residual_cap}")
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + SINGLE_THREAD).strip()
@@ -102,12 +103,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"M={m}: 1f1b {row['1f1b']['step_s'] * 1e3:.1f} ms, zb-h1 {row['zb-h1']['step_s'] * 1e3:.1f} ms",
                   file=sys.stderr, flush=True)
         meta = {"backend": jax.default_backend(), "devices": 2, "cpu_count": os.cpu_count(), "jax": jax.__version__,
-                "model": "llama-tiny", "d_model": a.d_model, "mesh": "stage=2", "rows": a.rows, "seq_len": a.seq_len, "steps": a.steps,
-                "rounds": a.rounds, "remat": a.remat, "residual_cap": a.residual_cap, "wall_s": time.perf_counter() - t0}
+                "model": "llama-tiny", "d_model": a.d_model, "mesh": "stage=2", "rows": a.rows, "seq_len": a.seq_len,
+                "steps": a.steps, "rounds": a.rounds, "remat": a.remat, "residual_cap": a.residual_cap,
+                "wall_s": time.perf_counter() - t0}
         lines = [f"`stage=2` on 2 single-threaded fake CPU devices, llama-tiny (4 layers) at width {a.d_model}, "
-                 f"{a.rows} x {a.seq_len} "
-                 f"tokens a microbatch, --remat {a.remat}, ZB-H1's residual cap "
-                 f"{'P - s' if a.residual_cap is None else a.residual_cap}; the fastest of {a.rounds} x {a.steps} steps.", "",
+                 f"{a.rows} x {a.seq_len} tokens a microbatch, --remat {a.remat}, ZB-H1's residual cap "
+                 f"{'P - s' if a.residual_cap is None else a.residual_cap}; "
+                 f"the fastest of {a.rounds} x {a.steps} steps.", "",
                  "| M | 1F1B step ms | ZB-H1 step ms | ZB-H1 / 1F1B | each round | table idle 1F1B (theory) | "
                  "table idle ZB-H1 (theory) | temp MiB 1F1B / ZB-H1 |", "|---|---|---|---|---|---|---|---|"]
         for r in rows:
