@@ -41,6 +41,13 @@ def microbatch_rows(index: jax.Array | int = 0, count: int = 1, shards: tuple[st
         _ROWS.reset(token)
 
 
+def manual_shards() -> tuple[str, ...]:
+    """The manual batch axes over which the code running now holds its block of the rows (none
+    outside a :func:`microbatch_rows` context that names some)."""
+    part = _ROWS.get()
+    return () if part is None else part.shards
+
+
 def bernoulli(key: jax.Array, p: float, shape: tuple[int, ...]) -> jax.Array:
     """A boolean mask of ``shape`` (rows first) that is true with probability ``p``: these
     rows' part of the mask the whole batch draws from ``key``. Each row is drawn from ``key``

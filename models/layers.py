@@ -82,8 +82,11 @@ def linear(spec: str, x: jax.Array, w: jax.Array, recipe: str | None, out_axes: 
     context = jax.sharding.get_abstract_mesh()  # the step may run a region with no rules active
     manual = frozenset() if context.empty else frozenset(map(str, context.manual_axes))
     rules = active()
-    rows = () if rules is None else tuple(a for a in rules.manual_token_axes if a not in columns)
-    other = manual - set(columns) - set(rows) - set(() if rules is None else rules.manual_stack_axes)
+    # The axes that split the tokens: the rules say, or without them (the explicit reducer's
+    # per-device program) the rows' context does.
+    token_axes = rows.manual_shards() if rules is None else rules.manual_token_axes
+    row_axes = tuple(a for a in token_axes if a not in columns)
+    other = manual - set(columns) - set(row_axes) - set(() if rules is None else rules.manual_stack_axes)
     if other:
         raise ConfigError(f"--fp8 is not implemented inside a region manual over {', '.join(sorted(other))} "
                           "(an amax there would be a piece's, not the tensor's)")
@@ -97,7 +100,7 @@ def linear(spec: str, x: jax.Array, w: jax.Array, recipe: str | None, out_axes: 
     if recipe == "delayed":
         y = fp8.delayed_dense(x, w, meta, n_in, tuple(columns))
     else:
-        y = fp8.dense(x, w, n_in, recipe, tuple(columns), rows)  # () and () under the partitioner
+        y = fp8.dense(x, w, n_in, recipe, tuple(columns), row_axes)  # () and () under the partitioner
     return constrain(y, out_axes) if out_axes is not None else y
 
 

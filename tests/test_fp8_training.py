@@ -7,9 +7,11 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jaxshard.errors import ConfigError
 from jaxshard.mesh import build_mesh
@@ -18,6 +20,7 @@ from jaxshard.training import local_sgd
 from jaxshard.training.optim import OptimConfig
 from jaxshard.training.step import StepConfig
 from models import TransformerLM, get_preset
+from models.layers import linear
 from tests.harness import BATCH, SEQ, assert_live_shardings, make_program, random_batches, train
 
 # Float8 rounds each operand to 3 (e4m3) or 2 (e5m2) mantissa bits. A value reduced in another
@@ -169,11 +172,30 @@ def test_float8_in_a_pipeline_matches_float8_on_one_device(recipe, mesh, step, r
         assert err <= rtol, f"gradient {jax.tree_util.keystr(path)} differs from one device by {err:.2e}"
 
 
-def test_float8_with_the_explicit_reducer_is_one_line():
-    """The hand-written reduction's per-device program runs without the sharding rules, which
-    say which manual axes split the tokens."""
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_float8_with_the_explicit_reducer_matches_float8_on_one_device(recipe):
+    """The hand-written reduction's per-device program is manual over data and runs without the
+    sharding rules; the rows' context says that data splits the tokens, so the amaxes of the
+    inputs and output gradients (and rowwise, the weight gradient's along the tokens) are
+    maxed over it. Without that, each device quantised its own rows: tensorwise is 1.1e-1
+    off; rowwise, whose power-of-two scales rarely change, is not caught here but by
+    tests/test_fp8.py's row-split matmul."""
+    model = fp8_model("tiny-llama", recipe)
+    grads = step_gradients(model, "data=8", reducer="explicit")
+    want = step_gradients(model, "data=1")
+    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(want)):
+        err = np.linalg.norm(g - w) / np.linalg.norm(w)
+        assert err <= GRAD_RTOL, f"gradient {jax.tree_util.keystr(path)} differs from one device by {err:.2e}"
+
+
+def test_float8_in_a_manual_region_nothing_declares_is_one_line():
+    """A region manual over an axis that neither the rules nor the rows' context name (a
+    column split, the tokens' split, the stack's): no amax could be made the whole tensor's."""
+    mesh = build_mesh("data=8", jax.devices())
+    x, w = jnp.ones((8, 4)), jnp.ones((4, 8))
     with pytest.raises(ConfigError) as e:
-        make_program(fp8_model("tiny-llama", "tensorwise"), "data=8", reducer="explicit").lower_step(BATCH, SEQ)
+        jax.shard_map(lambda x, w: linear("td,dn->tn", x, w, "tensorwise"), mesh=mesh, axis_names={"data"},
+                      in_specs=(P("data"), P()), out_specs=P("data"))(x, w)
     assert str(e.value) == ("--fp8 is not implemented inside a region manual over data (an amax there would be a "
                             "piece's, not the tensor's)")
 
