@@ -97,11 +97,12 @@ def test_packed_tables_give_one_stage_all_its_slots_and_no_waiting():
 def test_bad_schedules_are_one_line_errors(kind, stages, microbatches, virtual, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         make_schedule(kind, stages, microbatches, virtual)
-    if kind != "zb-h1":  # a residual cap is ZB-H1's alone
-        with pytest.raises(ConfigError, match=re.escape(f"must be >= 1; got 2 for {kind}")):
-            make_schedule(kind, 2, 2, residual_cap=2)
-    with pytest.raises(ConfigError, match="got 0 for zb-h1"):
-        make_schedule("zb-h1", 2, 2, residual_cap=0)
+
+
+@pytest.mark.parametrize("kind, cap", [("1f1b", 2), ("gpipe", 2), ("interleaved", 2), ("naive", 2), ("zb-h1", 0)])
+def test_a_residual_cap_is_zero_bubbles_alone_and_at_least_one(kind, cap):
+    with pytest.raises(ConfigError, match=re.escape(f"must be >= 1; got {cap} for {kind}")):
+        make_schedule(kind, 2, 2, residual_cap=cap)
 
 
 def test_a_stage_layout_stores_each_device_its_chunks():
