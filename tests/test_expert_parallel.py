@@ -205,6 +205,31 @@ def test_dropless_moves_tokens_by_megatrons_all_gather_dispatcher(mesh, remat):
     assert not inspect.verify(model, program, compiled, BATCH, SEQ).flags
 
 
+@pytest.mark.parametrize("mesh, per_token", [("expert=8", 1), ("data=2,expert=4", 2), ("data=8", 2)])
+def test_dropless_buffers_hold_the_most_rows_a_devices_experts_can_get(mesh, per_token, monkeypatch):
+    """A token's k choices are k different experts, so a device holding E / n of them gets at
+    most min(k, E / n) rows per token of its ``expert`` group: the grouped kernel's row
+    buffers are that long (moe-tiny, k = 2: one on ``expert=8``), as the memory estimate says."""
+    from jaxshard.parallel import grouped
+
+    rows = []
+    kernel = grouped.experts
+
+    def recording(x_ND, token_R, *args, **kwargs):
+        rows.append((x_ND.shape[0], token_R.shape[0]))
+        return kernel(x_ND, token_R, *args, **kwargs)
+
+    monkeypatch.setattr(grouped, "experts", recording)
+    model = TransformerLM(get_preset("moe-tiny").replace(moe_capacity_factor=0.0))
+    program = make_program(model, mesh)
+    program.lower_step(BATCH, SEQ)
+    rules = program.rules
+    local = BATCH // rules.size(rules.batch_axes) * SEQ  # a device's own tokens
+    n = rules.size(("expert",))
+    assert rows and all(r == (n * local, n * local * per_token) for r in rows), rows
+    assert accounting.expert_rows(model.cfg, rules, SEQ) == n * per_token
+
+
 @pytest.mark.parametrize("name, total, active, published", [
     ("mixtral-8x7b", 46_702_792_704, 12_879_925_248, (46.7e9, 12.9e9)),
     ("deepseek-moe-16b", 16_375_728_128, 2_828_650_496, (16.4e9, 2.8e9)),

@@ -297,11 +297,13 @@ def expert_slots(cfg: Any, seq_len: int) -> float:
 
 def expert_rows(cfg: Any, rules: ShardingRules, seq_len: int) -> float:
     """Expert rows an MoE layer holds per token of a device: its slots, but dropless with the
-    experts split over n devices n k, the most its experts can receive (the all-gather
-    dispatcher's buffers have that static size; only the rows received are computed)."""
+    experts split over n devices n min(k, E / n), the most its experts can receive (a
+    token's k choices are different experts; the all-gather dispatcher's buffers have that
+    static size; only the rows received are computed)."""
     if cfg.moe_capacity(seq_len):
         return expert_slots(cfg, seq_len)
-    return cfg.moe_top_k * rules.size(rules.param_mesh_axes(Dim.EXPERTS))
+    n = rules.size(rules.param_mesh_axes(Dim.EXPERTS))
+    return n * min(cfg.moe_top_k, cfg.moe_experts // n)
 
 
 def _moe_ffn_saved(cfg: Any, rules: ShardingRules, remat: Remat, L: int, t: int, sp: int) -> float:
@@ -309,8 +311,8 @@ def _moe_ffn_saved(cfg: Any, rules: ShardingRules, remat: Remat, L: int, t: int,
     ``print_saved_residuals`` on moe-tiny): per expert slot a token fills -- r = E C / S under a
     capacity (every slot, filled or not) -- the expert MLP's intermediates and 1.5 D of
     dispatched rows and outputs (no remat), or its matmul outputs (dots; batched over experts,
-    so dots_no_batch keeps neither); dropless, per row (k, or n k with the experts over n
-    devices: the dispatcher's buffers) the grouped kernel's pre-activations (which the dots
+    so dots_no_batch keeps neither); dropless, per row (k, or n min(k, E / n) with the
+    experts over n devices: the dispatcher's buffers) the grouped kernel's pre-activations (which the dots
     policies keep by name) and the row's token, gate and expert; the router's logits and
     probabilities; shared experts as a dense MLP of their width."""
     E, D = cfg.moe_experts, cfg.d_model

@@ -27,8 +27,8 @@ buffers of the largest size), but XLA:CPU does not run it ("HLO opcode ragged-al
 not supported by XLA:CPU ThunkEmitter", jaxlib 0.10.2), and a path only GPUs run would go
 untested here; the all-gather dispatcher runs everywhere. Its cost against an all-to-all:
 a device receives every token of its ``expert`` group (n T D), not the k T D of its own
-experts' choices, and its buffers hold n k T rows where about k T are filled -- though only
-those are computed.
+experts' choices, and its buffers hold n min(k, E / n) T rows (a token's k choices are
+different experts) where about k T are filled -- though only those are computed.
 """
 
 from __future__ import annotations
@@ -130,9 +130,10 @@ def run_dropless(fn: Callable[..., tuple[jax.Array, jax.Array]], x_BLD: jax.Arra
     experts each), the tokens and their choices are all-gathered over it, each device runs
     the choices of its own experts, and the tokens' outputs are reduce-scattered back (the
     reduce sums each token's experts on other devices); backward, the gather and the scatter
-    transpose into each other. The rows a device can receive are at most all n devices' k
-    choices, so its buffers are that large (they must have a static shape), while the
-    grouped matmul computes only the rows it got."""
+    transpose into each other. The rows a device can receive are at most min(k, E / n) per
+    token of all n devices (a token's k choices are different experts), so its buffers are
+    that large (they must have a static shape), while the grouped matmul computes only the
+    rows it got."""
     rules = active()
     k = experts_BLK.shape[-1]
     experts = expert_axes()
@@ -170,7 +171,9 @@ def _dispatch_gathered(fn, x_bLD, experts_bLK, gates_bLK, E, n, experts, tensor,
         x_TD, ids_TK, gates_TK = _gathered(x_TD, ids_TK, gates_TK, experts)
         ids_TK = ids_TK - jax.lax.axis_index(experts) * mine
     key = jnp.where((ids_TK >= 0) & (ids_TK < mine), ids_TK, mine).reshape(-1)  # other devices' experts last
-    order = _sorted_by(key, mine + 1)
+    # A token's k choices are k different experts, so at most min(k, E / n) of them are this
+    # device's: its rows are the first that many per token of the sorted order, the rest others'.
+    order = _sorted_by(key, mine + 1)[:x_TD.shape[0] * min(k, mine)]
     group = key[order]
     sizes = jnp.bincount(key, length=mine + 1)[:mine].astype(jnp.int32)
     lead = (jax.lax.axis_index(tensor) == 0).astype(x_TD.dtype) if tensor else jnp.ones((), x_TD.dtype)
