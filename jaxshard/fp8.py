@@ -120,6 +120,26 @@ def scaled_matmul(a: jax.Array, b: jax.Array, a_dtype: Any, b_dtype: Any, rowwis
     return product / (sa * sb)
 
 
+def weight_grad(x: jax.Array, g: jax.Array, n_in: int, x_dtype: Any, g_dtype: Any, rowwise: bool,
+                split: tuple[str, ...] = (), x_scale: jax.Array | None = None,
+                g_scale: jax.Array | None = None) -> jax.Array:
+    """A linear layer's weight gradient ``x^T g`` in float8, float32 out: ``x [..., K1..Kn]``
+    (its leading dims the tokens M) with ``g [M, N]``, contracted over M, as
+    :func:`scaled_matmul` computes ``x2^T @ g`` -- but with the weight's own K dims kept in the
+    product ``[K1..Kn, N]``. A weight split along an inner K dim (the attention output's
+    ``head_dim`` under FSDP) then has its gradient's partial sums reduce-scattered along that
+    dim, as without float8; a 2-D product reshaped to the weight afterwards was summed whole
+    and its strided rows sliced. ``split``: the manual axes both amaxes are split over."""
+    xk = x.reshape(-1, *x.shape[x.ndim - n_in:])
+    sx = _operand_scale(xk, x_dtype, 0, rowwise, split) if x_scale is None else x_scale
+    sg = _operand_scale(g, g_dtype, 0, rowwise, split) if g_scale is None else g_scale
+    product = jax.lax.dot_general(quantize(xk, sx, x_dtype), quantize(g, sg, g_dtype), (((0,), (0,)), ((), ())),
+                                  preferred_element_type=jnp.float32)
+    if rowwise:  # [1, K1..Kn] and [1, N] against the product's [K1..Kn, N]
+        sx, sg = sx[0][..., None], sg[0]
+    return product / (sx * sg)
+
+
 def fp8_matmul(x: jax.Array, w: jax.Array, recipe: str = "tensorwise", columns: tuple[str, ...] = (),
                rows: tuple[str, ...] = ()) -> jax.Array:
     """``x [..., K] @ w [K, N]`` with the forward operands in e4m3 and, in the backward pass,
@@ -177,7 +197,7 @@ def _backward(rowwise, columns, n_in, rows, saved, g):
                        b_split=columns)
     # x^T g contracts over the tokens M, which ``rows`` split: x's and g's amaxes along M or whole.
     whole = () if rowwise else columns
-    dw = scaled_matmul(x2.T, g2, E4M3, grad, rowwise, a_split=rows + whole, b_split=rows + whole)
+    dw = weight_grad(x, g2, n_in, E4M3, grad, rowwise, rows + whole)
     return dx.reshape(x.shape).astype(x.dtype), dw.reshape(w.shape).astype(w.dtype)
 
 
@@ -249,7 +269,7 @@ def _delayed_dense_bwd(n_in, columns, saved, g):
     x2, w2 = _as_2d(x, w, n_in)
     g2 = g.reshape(x2.shape[0], w2.shape[1])
     dx = scaled_matmul(g2, w2.T, E5M2, E4M3, False, meta[2, -1], meta[1, -1])
-    dw = scaled_matmul(x2.T, g2, E4M3, E5M2, False, meta[0, -1], meta[2, -1])
+    dw = weight_grad(x, g2, n_in, E4M3, E5M2, False, (), meta[0, -1], meta[2, -1])
     rows = []
     for row, seen, dtype in ((0, x_amax, E4M3), (1, w_amax, E4M3), (2, _whole_amax(g2, columns), E5M2)):
         history = update_history(meta[row, :-1], seen)

@@ -139,6 +139,24 @@ def test_the_scaled_matmul_and_its_float8_gradients_match_the_reference(recipe):
     assert np.linalg.norm(np.asarray(y).reshape(-1, 16) - exact) <= 0.05 * np.linalg.norm(exact)
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_layer_contracting_two_dims_gets_the_reference_weight_gradient(recipe):
+    """``dense`` over two contracted dims (the attention output: ``[heads, head_dim]``): its
+    weight gradient, made with the weight's own dims kept (rowwise: each (head, dim) row its
+    own scale), is the 2-D reference's reshaped."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 8, 4, 8)).astype(np.float32)
+    x[1, 2, 3] *= 30  # one head of one token an outlier
+    w = (rng.standard_normal((4, 8, 16)) * 0.1).astype(np.float32)
+    g = (rng.standard_normal((2, 8, 16)) * 1e-3).astype(np.float32)
+    rowwise = recipe == "rowwise"
+    grad = fp8.E4M3 if rowwise else fp8.E5M2
+    _, pull = jax.vjp(lambda a, b: fp8.dense(a, b, 2, recipe), jnp.asarray(x), jnp.asarray(w))
+    _, dw = pull(jnp.asarray(g))
+    want = np_matmul(x.reshape(-1, 32).T, g.reshape(-1, 16), fp8.E4M3, grad, rowwise).reshape(4, 8, 16)
+    np.testing.assert_allclose(np.asarray(dw), want, rtol=1e-5, atol=1e-9)
+
+
 def test_rowwise_scaling_keeps_the_precision_an_outlier_takes_from_tensorwise():
     rng = np.random.default_rng(4)
     x = rng.standard_normal((64, 128)).astype(np.float32)

@@ -4,6 +4,7 @@ and one-line errors where float8 does not run yet."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import jax
@@ -310,6 +311,32 @@ def test_rowwise_float8_gathers_in_the_compute_dtype():
     text = make_program(fp8_model("tiny-llama", "rowwise"), "fsdp=8").lower_step(BATCH, SEQ).compile().as_text()
     gathers = re.findall(r"= (\w+)\[[\d,]*\]\S* all-gather\(", text)
     assert gathers and set(gathers) == {"f32"}, set(gathers)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_float8_weight_gradients_are_reduce_scattered_as_without_float8(recipe):
+    """Under FSDP each block weight's gradient is reduce-scattered, float8 or not: the compiled
+    step's reduce-scatters move the same bytes as without float8, and nothing bigger than an
+    amax vector is all-reduced. (The attention output's weight is split along head_dim, an
+    inner dim of what its matmul contracts: a gradient made as a 2-D product and reshaped was
+    all-reduced whole and its strided rows sliced.)"""
+    from jaxshard.analysis import inspect
+
+    def collectives(model):
+        program = make_program(model, "fsdp=8")
+        return inspect.compiled_collectives(program.lower_step(BATCH, SEQ).compile(), program.rules.mesh)
+
+    cfg = get_preset("llama-tiny")  # (tiny-llama's head_dim of 8, one row a device, hid it)
+    vector = max(cfg.d_model, cfg.d_mlp, cfg.n_heads * cfg.d_head)  # the most an amax vector holds
+
+    def scattered(found):  # the weights' gradients (rowwise's amax vectors, maxed and sliced, aside)
+        return sum(c.bytes * c.executions for c in found
+                   if c.kind == "reduce-scatter" and math.prod(c.shapes[0]) > vector)
+
+    plain, f8 = collectives(TransformerLM(cfg, remat="none")), collectives(fp8_model("llama-tiny", recipe))
+    assert scattered(f8) == scattered(plain) > 0
+    widest = max(math.prod(s) for c in f8 if c.kind == "all-reduce" for s in c.shapes)
+    assert widest <= vector, widest
 
 
 def test_the_float8_training_benchmark_runs_and_compares_with_bf16(tmp_path, capsys):
