@@ -79,7 +79,8 @@ def _top_k(p: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
         i = jnp.argmax(p, axis=-1)
         values.append(jnp.take_along_axis(p, i[..., None], axis=-1)[..., 0])
         indices.append(i.astype(jnp.int32))
-        p = jnp.where(jax.nn.one_hot(i, p.shape[-1], dtype=bool), -1.0, p)  # probabilities are >= 0
+        # (-inf, not a probability's floor: a routing bias may take every score below -1)
+        p = jnp.where(jax.nn.one_hot(i, p.shape[-1], dtype=bool), -jnp.inf, p)
     return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1)
 
 

@@ -388,7 +388,7 @@ def test_tools_reject_bad_input_with_one_line():
     assert_one_line_error(run_script("../scripts/bench_zero_bubble.py", "--d-model", "30"),
                           "--d-model must be a multiple of 8 (4 heads of an even width, for RoPE), got 30")
     assert_one_line_error(run_script("../scripts/bench_moe.py", "--d-model", "60"),
-                          "--d-model must be a positive multiple of moe-tiny's 8 heads; got 60")
+                          "--d-model must be a positive multiple of 16 (moe-tiny's 8 heads of an even width, for RoPE); got 60")
 
 
 def test_plan_bad_input_is_one_line():

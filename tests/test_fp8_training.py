@@ -313,7 +313,7 @@ def test_rowwise_float8_gathers_in_the_compute_dtype():
     assert gathers and set(gathers) == {"f32"}, set(gathers)
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
 def test_float8_weight_gradients_are_reduce_scattered_as_without_float8(recipe):
     """Under FSDP each block weight's gradient is reduce-scattered, float8 or not: the compiled
     step's reduce-scatters move the same bytes as without float8, and nothing bigger than an

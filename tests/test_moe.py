@@ -319,6 +319,22 @@ def test_a_routing_bias_chooses_the_experts_but_not_their_gates(k):
     np.testing.assert_allclose(np.asarray(grad), f - 1 / 4, atol=1e-7)
 
 
+@pytest.mark.parametrize("k", [2, 3])
+def test_a_bias_below_minus_one_still_chooses_k_different_experts(k):
+    """The bias has no floor (it steps by the rate every step): with every biased score below
+    -1 the top k are still k different experts, the numpy order of the scores (a chosen expert
+    masked at -1 would be chosen again; the dropless dispatcher's buffers hold at most one row
+    a token per expert)."""
+    rng = np.random.default_rng(k)
+    logits = rng.normal(size=(2, 16, 8)).astype(np.float32)
+    bias = np.full(8, -2.0, np.float32) + rng.normal(size=8).astype(np.float32) * 0.1
+    r = route(jnp.asarray(logits), k, 0, jnp.asarray(bias))
+    experts, gates = _biased_choices(softmax(logits.astype(np.float64)), bias, k)
+    np.testing.assert_array_equal(np.asarray(r.experts), experts)
+    np.testing.assert_allclose(np.asarray(r.gates), gates, rtol=1e-5)
+    assert all(len(set(row)) == k for row in np.asarray(r.experts).reshape(-1, k))
+
+
 def test_the_router_bias_steps_towards_the_mean_load_against_numpy(monkeypatch):
     """One training step of moe-tiny with ``--moe-balance bias`` from random biases: each
     layer's bias moves by gamma sign(1/E - f_e), f_e its experts' share of the step's choices
