@@ -80,6 +80,18 @@ def measure(shape: str, reps: int) -> dict:
     return out
 
 
+def table(results: dict) -> str:
+    lines = [f"{results['device']} ({results['platform']}), jax {results['jax']}",
+             "| M x K x N | run | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | lowered to |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results["shapes"]:
+        for name, v in r["runs"].items():
+            both = (f"{v['fwd_bwd_s'] * 1e3:.2f} | {v['fwd_bwd_tflops']:.0f}" if "fwd_bwd_s" in v else " | ")
+            lines.append(f"| {' x '.join(map(str, r['shape_MKN']))} | {name} | {v['fwd_s'] * 1e3:.2f} | "
+                         f"{v['fwd_tflops']:.0f} | {both} | {', '.join(v['lowered'])} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default=",".join(SHAPES), help="MxKxN,...")
@@ -95,14 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = jax.devices()[0]
     results = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
                "shapes": [measure(s, a.reps) for s in shapes]}
-    print(f"{dev.device_kind} ({dev.platform}), jax {jax.__version__}")
-    print("| M x K x N | run | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | lowered to |")
-    print("|---|---|---|---|---|---|---|")
-    for r in results["shapes"]:
-        for name, v in r["runs"].items():
-            both = (f"{v['fwd_bwd_s'] * 1e3:.2f} | {v['fwd_bwd_tflops']:.0f}" if "fwd_bwd_s" in v else " | ")
-            print(f"| {' x '.join(map(str, r['shape_MKN']))} | {name} | {v['fwd_s'] * 1e3:.2f} | "
-                  f"{v['fwd_tflops']:.0f} | {both} | {', '.join(v['lowered'])} |")
+    print(table(results))
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(results, indent=1) + "\n")

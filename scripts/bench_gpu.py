@@ -56,6 +56,16 @@ TRAIN = {
     "7b-4layers-full-2048": "--model llama-7b --n-layers 4 --seq-len 2048 --batch-size 8 --remat full",
 }
 PROFILE = ("1b", "8b-4layers-selective")
+# Float8 (``--fp8``) against bf16: each case of FP8_CASES again under each recipe.
+FP8_CASES = ("1b", "8b-4layers-selective")
+FP8_RECIPES = ("tensorwise", "rowwise", "delayed")
+# Dropless experts (grouped matmuls, ``jax.lax.ragged_dot``) against a capacity of 1.25 on one
+# GPU: DeepSeekMoE 16B's layer shapes (64 experts, 6 routed and 2 shared a token), 4 layers.
+MOE = {f"moe16b-4layers-{name}": "--model deepseek-moe-16b --n-layers 4 --seq-len 4096 --batch-size 2 --remat none "
+       f"--moe-capacity-factor {factor}" for name, factor in (("dropless", 0), ("capacity1.25", 1.25))}
+# FSDP's float8 all-gather compiled by XLA:GPU for 8 GPUs (JAX's mock GPU topology: the other 7
+# are compiled for, never run): experiments/inspect.py's bytes, predicted and compiled.
+GATHER = "--model llama-1b --mesh fsdp=8 --seq-len 2048 --batch-size 8 --remat full"
 # The training cases' token ids: "zipf" draws them over the model's whole vocabulary at Zipf's
 # law frequencies (the r-th commonest id at 1/r), as text has, so the embedding gradient's
 # scatter-add collides about as often as a real run's; "corpus" is train.py's embedded text as
@@ -259,7 +269,7 @@ def data_flags(name: str, data: str, scratch: Path) -> list[str]:
         return []
     from models import get_preset
 
-    flags = TRAIN[name].split()
+    flags = case_flags(name).split()
     vocab = get_preset(flags[flags.index("--model") + 1]).vocab_size
     return ["--data", str(zipf_tokens(scratch / f"zipf-{vocab}.tokens", vocab))]
 
@@ -293,12 +303,20 @@ def predicted(flags: str, device: str = "h100"):
                             compute_dtype="bfloat16", param_dtype="float32", remat=remat)
 
 
-def train(name: str, timeout: float, scratch: Path, profile: bool = False, data: str = "zipf") -> dict:
-    """``experiments/train.py`` on case ``name``; with ``profile`` its steps 4 and 5 traced and the
-    optimized HLO dumped, summed by :func:`jaxshard.analysis.profile.profile`."""
-    report = scratch / f"train-{name}{'-profile' if profile else ''}.json"
+def case_flags(name: str) -> str:
+    """A training case's train.py flags: ``TRAIN``'s or ``MOE``'s."""
+    return {**TRAIN, **MOE}[name]
+
+
+def train(name: str, timeout: float, scratch: Path, profile: bool = False, data: str = "zipf",
+          extra: tuple[str, ...] = ()) -> dict:
+    """``experiments/train.py`` on case ``name`` (with ``extra`` flags: ``--fp8 rowwise``); with
+    ``profile`` its steps 4 and 5 traced and the optimized HLO dumped, summed by
+    :func:`jaxshard.analysis.profile.profile`."""
+    flags = " ".join([case_flags(name), *extra])
+    report = scratch / f"train-{name}{'-'.join(('',) + extra)}{'-profile' if profile else ''}.json"
     steps = 6
-    cmd = [sys.executable, str(ROOT / "experiments" / "train.py"), *TRAIN[name].split(), *data_flags(name, data, scratch),
+    cmd = [sys.executable, str(ROOT / "experiments" / "train.py"), *flags.split(), *data_flags(name, data, scratch),
            "--compute-dtype", "bfloat16", "--steps", str(steps), "--eval-every", "0", "--eval-batches", "1",
            "--log-every", "1", "--report", str(report)]
     env = dict(os.environ)
@@ -311,10 +329,10 @@ def train(name: str, timeout: float, scratch: Path, profile: bool = False, data:
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     except subprocess.TimeoutExpired:
-        return {"case": name, "flags": TRAIN[name], "error": f"no result in {timeout:.0f} s"}
+        return {"case": name, "flags": flags, "error": f"no result in {timeout:.0f} s"}
     text = (done.stdout + done.stderr).strip()
     if done.returncode or not report.exists():
-        return {"case": name, "flags": TRAIN[name], "error": text.splitlines()[-1] if text else "no output",
+        return {"case": name, "flags": flags, "error": text.splitlines()[-1] if text else "no output",
                 "tail": text[-3000:]}
     r = json.loads(report.read_text())
     model = r["predicted"].get("time_model") or {}
@@ -329,10 +347,10 @@ def train(name: str, timeout: float, scratch: Path, profile: bool = False, data:
             found["scan_copies"] = hlo.scan_copies(modules[-1].read_text()) if modules else None
         except Exception as e:  # noqa: BLE001 -- a trace that cannot be read costs its case only
             found = {"error": f"{type(e).__name__}: {e}"}
-        return {"case": name, "flags": TRAIN[name], "step_s": r["step_time_s_median"],
+        return {"case": name, "flags": flags, "step_s": r["step_time_s_median"],
                 "step_s_predicted": model.get("step_time_s"), "time_parts_predicted": model.get("parts"),
                 "profile": found}
-    return {"case": name, "flags": TRAIN[name], "wall_s": time.perf_counter() - start,
+    return {"case": name, "flags": flags, "wall_s": time.perf_counter() - start,
             "step_s": r["step_time_s_median"], "step_s_predicted": model.get("step_time_s"),
             "mfu": r["mfu"], "mfu_predicted": model.get("mfu"), "time_parts_predicted": model.get("parts"),
             "tflops_per_device": r["tflops_per_device"], "compile_s": r["compile_time_s"],
@@ -342,11 +360,93 @@ def train(name: str, timeout: float, scratch: Path, profile: bool = False, data:
             "log": text[-2000:]}
 
 
+def gather(timeout: float) -> dict:
+    """``experiments/inspect.py`` on ``GATHER`` in bf16 and with ``--fp8 tensorwise``, compiled by
+    XLA:GPU for 8 GPUs of which one is here (JAX's mock GPU topology, nothing run): the
+    all-gather's bytes per device per step, predicted (float8 at 1 byte on GPUs) and compiled."""
+    import re
+
+    env = dict(os.environ, JAX_MOCK_GPU_TOPOLOGY="1x8x1")
+    out = {"flags": GATHER}
+    for name, extra in (("bf16", []), ("fp8 tensorwise", ["--fp8", "tensorwise"])):
+        cmd = [sys.executable, str(ROOT / "experiments" / "inspect.py"), *GATHER.split(), *extra,
+               "--compute-dtype", "bfloat16"]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout / 2, cwd=ROOT, env=env)
+        except subprocess.TimeoutExpired:
+            out[name] = {"error": f"no result in {timeout / 2:.0f} s"}
+            continue
+        text = (done.stdout + done.stderr).strip()
+        kinds = text[text.find("  by kind:"):].splitlines()[1:5] if "  by kind:" in text else []
+        row = next((re.findall(r"[\d,]+", line) for line in kinds if line.split()[:1] == ["all-gather"]), None)
+        out[name] = ({"all_gather_predicted": int(row[0].replace(",", "")), "all_gather_compiled": int(row[1].replace(",", "")),
+                      "collectives": text[text.find("Collectives"):text.find("Matmul FLOPs")].strip()}
+                     if row and len(row) >= 2 else {"error": text.splitlines()[-1] if text else "no output",
+                                                    "tail": text[-3000:]})
+    return out
+
+
+def fp8_matmuls(shapes: list[str] | None = None, reps: int = 10) -> dict:
+    """``scripts/bench_fp8.py``'s matmuls: bf16 and float8 at each of ``shapes`` (MxKxN; its
+    Llama 3 8B shapes by default)."""
+    import jax
+
+    from scripts import bench_fp8
+
+    dev = jax.devices()[0]
+    return {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
+            "shapes": [bench_fp8.measure(shape, reps) for shape in shapes or bench_fp8.SHAPES]}
+
+
+def _run_row(case: str, name: str, r: dict | None, base: dict | None) -> str:
+    """One training run's row: step time, tokens/s, speed against ``base``'s, losses, memory."""
+    if r is None or "error" in r:
+        return f"| {case} | {name} | {'not run' if r is None else r['error'][:120]} | | | | | |"
+    _, batch, seq, _ = case_shape(case_flags(case))
+    against = f"{base['step_s'] / r['step_s']:.2f}x" if base and "error" not in base else ""
+    return (f"| {case} | {name} | {r['step_s']:.3f} | {batch * seq / r['step_s']:,.0f} | {against} | "
+            f"{r['losses'][0]:.3f} -> {r['losses'][1]:.3f} | {(r['peak_bytes_in_use'] or 0) / 1e9:.1f} | "
+            f"{r['compile_s']:.0f} |")
+
+
+RUN_HEADER = ["| case | run | step s | tokens/s | speed | loss, step 1 -> 6 | peak in use GB | compile s |",
+              "|---|---|---|---|---|---|---|---|"]
+
+
+def fp8_table(result: dict) -> list[str]:
+    """Each float8 run beside the bf16 run of its case (``speed``: bf16's step time over its)."""
+    base = {t["case"]: t for t in result.get("train", [])}
+    cases = list(dict.fromkeys(t["case"] for t in result.get("fp8", [])))
+    lines = ["float8 against bf16 (one GPU, 6 steps, the median step after the first)", *RUN_HEADER]
+    for case in cases:
+        lines.append(_run_row(case, "bf16", base.get(case), base.get(case)))
+        lines += [_run_row(case, f"fp8 {t['recipe']}", t, base.get(case)) for t in result["fp8"] if t["case"] == case]
+    return lines + [""]
+
+
+def moe_table(result: dict) -> list[str]:
+    """The MoE cases (``speed``: the capacity run's step time over each)."""
+    rows = {t["case"]: t for t in result.get("moe", [])}
+    base = next((t for name, t in rows.items() if "capacity" in name), None)
+    lines = ["dropless experts (ragged_dot) against capacity 1.25, one GPU", *RUN_HEADER]
+    return lines + [_run_row(name, name.rsplit("-", 1)[-1], t, base) for name, t in rows.items()] + [""]
+
+
+def gather_lines(g: dict) -> list[str]:
+    lines = [f"FSDP's all-gather compiled by XLA:GPU for 8 GPUs ({g['flags']}), bytes per device per step"]
+    for name in ("bf16", "fp8 tensorwise"):
+        r = g.get(name) or {"error": "not run"}
+        lines.append(f"  {name}: {r['error']}" if "error" in r else
+                     f"  {name}: predicted {r['all_gather_predicted']:,}, compiled {r['all_gather_compiled']:,}")
+    return lines + [""]
+
+
 def slowed(result: dict) -> list[str]:
     """One line for each part or case whose clocks the driver slowed while it ran."""
     out = []
     for name, part in [(k, v) for k, v in result.items() if isinstance(v, dict)] + [
-            (f"{k} {t.get('case')}", t) for k in ("train", "profile") for t in result.get(k, [])]:
+            (f"{k} {t.get('case')} {t.get('recipe', '')}".strip(), t) for k in ("train", "profile", "fp8", "moe")
+            for t in result.get(k, [])]:
         c = part.get("clocks") or {}
         # (The power cap is how a 700 W part runs dense matmuls at length: a training run meets it too.)
         if bad := [x for x in c.get("slowdowns", []) if x != "software power cap"]:
@@ -395,6 +495,18 @@ def tables(result: dict) -> str:
         lines.append("")
     elif a:
         lines += [f"attention: {a['error'][-300:]}", ""]
+    if result.get("fp8"):
+        lines += fp8_table(result)
+    if (m := result.get("fp8-matmuls")) and "error" not in m:
+        from scripts import bench_fp8
+
+        lines += ["float8 matmuls (scripts/bench_fp8.py)", bench_fp8.table(m), ""]
+    elif m:
+        lines += [f"fp8-matmuls: {m['error'][-300:]}", ""]
+    if g := result.get("gather"):
+        lines += gather_lines(g) if "flags" in g else [f"gather: {g['error']}", ""]
+    if result.get("moe"):
+        lines += moe_table(result)
     for p in result.get("profile", []):
         f = p.get("profile") or {}
         if "error" in p or "error" in f:
@@ -419,26 +531,38 @@ def tables(result: dict) -> str:
     return "\n".join(lines)
 
 
+PARTS = ("rates", "layers", "attention", "train", "profile", "fp8", "fp8-matmuls", "gather", "moe")
+# The parts each run in a child process of their own: function, arguments.
+CHILD = {"rates": ("rates", (MATMULS, STREAM)), "layers": ("layer_matmuls", (LAYER_MATMULS, TOKENS)),
+         "attention": ("attention", (ATTENTION,)), "fp8-matmuls": ("fp8_matmuls", ())}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--parts", default="rates,layers,attention,train,profile",
-                   help="rates, layers, attention, train, profile")
+                   help=f"run in this order, of: {', '.join(PARTS)}")
     p.add_argument("--profile", default=",".join(PROFILE), help=f"training cases to trace ({', '.join(TRAIN)})")
     p.add_argument("--train", default=",".join(TRAIN), help=", ".join(TRAIN))
+    p.add_argument("--fp8-cases", default=",".join(FP8_CASES), help="training cases run again under each --fp8-recipes")
+    p.add_argument("--fp8-recipes", default=",".join(FP8_RECIPES), help=", ".join(FP8_RECIPES))
     p.add_argument("--budget", type=float, default=1800, help="seconds; start no case after this")
     p.add_argument("--json", default=str(ROOT / "runs" / "bench_gpu.json"))
     p.add_argument("--keep", metavar="DIR", help="copy the profiles' traces and optimized HLO here")
     p.add_argument("--data", default=DATA[0], choices=DATA, help="the training cases' token ids (see DATA)")
     a = p.parse_args(argv)
     parts = a.parts.split(",")
-    if bad := [x for x in parts if x not in ("rates", "layers", "attention", "train", "profile")]:
-        p.error(f"unknown part(s) {', '.join(bad)}: rates, layers, attention, train, profile")
-    if bad := [x for x in a.train.split(",") + a.profile.split(",") if x not in TRAIN]:
+    if bad := [x for x in parts if x not in PARTS]:
+        p.error(f"unknown part(s) {', '.join(bad)}: {', '.join(PARTS)}")
+    named = [x for part, names in (("train", a.train), ("profile", a.profile), ("fp8", a.fp8_cases)) if part in parts
+             for x in names.split(",")]
+    if bad := [x for x in named if x not in TRAIN]:
         p.error(f"unknown training case(s) {', '.join(bad)}: {', '.join(TRAIN)}")
+    if bad := [x for x in a.fp8_recipes.split(",") if x not in FP8_RECIPES]:
+        p.error(f"unknown float8 recipe(s) {', '.join(bad)}: {', '.join(FP8_RECIPES)}")
     start = time.perf_counter()
     out = Path(a.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result: dict = {"data": a.data, "train": [], "profile": []}
+    result: dict = {"data": a.data, "train": [], "profile": [], "fp8": [], "moe": []}
 
     def save() -> None:
         out.write_text(json.dumps(result, indent=1) + "\n")
@@ -446,36 +570,52 @@ def main(argv: list[str] | None = None) -> int:
     def left() -> float:
         return a.budget - (time.perf_counter() - start)
 
-    for part, fn, args in (("rates", "rates", (MATMULS, STREAM)), ("layers", "layer_matmuls", (LAYER_MATMULS, TOKENS)),
-                           ("attention", "attention", (ATTENTION,))):
-        if part not in parts:
-            continue
-        print(f"{part} ...", file=sys.stderr, flush=True)
-        clocks = Clocks()
-        # In a child process: this one must not hold the GPU while the others run.
-        code = ("import json, sys; sys.path[0] = sys.argv[1]; import scripts.bench_gpu as b; "
-                f"print(json.dumps(b.{fn}(*json.loads(sys.argv[2]))))")
-        try:
-            done = subprocess.run([sys.executable, "-c", code, str(ROOT), json.dumps(args)],
-                                  capture_output=True, text=True, timeout=max(left(), 1), cwd=ROOT)
-            result[part] = (json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0
-                            else {"error": done.stderr.strip()[-2000:]})
-        except subprocess.TimeoutExpired:
-            result[part] = {"error": "no result within --budget"}
-        result[part]["clocks"] = clocks.stop()
-        save()
+    # (kind, case, extra flags) for the training runs, in the parts' order; the child parts as
+    # (part, None, ()).
+    runs: list[tuple[str, str | None, tuple[str, ...]]] = []
+    for part in parts:
+        if part in CHILD or part == "gather":
+            runs.append((part, None, ()))
+        elif part in ("train", "profile"):
+            runs += [(part, n, ()) for n in getattr(a, part).split(",")]
+        elif part == "fp8":
+            cases = a.fp8_cases.split(",")
+            trained = [n for kind, n, _ in runs if kind == "train"] + (a.train.split(",") if "train" in parts else [])
+            runs += [("train", n, ()) for n in cases if n not in trained]  # the bf16 run to compare with
+            runs += [("fp8", n, ("--fp8", r)) for n in cases for r in a.fp8_recipes.split(",")]
+        elif part == "moe":
+            runs += [("moe", n, ()) for n in MOE]
     with tempfile.TemporaryDirectory() as scratch:
         os.environ["JAXSHARD_CACHE"] = scratch  # cold compiles, timed as a user's first run
-        runs = [("train", n) for n in a.train.split(",") if "train" in parts]
-        runs += [("profile", n) for n in a.profile.split(",") if "profile" in parts]
-        for kind, name in runs:
+        for kind, name, extra in runs:
             if left() < 30:
-                result[kind].append({"case": name, "error": "not started: out of --budget"})
+                skipped = {"error": "not started: out of --budget"}
+                if name is None:
+                    result[kind] = skipped
+                else:
+                    result[kind].append({"case": name, **skipped, **({"recipe": extra[1]} if extra else {})})
                 continue
-            print(f"{kind} {name} ({left():.0f} s left) ...", file=sys.stderr, flush=True)
+            print(f"{kind} {name or ''} {' '.join(extra)} ({left():.0f} s left) ...", file=sys.stderr, flush=True)
             clocks = Clocks()
-            result[kind].append(train(name, left(), Path(scratch), profile=kind == "profile", data=a.data))
-            result[kind][-1]["clocks"] = clocks.stop()
+            if kind in CHILD:
+                fn, args = CHILD[kind]
+                # In a child process: this one must not hold the GPU while the others run.
+                code = ("import json, sys; sys.path[0] = sys.argv[1]; import scripts.bench_gpu as b; "
+                        f"print(json.dumps(b.{fn}(*json.loads(sys.argv[2]))))")
+                try:
+                    done = subprocess.run([sys.executable, "-c", code, str(ROOT), json.dumps(args)],
+                                          capture_output=True, text=True, timeout=max(left(), 1), cwd=ROOT)
+                    result[kind] = (json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0
+                                    else {"error": done.stderr.strip()[-2000:]})
+                except subprocess.TimeoutExpired:
+                    result[kind] = {"error": "no result within --budget"}
+                result[kind]["clocks"] = clocks.stop()
+            elif kind == "gather":
+                result[kind] = gather(left())
+                result[kind]["clocks"] = clocks.stop()
+            else:
+                row = train(name, left(), Path(scratch), profile=kind == "profile", data=a.data, extra=extra)
+                result[kind].append({**row, **({"recipe": extra[1]} if extra else {}), "clocks": clocks.stop()})
             save()
             if kind == "profile" and a.keep:
                 keep = Path(a.keep) / name
