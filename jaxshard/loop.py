@@ -607,14 +607,11 @@ def _report(cfg: RunConfig, model: Stageable, rules, compiled, held, records, va
     found = inspect.compiled_collectives(compiled, rules.mesh)
     # (Under a pipeline, what the schedule's slots run -- FSDP's gathers, TP's reductions -- is
     # not predicted.)
-    predicted_memory, comm = accounting.predict(model, rules, B, L, schedule, **kwargs)
     kernel = attention.gpu_kernel(cfg.step.compute_dtype, model.cfg.d_head, L, attention.gpu_capability()) \
         if jax.default_backend() == "gpu" else "xla"
-    if kernel != "xla" and not rules.activation_mesh_axes(Dim.LENGTH):
-        # Attention by cuDNN's or the blockwise flash kernel (attention.gpu_kernel): no probabilities kept.
-        flash = dict({k: v for k, v in kwargs.items() if k != "reducer"}, flash=True)
-        predicted_memory = (accounting.pipeline_memory(model, rules, schedule, B, L, **flash) if schedule
-                            else accounting.memory(model, rules, B, L, **flash))
+    # Attention by cuDNN's or the blockwise flash kernel (attention.gpu_kernel): no probabilities kept.
+    flash = kernel != "xla" and not rules.activation_mesh_axes(Dim.LENGTH)
+    predicted_memory, comm = accounting.predict(model, rules, B, L, schedule, flash=flash, **kwargs)
     report = {
         "model": model.cfg.name,
         "mesh": axis_sizes(rules.mesh),

@@ -116,3 +116,24 @@ def test_the_kept_probabilities_give_autodiffs_gradient():
         np.testing.assert_array_equal(np.asarray(p, np.float32), np.asarray(want_p, np.float32))
         (got,), (want,) = vjp(dp.astype(dtype)), want_vjp(dp.astype(dtype))
         assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) <= tol, dtype
+
+
+@pytest.mark.parametrize("mesh", ["fsdp=8", "stage=2,data=4"])
+def test_a_gpus_report_predicts_a_flash_kernels_memory_from_the_steps_own_options(mesh):
+    """What the training report predicts where attention runs in a flash kernel (on GPUs):
+    ``accounting.predict`` given the options the step was built with (``step_options``, float8's
+    wire bytes included) and ``flash`` -- activations without the probabilities, the same as
+    memory's (or pipeline_memory's) own, and fewer than without ``flash``."""
+    from jaxshard.training.step import StepConfig
+
+    model = TransformerLM(gpt(2).replace(fp8="tensorwise"))
+    step = StepConfig(compute_dtype="bfloat16", **({"microbatches": 4} if "stage" in mesh else {}))
+    program = make_program(model, mesh, dtype="bfloat16", **({"microbatches": 4} if "stage" in mesh else {}))
+    options = accounting.step_options(step, model, program)
+    schedule = program.schedule
+    flash, _ = accounting.predict(model, program.rules, 32, S, schedule, flash=True, **options)
+    plain, _ = accounting.predict(model, program.rules, 32, S, schedule, **options)
+    dtypes = {k: options[k] for k in ("compute_dtype", "remat", "grad_accum", "param_dtype")}
+    own = (accounting.pipeline_memory(model, program.rules, schedule, 32, S, flash=True, **dtypes) if schedule
+           else accounting.memory(model, program.rules, 32, S, flash=True, **dtypes))
+    assert flash == own and flash.activations < plain.activations

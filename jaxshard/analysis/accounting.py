@@ -382,11 +382,13 @@ def predict(model: Stageable, rules: ShardingRules, batch_size: int, seq_len: in
     """:func:`memory` and :func:`communication` of a step, or, under a pipeline ``schedule``,
     :func:`pipeline_memory` and :func:`pipeline_communication` (the collectives outside the
     schedule's slots). ``kwargs``: compute_dtype, remat, grad_accum, param_dtype (and reducer,
-    without a schedule)."""
+    without a schedule, and fp8_bytes), and ``flash``: attention by a flash kernel (cuDNN's on
+    GPUs), which keeps no probabilities."""
     reducer, fp8_bytes = kwargs.pop("reducer", "gspmd"), kwargs.pop("fp8_bytes", 1)
     if schedule is None:
         return (memory(model, rules, batch_size, seq_len, **kwargs),
-                communication(model, rules, batch_size, seq_len, reducer=reducer, fp8_bytes=fp8_bytes, **kwargs))
+                communication(model, rules, batch_size, seq_len, reducer=reducer, fp8_bytes=fp8_bytes,
+                              **{k: v for k, v in kwargs.items() if k != "flash"}))
     dtypes = {k: kwargs[k] for k in ("compute_dtype", "param_dtype") if k in kwargs}
     return (pipeline_memory(model, rules, schedule, batch_size, seq_len, **kwargs),
             pipeline_communication(model, rules, schedule, batch_size, seq_len, **dtypes))
