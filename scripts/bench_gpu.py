@@ -1,10 +1,12 @@
 """On the GPU at hand: jaxshard's step measured against its predictions, and the rates they assume.
 
-    python scripts/bench_gpu.py                       # both parts, tables, runs/bench_gpu.json
+    python scripts/bench_gpu.py                       # five parts, tables, runs/bench_gpu.json
     python scripts/bench_gpu.py --parts train --train 1b
+    python scripts/bench_gpu.py --parts fp8,moe --fp8-cases 8b-4layers-selective
     python scripts/bench_gpu.py --budget 420          # start nothing after 420 s
 
-Two parts, each result written to the JSON as soon as it is taken:
+The parts, run in the order ``--parts`` names them, each result written to the JSON as soon as
+it is taken:
 
 * ``rates``: what the time model takes as measured elsewhere (``jaxshard/analysis/devices.py``),
   measured here through XLA: bf16 matmuls at a Llama layer's shapes (TFLOP/s against the
@@ -22,6 +24,11 @@ Two parts, each result written to the JSON as soon as it is taken:
 * ``profile``: the cases in ``PROFILE`` run again with two steps traced (``--profile-steps``) and
   the optimized HLO dumped; :mod:`jaxshard.analysis.profile` sums the kernels' time into the
   time model's parts and lists the costliest instructions with the source lines that made them.
+* ``fp8``: each of ``--fp8-cases`` under each of ``--fp8-recipes`` (``--fp8``), beside its bf16
+  run (run first where ``train`` has not): step time, tokens/s, the speed-up, losses, memory.
+* ``fp8-matmuls``: ``scripts/bench_fp8.py``'s matmuls, and what XLA lowered each dot to.
+* ``moe``: the cases in ``MOE``, dropless experts (``jax.lax.ragged_dot``'s grouped matmuls)
+  against a capacity of 1.25.
 Each part and each training run is its own process with a time limit, so one that fails or
 hangs costs its case, not the rest.
 """
@@ -63,9 +70,6 @@ FP8_RECIPES = ("tensorwise", "rowwise", "delayed")
 # GPU: DeepSeekMoE 16B's layer shapes (64 experts, 6 routed and 2 shared a token), 4 layers.
 MOE = {f"moe16b-4layers-{name}": "--model deepseek-moe-16b --n-layers 4 --seq-len 4096 --batch-size 2 --remat none "
        f"--moe-capacity-factor {factor}" for name, factor in (("dropless", 0), ("capacity1.25", 1.25))}
-# FSDP's float8 all-gather compiled by XLA:GPU for 8 GPUs (JAX's mock GPU topology: the other 7
-# are compiled for, never run): experiments/inspect.py's bytes, predicted and compiled.
-GATHER = "--model llama-1b --mesh fsdp=8 --seq-len 2048 --batch-size 8 --remat full"
 # The training cases' token ids: "zipf" draws them over the model's whole vocabulary at Zipf's
 # law frequencies (the r-th commonest id at 1/r), as text has, so the embedding gradient's
 # scatter-add collides about as often as a real run's; "corpus" is train.py's embedded text as
@@ -360,32 +364,6 @@ def train(name: str, timeout: float, scratch: Path, profile: bool = False, data:
             "log": text[-2000:]}
 
 
-def gather(timeout: float) -> dict:
-    """``experiments/inspect.py`` on ``GATHER`` in bf16 and with ``--fp8 tensorwise``, compiled by
-    XLA:GPU for 8 GPUs of which one is here (JAX's mock GPU topology, nothing run): the
-    all-gather's bytes per device per step, predicted (float8 at 1 byte on GPUs) and compiled."""
-    import re
-
-    env = dict(os.environ, JAX_MOCK_GPU_TOPOLOGY="1x8x1")
-    out = {"flags": GATHER}
-    for name, extra in (("bf16", []), ("fp8 tensorwise", ["--fp8", "tensorwise"])):
-        cmd = [sys.executable, str(ROOT / "experiments" / "inspect.py"), *GATHER.split(), *extra,
-               "--compute-dtype", "bfloat16"]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout / 2, cwd=ROOT, env=env)
-        except subprocess.TimeoutExpired:
-            out[name] = {"error": f"no result in {timeout / 2:.0f} s"}
-            continue
-        text = (done.stdout + done.stderr).strip()
-        kinds = text[text.find("  by kind:"):].splitlines()[1:5] if "  by kind:" in text else []
-        row = next((re.findall(r"[\d,]+", line) for line in kinds if line.split()[:1] == ["all-gather"]), None)
-        out[name] = ({"all_gather_predicted": int(row[0].replace(",", "")), "all_gather_compiled": int(row[1].replace(",", "")),
-                      "collectives": text[text.find("Collectives"):text.find("Matmul FLOPs")].strip()}
-                     if row and len(row) >= 2 else {"error": text.splitlines()[-1] if text else "no output",
-                                                    "tail": text[-3000:]})
-    return out
-
-
 def fp8_matmuls(shapes: list[str] | None = None, reps: int = 10) -> dict:
     """``scripts/bench_fp8.py``'s matmuls: bf16 and float8 at each of ``shapes`` (MxKxN; its
     Llama 3 8B shapes by default)."""
@@ -430,15 +408,6 @@ def moe_table(result: dict) -> list[str]:
     base = next((t for name, t in rows.items() if "capacity" in name), None)
     lines = ["dropless experts (ragged_dot) against capacity 1.25, one GPU", *RUN_HEADER]
     return lines + [_run_row(name, name.rsplit("-", 1)[-1], t, base) for name, t in rows.items()] + [""]
-
-
-def gather_lines(g: dict) -> list[str]:
-    lines = [f"FSDP's all-gather compiled by XLA:GPU for 8 GPUs ({g['flags']}), bytes per device per step"]
-    for name in ("bf16", "fp8 tensorwise"):
-        r = g.get(name) or {"error": "not run"}
-        lines.append(f"  {name}: {r['error']}" if "error" in r else
-                     f"  {name}: predicted {r['all_gather_predicted']:,}, compiled {r['all_gather_compiled']:,}")
-    return lines + [""]
 
 
 def slowed(result: dict) -> list[str]:
@@ -503,8 +472,6 @@ def tables(result: dict) -> str:
         lines += ["float8 matmuls (scripts/bench_fp8.py)", bench_fp8.table(m), ""]
     elif m:
         lines += [f"fp8-matmuls: {m['error'][-300:]}", ""]
-    if g := result.get("gather"):
-        lines += gather_lines(g) if "flags" in g else [f"gather: {g['error']}", ""]
     if result.get("moe"):
         lines += moe_table(result)
     for p in result.get("profile", []):
@@ -531,7 +498,7 @@ def tables(result: dict) -> str:
     return "\n".join(lines)
 
 
-PARTS = ("rates", "layers", "attention", "train", "profile", "fp8", "fp8-matmuls", "gather", "moe")
+PARTS = ("rates", "layers", "attention", "train", "profile", "fp8", "fp8-matmuls", "moe")
 # The parts each run in a child process of their own: function, arguments.
 CHILD = {"rates": ("rates", (MATMULS, STREAM)), "layers": ("layer_matmuls", (LAYER_MATMULS, TOKENS)),
          "attention": ("attention", (ATTENTION,)), "fp8-matmuls": ("fp8_matmuls", ())}
@@ -574,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     # (part, None, ()).
     runs: list[tuple[str, str | None, tuple[str, ...]]] = []
     for part in parts:
-        if part in CHILD or part == "gather":
+        if part in CHILD:
             runs.append((part, None, ()))
         elif part in ("train", "profile"):
             runs += [(part, n, ()) for n in getattr(a, part).split(",")]
@@ -609,9 +576,6 @@ def main(argv: list[str] | None = None) -> int:
                                     else {"error": done.stderr.strip()[-2000:]})
                 except subprocess.TimeoutExpired:
                     result[kind] = {"error": "no result within --budget"}
-                result[kind]["clocks"] = clocks.stop()
-            elif kind == "gather":
-                result[kind] = gather(left())
                 result[kind]["clocks"] = clocks.stop()
             else:
                 row = train(name, left(), Path(scratch), profile=kind == "profile", data=a.data, extra=extra)

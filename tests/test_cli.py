@@ -367,8 +367,15 @@ def test_gpu_bench_takes_its_figures_from_the_run_it_times(tmp_path, monkeypatch
     assert row["step_s"] > 0 and row["step_s_predicted"] > 0 and row["argument"] == row["argument_predicted"]
     assert row["temp"] > 0 and row["temp_predicted"] > 0 and row["peak_bytes_in_use"] is None  # CPU: no allocator
     assert "| tiny |" in bench_gpu.tables({"train": [row]})
+    fp8 = {**bench_gpu.train("tiny", 300, tmp_path, extra=("--fp8", "tensorwise")), "recipe": "tensorwise"}
+    assert "error" not in fp8, fp8.get("tail")
+    assert fp8["flags"].endswith("--fp8 tensorwise") and fp8["step_s"] > 0 and fp8["step_s_predicted"] is None
+    table = bench_gpu.tables({"train": [row], "fp8": [fp8]})
+    assert f"| tiny | fp8 tensorwise | {fp8['step_s']:.3f} |" in table
+    assert f"{row['step_s'] / fp8['step_s']:.2f}x" in table  # the speed against the bf16 run's step
     for argv, message in ((["--parts", "nope"], "unknown part(s) nope"),
-                          (["--train", "70b"], "unknown training case(s) 70b")):
+                          (["--train", "70b"], "unknown training case(s) 70b"),
+                          (["--parts", "fp8", "--fp8-recipes", "e4m3"], "unknown float8 recipe(s) e4m3")):
         done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), *argv], capture_output=True,
                               text=True, timeout=60, cwd=ROOT)
         assert done.returncode == 2 and message in done.stderr.strip().splitlines()[-1]

@@ -182,6 +182,18 @@ def test_the_model_against_jaxshards_steps_measured_on_an_h100():
         assert moved / hbm == pytest.approx(traced["copy"], rel=0.15), case["case"]  # the copies' kernels
 
 
+def test_the_model_against_steps_measured_on_an_h200():
+    """docs/bench/gpu_h200.json: the 1B's and the 8B's (4 layers) bf16 steps on one H200 SXM, a
+    device none of the model's measured costs came from (its rates are the datasheet's and a
+    published triad), each predicted within 10% of its measured step."""
+    bench_gpu = _bench_gpu()
+    recorded = json.loads((ROOT / "docs" / "bench" / "gpu_h200.json").read_text())
+    assert {case["case"] for case in recorded["train"]} == {"1b", "8b-4layers-selective"}
+    for case in recorded["train"]:
+        t = bench_gpu.predicted(case["flags"], device="h200")
+        assert 0.9 <= t.total / case["step_s"] <= 1.1, (case["case"], t.total, case["step_s"])
+
+
 @pytest.mark.parametrize("case", ["1b", "7b-4layers-dots"])
 def test_scan_copies_are_what_the_compiled_step_copies(case):
     """The layer scan's copies the model counts (timing.scan_copy_bytes) against those in the
