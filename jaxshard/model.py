@@ -144,6 +144,11 @@ class Moe(_Overrides):
               "both", choices=("aux", "bias", "both"), default_text="aux")
     moe_bias_rate: float | None = option(None, "--moe-balance bias|both: the bias's step per "
                                                "optimizer step (DeepSeek-V3's gamma)", default_text="0.001")
+    moe_kernel: str | None = option(
+        None, "dropless experts' grouped matmuls: tiled (a loop over each expert's rows in tiles), "
+              "ragged (jax.lax.ragged_dot as XLA lowers it), triton (ragged_dot by JAX's Pallas Triton "
+              "kernel; GPUs only); auto: tiled on CPU, ragged elsewhere",
+        choices=("auto", "tiled", "ragged", "triton"), default_text="auto")
 
     def __post_init__(self) -> None:
         if self.moe_balance == "bias" and self.moe_aux_coef is not None:

@@ -11,6 +11,8 @@ from jaxshard.errors import ConfigError
 
 
 MOE_BALANCE = ("aux", "bias", "both")  # how MoE layers balance their experts' load
+# Dropless experts' grouped matmuls (jaxshard.parallel.grouped): auto is tiled on CPU, ragged elsewhere.
+MOE_KERNELS = ("auto", "tiled", "ragged", "triton")
 
 
 class Norm(StrEnum):
@@ -87,6 +89,7 @@ class ModelConfig:
     # "both".
     moe_balance: str = "aux"
     moe_bias_rate: float = 0.001  # DeepSeek-V3's bias update speed gamma
+    moe_kernel: str = "auto"  # dropless experts' grouped matmuls: one of MOE_KERNELS
     # The blocks' linear layers (attention projections, MLP) in float8 with this scaling recipe
     # (jaxshard.fp8: "tensorwise", "rowwise" or "delayed"); None: in the compute dtype.
     fp8: str | None = None
@@ -151,6 +154,11 @@ class ModelConfig:
             raise ConfigError(f"--moe-balance must be one of {', '.join(MOE_BALANCE)}, got {self.moe_balance!r}")
         if self.moe_bias_rate < 0:
             raise ConfigError(f"--moe-bias-rate must be >= 0, got {self.moe_bias_rate}")
+        if self.moe_kernel not in MOE_KERNELS:
+            raise ConfigError(f"--moe-kernel must be one of {', '.join(MOE_KERNELS)}, got {self.moe_kernel!r}")
+        if self.moe_kernel != "auto" and not (self.moe_experts and self.moe_capacity_factor == 0):
+            raise ConfigError(f"--moe-kernel {self.moe_kernel} chooses dropless experts' kernel: it needs MoE "
+                              "layers with --moe-capacity-factor 0")
 
     @property
     def moe_router_bias(self) -> bool:

@@ -231,8 +231,10 @@ class MoEFeedForward(nnx.Module):
             y_BLD = combine_capacity(y_BECD, slot, r)
             computed = jnp.float32(self.n_experts * cap / (self.k * L))
         else:
-            y_BLD, computed = run_dropless(self._ragged(tuple(weights)), x_BLD, r.experts, r.gates, self.n_experts,
-                                           list(weights.values()), [self.weight_axes[n] for n in weights])
+            with grouped.kernel(self.cfg.moe_kernel):
+                y_BLD, computed = run_dropless(self._ragged(tuple(weights)), x_BLD, r.experts, r.gates,
+                                               self.n_experts, list(weights.values()),
+                                               [self.weight_axes[n] for n in weights])
         r = dataclasses.replace(r, computed=computed)
         if self.shared is not None:
             y_BLD = y_BLD + self.shared(x_BLD)

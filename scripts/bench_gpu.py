@@ -27,8 +27,8 @@ it is taken:
 * ``fp8``: each of ``--fp8-cases`` under each of ``--fp8-recipes`` (``--fp8``), beside its bf16
   run (run first where ``train`` has not): step time, tokens/s, the speed-up, losses, memory.
 * ``fp8-matmuls``: ``scripts/bench_fp8.py``'s matmuls, and what XLA lowered each dot to.
-* ``moe``: the cases in ``MOE``, dropless experts (``jax.lax.ragged_dot``'s grouped matmuls)
-  against a capacity of 1.25.
+* ``moe``: the cases in ``MOE``, dropless experts by each grouped-matmul kernel
+  (``--moe-kernel``) against a capacity of 1.25.
 Each part and each training run is its own process with a time limit, so one that fails or
 hangs costs its case, not the rest.
 """
@@ -66,10 +66,13 @@ PROFILE = ("1b", "8b-4layers-selective")
 # Float8 (``--fp8``) against bf16: each case of FP8_CASES again under each recipe.
 FP8_CASES = ("1b", "8b-4layers-selective")
 FP8_RECIPES = ("tensorwise", "rowwise", "delayed")
-# Dropless experts (grouped matmuls, ``jax.lax.ragged_dot``) against a capacity of 1.25 on one
-# GPU: DeepSeekMoE 16B's layer shapes (64 experts, 6 routed and 2 shared a token), 4 layers.
-MOE = {f"moe16b-4layers-{name}": "--model deepseek-moe-16b --n-layers 4 --seq-len 4096 --batch-size 2 --remat none "
-       f"--moe-capacity-factor {factor}" for name, factor in (("dropless", 0), ("capacity1.25", 1.25))}
+# Dropless experts (grouped matmuls) by each kernel (``--moe-kernel``; ragged is auto's on GPUs)
+# against a capacity of 1.25 on one GPU: DeepSeekMoE 16B's layer shapes (64 experts, 6 routed and
+# 2 shared a token), 4 layers.
+MOE_BASE = "--model deepseek-moe-16b --n-layers 4 --seq-len 4096 --batch-size 2 --remat none"
+MOE = {f"moe16b-4layers-{name}": f"{MOE_BASE} {flags}" for name, flags in (
+    ("dropless", "--moe-capacity-factor 0"), ("dropless-tiled", "--moe-capacity-factor 0 --moe-kernel tiled"),
+    ("dropless-triton", "--moe-capacity-factor 0 --moe-kernel triton"), ("capacity1.25", "--moe-capacity-factor 1.25"))}
 # The training cases' token ids: "zipf" draws them over the model's whole vocabulary at Zipf's
 # law frequencies (the r-th commonest id at 1/r), as text has, so the embedding gradient's
 # scatter-add collides about as often as a real run's; "corpus" is train.py's embedded text as
@@ -406,8 +409,8 @@ def moe_table(result: dict) -> list[str]:
     """The MoE cases (``speed``: the capacity run's step time over each)."""
     rows = {t["case"]: t for t in result.get("moe", [])}
     base = next((t for name, t in rows.items() if "capacity" in name), None)
-    lines = ["dropless experts (ragged_dot) against capacity 1.25, one GPU", *RUN_HEADER]
-    return lines + [_run_row(name, name.rsplit("-", 1)[-1], t, base) for name, t in rows.items()] + [""]
+    lines = ["dropless experts by kernel (--moe-kernel) against capacity 1.25, one GPU", *RUN_HEADER]
+    return lines + [_run_row(name, name.removeprefix("moe16b-4layers-"), t, base) for name, t in rows.items()] + [""]
 
 
 def slowed(result: dict) -> list[str]:

@@ -101,6 +101,8 @@ COMMON = {
     "--eval-data": Case(("more={corpus2}",)),
     "--packing": Case(("false",), context=("--data", "{records}")),  # (short documents: on by default)
     "--device": Case(("h100",)),
+    # (auto is the tiled kernel on CPU; ragged_dot computes every row by every expert there)
+    "--moe-kernel": Case(("ragged",), context=("--model", "moe-tiny", "--moe-capacity-factor", "0")),
     "--log-every": Case(("2",), console=True),
     # The watchdog's limit: a run within it differs only in the line that states it (a run over
     # it exits with status 124: tests/test_watchdog.py).
@@ -446,6 +448,10 @@ def test_process_flags_act_or_are_refused(command, space):
     ("train", ["--rope-theta", "500000"], "--rope-theta sets the base of rotary embeddings; model tiny has learned positions"),
     ("train", ["--keep", "2"], "--save-every, --keep and --resume need --checkpoint-dir"),
     ("train", ["--init-timeout", "5"], "--init-timeout bounds the wait for the processes of a multi-process job"),
+    ("train", ["--model", "moe-tiny", "--moe-kernel", "tiled"],
+     "--moe-kernel tiled chooses dropless experts' kernel: it needs MoE layers with --moe-capacity-factor 0"),
+    ("train", ["--model", "moe-tiny", "--moe-capacity-factor", "0", "--moe-kernel", "triton"],
+     "--moe-kernel triton runs on GPUs only, not on cpu"),
     ("inspect", ["--tokenizer", "bpe:300"], "--tokenizer bpe:300: inspect.py compiles the step without reading data"),
     ("inspect", ["--sync-every", "2"], "--sync-every: the verifier covers the DDP-family step, not local SGD's"),
     ("generate", ["--top-k", "5", "--temperature", "0"], "top_k and top_p choose among tokens to sample"),

@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxshard.errors import ConfigError
+
 # The experts' outputs, which the ``dots`` remat policies keep as they keep a dot's.
 GROUPED = "grouped_matmul"
 
@@ -40,10 +42,17 @@ _KERNEL = contextvars.ContextVar("grouped_kernel", default="auto")
 
 @contextlib.contextmanager
 def kernel(name: str) -> Iterator[None]:
-    """Trace :func:`experts` with ``name`` ("tiled" or "ragged") on any backend: the tests
-    run the GPUs' ``ragged_dot`` path on CPU against the tiled one."""
-    if name not in ("tiled", "ragged", "auto"):
-        raise ValueError(f"grouped kernel must be tiled, ragged or auto, got {name!r}")
+    """Trace :func:`experts` with ``name``: "tiled" or "ragged" on any backend (the tests run
+    the GPUs' ``ragged_dot`` path on CPU against the tiled one), "triton" on GPUs --
+    ``ragged_dot`` lowered by JAX's Pallas Triton grouped matmul, a JAX option set for the
+    process (it is read when the step is lowered, after this context), or "auto"."""
+    if name not in ("tiled", "ragged", "triton", "auto"):
+        raise ValueError(f"grouped kernel must be tiled, ragged, triton or auto, got {name!r}")
+    if name == "triton":
+        if jax.default_backend() != "gpu":
+            raise ConfigError(f"--moe-kernel triton runs on GPUs only, not on {jax.default_backend()}")
+        jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", True)
+        name = "ragged"
     token = _KERNEL.set(name)
     try:
         yield
