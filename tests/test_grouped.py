@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxshard.analysis import hlo
+from jaxshard.errors import ConfigError
 from jaxshard.parallel import grouped
 from models.moe import _gelu_act, _swiglu_act
 
@@ -110,6 +111,9 @@ def test_compiled_matmul_flops_of_the_tiles_and_of_xla_cpus_ragged_dot():
 
 
 def test_an_unknown_kernel_is_refused():
-    with pytest.raises(ValueError, match="grouped kernel must be tiled, ragged or auto, got 'cuda'"):
+    with pytest.raises(ValueError, match="grouped kernel must be tiled, ragged, triton or auto, got 'cuda'"):
         with grouped.kernel("cuda"):
+            pass
+    with pytest.raises(ConfigError, match="--moe-kernel triton runs on GPUs only, not on cpu"):
+        with grouped.kernel("triton"):
             pass

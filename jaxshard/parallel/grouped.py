@@ -51,7 +51,11 @@ def kernel(name: str) -> Iterator[None]:
     if name == "triton":
         if jax.default_backend() != "gpu":
             raise ConfigError(f"--moe-kernel triton runs on GPUs only, not on {jax.default_backend()}")
-        jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", True)
+        try:
+            jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", True)
+        except AttributeError:
+            raise ConfigError(f"--moe-kernel triton: jax {jax.__version__} has no Pallas Triton "
+                              "ragged_dot lowering") from None
         name = "ragged"
     token = _KERNEL.set(name)
     try:
