@@ -18,7 +18,8 @@ schedule fixes: GPipe all M microbatches, 1F1B at most 2P - 1 whatever M is.
 
 A zero-bubble schedule (ZB-H1) splits the backward slot: B computes the stage input's gradient
 and hands W (``parallel.split_backward``) what the weights' gradients need, and W runs in a
-slot of its own, later; what a neighbour sends waits in an inbox slot until its F or B runs.
+slot of its own, later; what a neighbour sends and its F or B does not take in the tick it lands
+waits in an inbox slot until then.
 
 The two ends run inside the executor: stage 0 embeds its microbatch's tokens (and, backward,
 takes the embedding's gradient), the last stage applies the head and the loss in its backward
@@ -171,8 +172,8 @@ class Schedule:
     fwgt_wslot: np.ndarray | None = None
     w_slots: int = 0
     # Zero-bubble: a stage's F (B) may come ticks after the previous (next) stage sent its
-    # input (gradient); each arrival waits in a slot of an inbox: where it lands, where the
-    # F (B) reads it.
+    # input (gradient); such an arrival waits in a slot of an inbox: where it lands, where the
+    # F (B) reads it (-1 in both: the F or B takes it in the tick it lands, from no slot).
     # Residuals only B reads are kept from F to B, in slots of their own.
     fwd_bslot: np.ndarray | None = None
     bwd_bslot: np.ndarray | None = None
@@ -181,7 +182,8 @@ class Schedule:
     fwd_from: np.ndarray | None = None
     bwd_in: np.ndarray | None = None
     bwd_from: np.ndarray | None = None
-    in_slots: int = 0
+    in_slots: int = 0  # the forward inbox's
+    bwd_in_slots: int = 0  # the backward inbox's
 
     @property
     def ticks(self) -> int:
@@ -350,7 +352,8 @@ def _zero_bubble(Pn: int, M: int, layout: StageLayout | None, cap: int | None = 
              "wgt_slot", "fwgt_slot", "bwd_wslot", "wgt_wslot", "fwgt_wslot", "fwd_in", "fwd_from", "bwd_in",
              "bwd_from", "fwd_bslot", "bwd_bslot")
     tables = {name: np.full((t, Pn), -1, np.int32) for name in names}
-    slots = w_slots = in_slots = b_slots = 0
+    slots = w_slots = b_slots = 0
+    inbox = {"fwd": 0, "bwd": 0}
     for s in range(Pn):
         for i, slot in enumerate(_slots([(f_at[i, s], b_at[i, s]) for i in range(M)])):
             tables["fwd_bslot"][f_at[i, s], s] = tables["bwd_bslot"][b_at[i, s], s] = slot
@@ -358,10 +361,11 @@ def _zero_bubble(Pn: int, M: int, layout: StageLayout | None, cap: int | None = 
         for phase, at, sender in (("fwd", f_at, s - 1), ("bwd", b_at, s + 1)):
             if not 0 <= sender < Pn:
                 continue
-            order = sorted(range(M), key=lambda i: at[i, sender])
+            # Only an arrival taken ticks after it lands needs a slot.
+            order = sorted((i for i in range(M) if at[i, s] > at[i, sender] + 1), key=lambda i: at[i, sender])
             for i, slot in zip(order, _slots([(at[i, sender] + 1, at[i, s]) for i in order])):
                 tables[f"{phase}_in"][at[i, sender] + 1, s], tables[f"{phase}_from"][at[i, s], s] = slot, slot
-                in_slots = max(in_slots, slot + 1)
+                inbox[phase] = max(inbox[phase], slot + 1)
         res = _slots([(f_at[i, s], w_at[i, s]) for i in range(M)])  # F runs in microbatch order
         order = sorted(range(M), key=lambda i: b_at[i, s])
         kept = dict(zip(order, _slots([(b_at[i, s], w_at[i, s]) for i in order])))
@@ -374,8 +378,8 @@ def _zero_bubble(Pn: int, M: int, layout: StageLayout | None, cap: int | None = 
                     tables[f"{phase}_chunk"][at[i, s], s] = 0
             tables["bwd_wslot"][b_at[i, s], s] = tables[f"{w}_wslot"][w_at[i, s], s] = kept[i]
         slots, w_slots = max(slots, max(res) + 1), max(w_slots, max(kept.values()) + 1)
-    return Schedule("zb-h1", Pn, M, 1, slots=slots, layout=layout, w_slots=w_slots, in_slots=in_slots,
-                    b_slots=b_slots, **tables)
+    return Schedule("zb-h1", Pn, M, 1, slots=slots, layout=layout, w_slots=w_slots, in_slots=inbox["fwd"],
+                    bwd_in_slots=inbox["bwd"], b_slots=b_slots, **tables)
 
 
 class _Residuals:
@@ -524,6 +528,15 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         def kept(stash, slot):
             return jax.tree.map(lambda buf: buf[slot], stash)
 
+        def arrive(inbox, received, land, take):
+            """A zero-bubble stage's inbox: what ``received`` holds this tick into slot ``land``
+            (-1: none); the F or B of this tick gets slot ``take``'s, or (-1) ``received``
+            itself, taken in the tick it lands. An empty inbox: every arrival is taken so."""
+            if inbox.shape[0] == 0:
+                return inbox, received
+            inbox = keep_if(inbox, received, land)
+            return inbox, jnp.where(take >= 0, kept(inbox, jnp.maximum(take, 0)), received)
+
         def take_input(t, received_x):
             """The forward slot's microbatch (-1: idle), the same clipped to a valid index, its
             chunk, the stash slot and the chunk's input (embedded on the first chunk)."""
@@ -536,8 +549,7 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         def eval_tick(carry, t):
             received_x, stash_x, loss_acc, inbox_x = carry
             if zb:  # what arrived waits in the inbox until its forward takes it, as in training
-                inbox_x = keep_if(inbox_x, received_x, tables["fwd_in"][t, s])
-                received_x = kept(inbox_x, jnp.maximum(tables["fwd_from"][t, s], 0))
+                inbox_x, received_x = arrive(inbox_x, received_x, tables["fwd_in"][t, s], tables["fwd_from"][t, s])
             i, i_, v_, slot, x_in = take_input(t, received_x)
             y = jax.lax.cond((i >= 0) & ~is_last(v_),
                              lambda: run_body(chunk(v_), x_in, inputs[i_], i_, layer_ids[s, v_], aux)[0],
@@ -654,11 +666,8 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
             # (the last chunk keeps its input: its forward runs in its backward slot, with the
             # head), pass the chunk's output on.
             if zb:  # what arrived waits in the inbox until its F or B takes it
-                inbox_x, inbox_g = stash[3], stash[4]
-                inbox_x = keep_if(inbox_x, received_x, tables["fwd_in"][t, s])
-                inbox_g = keep_if(inbox_g, received_g, tables["bwd_in"][t, s])
-                received_x = kept(inbox_x, jnp.maximum(tables["fwd_from"][t, s], 0))
-                received_g = kept(inbox_g, jnp.maximum(tables["bwd_from"][t, s], 0))
+                inbox_x, received_x = arrive(stash[3], received_x, tables["fwd_in"][t, s], tables["fwd_from"][t, s])
+                inbox_g, received_g = arrive(stash[4], received_g, tables["bwd_in"][t, s], tables["bwd_from"][t, s])
                 stash = stash[:3] + (inbox_x, inbox_g)
             i, i_, v_, slot, x_in = take_input(t, received_x)
             stash_x, stash_res = stash[:2]
@@ -710,7 +719,7 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
                    [slots(r, K if w else schedule.b_slots) for r, w in zip(res_shapes, until_w)])
         if zb:  # and what B keeps for W; the inboxes
             stashes += (slots(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), w_shapes), schedule.w_slots),
-                        slots(zeros_x, schedule.in_slots), slots(zeros_x, schedule.in_slots))
+                        slots(zeros_x, schedule.in_slots), slots(zeros_x, schedule.bwd_in_slots))
         init = (zeros_x, zeros_x, stashes, jnp.zeros((), jnp.float32), no_side, zeros(blocks), zeros(outer))
         (_, _, _, loss, extras, d_blocks, d_outer), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
         # The loss lives on the last stage, the outer params' gradients on the two ends; each
