@@ -419,6 +419,30 @@ def test_the_accounting_predicts_what_a_kept_microbatch_costs(remat):
     assert abs(kept - grown) <= 0.1 * grown, (remat, kept, grown)
 
 
+@pytest.mark.parametrize("remat", ["none", "dots", "full"])
+def test_1f1b_keeps_a_microbatchs_residuals_and_not_its_input_again(remat):
+    """1F1B's last stage runs a microbatch's forward and backward in one tick, so no stage keeps
+    its inputs beside the residuals (which hold them where the backward pass needs them). From
+    M = P to 2P a stage keeps P - 1 more microbatches: the compiled temp grows by what the
+    accounting says P - 1 microbatches' residuals are, within 10%; under ``full`` (one layer a
+    stage, whose residual is its input) by one stage input each, not two."""
+    model = TransformerLM(get_preset("tiny-llama").replace(n_layers=4), remat=remat)
+    stages, rows, seq = 4, 2, 64  # rows per microbatch per device (data=2)
+    programs = {m: make_program(model, "stage=4,data=2", pipeline_schedule="1f1b", microbatches=m)
+                for m in (stages, 2 * stages)}
+    assert not any(p.schedule.keeps_inputs for p in programs.values())
+    assert [p.schedule.slots for p in programs.values()] == [stages, 2 * stages - 1]
+    temp = {m: p.lower_step(m * rows * 2, seq).compile().memory_analysis().temp_size_in_bytes
+            for m, p in programs.items()}
+    kept = {m: accounting.pipeline_memory(model, p.rules, p.schedule, m * rows * 2, seq,
+                                          remat=model.remat).activations for m, p in programs.items()}
+    grown, predicted = temp[2 * stages] - temp[stages], kept[2 * stages] - kept[stages]
+    assert abs(predicted - grown) <= 0.1 * grown, (remat, predicted, grown)
+    if remat == "full":
+        one_input = rows * seq * model.cfg.d_model * 4  # float32
+        assert grown / (stages - 1) < 1.5 * one_input, (grown, one_input)
+
+
 def test_1f1b_keeps_activations_flat_in_microbatches_where_gpipe_grows():
     """Compiled temp bytes per device as M grows from P to 4P at a fixed microbatch size: GPipe
     keeps every microbatch's activations (a stage's residuals) until its backward turn, so its

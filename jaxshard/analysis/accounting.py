@@ -345,7 +345,8 @@ def pipeline_memory(model: Stageable, rules: ShardingRules, schedule: Any, batch
     """:func:`memory` of a pipelined step: the stored stack's state (a layout with chunks or
     empty slots stores more slots than layers), and as activations what a stage keeps for each
     of the ``schedule.slots`` chunk-microbatches it holds at once -- the residuals of ``depth``
-    layers of one microbatch and the chunk's input -- plus one microbatch's logits and
+    layers of one microbatch, and the chunk's input where the schedule keeps inputs
+    (``Schedule.keeps_inputs``: GPipe) -- plus one microbatch's logits and
     per-token statistics, which the last stage holds in its backward slot. A recomputed
     layer's activations (``recompute``) are one microbatch's."""
     layout = schedule.layout
@@ -359,7 +360,7 @@ def pipeline_memory(model: Stageable, rules: ShardingRules, schedule: Any, batch
 
     per_layer = saved(2) - saved(1)
     sp = rules.size(rules.activation_mesh_axes(Dim.RESIDUAL_LENGTH)) // seq_split(rules)
-    stage_input = c * local_tokens(rules, micro, seq_len) * model.cfg.d_model // sp
+    stage_input = c * local_tokens(rules, micro, seq_len) * model.cfg.d_model // sp if schedule.keeps_inputs else 0
     return replace(mem, activations=schedule.slots * (layout.depth * per_layer + stage_input)
                    + saved(1) - per_layer,
                    recompute=recompute_bytes(model.cfg, rules, micro, seq_len, c, remat, flash),

@@ -430,7 +430,7 @@ def _confirm_in(model: Stageable, p: Plan, batch_size: int, seq_len: int) -> str
         return "\n".join([head, temp, "  collectives: compared in float32 (XLA:CPU sends 2-byte ones as "
                                       "float32)", f"  {cost}"])
     rows = [f"  {k:<16} predicted {pr:>16,} B   compiled {m:>16,} B" for k, pr, m in v.by_kind]
-    verdict = [f"  FLAG: {f}" for f in v.flags] or ["  every collective kind within 5% of the prediction"]
+    verdict = [f"  FLAG: {f}" for f in v.flags] or ["  " + v.agreement()]
     return "\n".join([head, temp, *rows, *verdict, f"  {cost}"])
 
 

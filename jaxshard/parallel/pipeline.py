@@ -154,9 +154,9 @@ class Schedule:
     bwd: np.ndarray
     fwd_chunk: np.ndarray  # [ticks, stages]: which of the stage's V chunks
     bwd_chunk: np.ndarray
-    fwd_slot: np.ndarray  # [ticks, stages]: where the chunk's input is kept until its backward
+    fwd_slot: np.ndarray  # [ticks, stages]: where the chunk's residuals are kept until its backward
     bwd_slot: np.ndarray
-    slots: int  # stage inputs a stage keeps at most
+    slots: int  # microbatches' residuals a stage keeps at most
     layout: StageLayout | None = None
     # Zero-bubble schedules: the backward slot computes the input's gradient (B) alone and
     # the weights' (W) run in their own slot, reading the forward's residuals (kept from the
@@ -200,6 +200,17 @@ class Schedule:
         if self.split:
             return (self.stages - 1) / (3 * self.microbatches + self.stages - 1)
         return (self.stages - 1) / (self.virtual * self.microbatches + self.stages - 1)
+
+    @property
+    def keeps_inputs(self) -> bool:
+        """Whether a stage keeps chunk inputs (or, zero-bubble, the last chunk's outputs) from
+        one tick to a later one: only where the last chunk's backward slot runs in a later
+        tick than its forward (GPipe, naive). Elsewhere (1F1B, interleaved, ZB-H1) it runs in
+        the same tick and takes what its forward had; every other chunk's backward reads its
+        residuals, which hold the chunk's input where its backward needs it."""
+        last = (np.arange(self.stages)[None, :] == self.stages - 1) & (self.bwd >= 0) \
+            & (self.bwd_chunk == self.virtual - 1)
+        return bool((last & ((self.fwd != self.bwd) | (self.fwd_chunk != self.bwd_chunk))).any())
 
     def idle(self) -> float:
         """The tables' idle fraction with F, B and W one unit of time each (a backward slot
@@ -270,8 +281,8 @@ def make_schedule(kind: str, stages: int, microbatches: int, virtual: int = 1,
               for name in ("fwd", "bwd", "fwd_chunk", "bwd_chunk", "fwd_slot", "bwd_slot")}
     slots = 0
     for s in range(Pn):
-        # A stage input is kept from its forward tick to its backward tick, inclusive (the
-        # forward slot writes before the backward slot reads).
+        # A microbatch's residuals are kept from its forward tick to its backward tick,
+        # inclusive (the forward slot writes before the backward slot reads).
         ops = sorted((fwd_at[i, u], bwd_at[i, u], i, u // Pn) for (i, u) in fwd_at if u % Pn == s)
         for (f, b, i, v), slot in zip(ops, _slots([(f, b) for f, b, _, _ in ops])):
             slots = max(slots, slot + 1)
@@ -537,6 +548,18 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
             inbox = keep_if(inbox, received, land)
             return inbox, jnp.where(take >= 0, kept(inbox, jnp.maximum(take, 0)), received)
 
+        # Kept from a chunk's forward slot to its backward slot: only where the last chunk's
+        # backward runs ticks after its forward (Schedule.keeps_inputs); else none.
+        held_slots = K + 1 if schedule.keeps_inputs else 0
+
+        def hold(stash_x, x, i, slot, back):
+            """``x`` (this tick's forward's, for the last chunk's backward slot) into the
+            stash, and what the backward slot of this tick reads: the kept one, or ``x``."""
+            if not held_slots:
+                return stash_x, x
+            stash_x = keep(stash_x, x, jnp.where(i >= 0, slot, K))
+            return stash_x, stash_x[jnp.maximum(back, 0)]
+
         def take_input(t, received_x):
             """The forward slot's microbatch (-1: idle), the same clipped to a valid index, its
             chunk, the stash slot and the chunk's input (embedded on the first chunk)."""
@@ -554,18 +577,19 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
             y = jax.lax.cond((i >= 0) & ~is_last(v_),
                              lambda: run_body(chunk(v_), x_in, inputs[i_], i_, layer_ids[s, v_], aux)[0],
                              lambda: zeros_x)
-            stash_x = keep(stash_x, x_in, jnp.where(i >= 0, slot, K))
+            stash_x, x_last = hold(stash_x, x_in, i, slot, tables["bwd_slot"][t, s])
             # The last chunk's loss, at its backward slot (where training runs it).
             j, w = tables["bwd"][t, s], jnp.maximum(tables["bwd_chunk"][t, s], 0)
-            j_, back = jnp.maximum(j, 0), jnp.maximum(tables["bwd_slot"][t, s], 0)
+            j_ = jnp.maximum(j, 0)
             loss = jax.lax.cond((j >= 0) & is_last(w), lambda: run_last(
-                chunk(w), outer, stash_x[back], inputs[j_], targets[j_], j_, layer_ids[s, w], aux
+                chunk(w), outer, x_last, inputs[j_], targets[j_], j_, layer_ids[s, w], aux
             )[0].astype(jnp.float32), lambda: jnp.zeros((), jnp.float32))
             return (jax.lax.ppermute(y, STAGE, to_next), stash_x, loss_acc + loss, inbox_x), None
 
         if not train:
             inbox = jnp.zeros((schedule.in_slots if zb else 0, *zeros_x.shape), zeros_x.dtype)
-            init = (zeros_x, jnp.zeros((K + 1, *zeros_x.shape), zeros_x.dtype), jnp.zeros((), jnp.float32), inbox)
+            init = (zeros_x, jnp.zeros((held_slots, *zeros_x.shape), zeros_x.dtype), jnp.zeros((), jnp.float32),
+                    inbox)
             (_, _, loss, _), _ = jax.lax.scan(eval_tick, init, jnp.arange(schedule.ticks))
             return jax.lax.psum(loss, (STAGE, *replicas))
 
@@ -685,7 +709,8 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
             # Kept for the backward slot: the last chunk's input (its forward runs there), or
             # under a zero-bubble schedule its output (the head's input). Idle: spare slot K.
             held = jnp.where(is_last(v_), y, x_in) if zb else x_in
-            stash = (keep(stash_x, held, jnp.where(i >= 0, slot, K)), stash_res) + tuple(stash[2:])
+            stash_x, x_last = hold(stash_x, held, i, slot, tables["bwd_slot"][t, s])
+            stash = (stash_x, stash_res) + tuple(stash[2:])
             if zb:  # a W in the forward slot (the stage runs no F this tick)
                 d_blocks_acc = add_weights(d_blocks_acc, stash, tables["fwgt"][t, s], 0,
                                            tables["fwgt_slot"][t, s], tables["fwgt_wslot"][t, s])
@@ -694,13 +719,13 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
             back = jnp.maximum(tables["bwd_slot"][t, s], 0)
             if not zb:
                 loss, bwd_extras, d_chunk, d_outer, d_x = jax.lax.cond(
-                    j >= 0, backward, idle_backward, jnp.maximum(j, 0), w, kept(stash[0], back), stash[1], back,
+                    j >= 0, backward, idle_backward, jnp.maximum(j, 0), w, x_last, stash[1], back,
                     received_g)
                 d_blocks_acc = add_chunk(d_blocks_acc, d_chunk, w)
             else:
                 stash_w = stash[2]
                 loss, bwd_extras, d_outer, d_x, kept_w = jax.lax.cond(
-                    j >= 0, backward_b, idle_b, jnp.maximum(j, 0), w, kept(stash[0], back), stash[1], back,
+                    j >= 0, backward_b, idle_b, jnp.maximum(j, 0), w, x_last, stash[1], back,
                     received_g, jnp.maximum(tables["bwd_bslot"][t, s], 0))
                 stash_w = keep_if(stash_w, kept_w, jnp.where(j >= 0, tables["bwd_wslot"][t, s], -1))
                 stash = (stash[0], stash[1], stash_w) + tuple(stash[3:])
@@ -715,7 +740,7 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
                     jax.tree.map(jnp.add, d_outer_acc, d_outer)), None
 
         slots = lambda tree, n: jax.tree.map(lambda x: jnp.zeros((n, *x.shape), x.dtype), tree)  # noqa: E731
-        stashes = (slots(zeros_x, K + 1),
+        stashes = (slots(zeros_x, held_slots),
                    [slots(r, K if w else schedule.b_slots) for r, w in zip(res_shapes, until_w)])
         if zb:  # and what B keeps for W; the inboxes
             stashes += (slots(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), w_shapes), schedule.w_slots),
