@@ -93,9 +93,32 @@ def test_tiles_pad_at_most_a_sixteenth_of_even_groups():
     assert grouped.tile_rows(10**6) == 128
 
 
+@pytest.mark.parametrize("sizes", [[10, 0, 17, 13], [70, 1, 0, 33], [0, 0, 0, 0], [64, 64, 64, 64]])
+def test_tiles_cover_each_groups_rows_once_in_few_large_tiles(sizes):
+    """Each group's rows in tiles of 8m as many as fit, then at most one of 4m and of 2m, then
+    tiles of m (the last one padded): every row in one tile, tiles within their group but the
+    last m-tile's padding, and as few tiles as that allows."""
+    m, R = 4, sum(sizes) + 7
+    tilings = grouped._tilings(jnp.asarray(sizes, jnp.int32), m, R)
+    assert [t.m for t in tilings] == list(grouped.tile_sizes(m, R)) and grouped.tile_sizes(m) == (32, 16, 8, 4)
+    starts = np.cumsum([0] + sizes)
+    covered = np.zeros(R + m, int)
+    count = 0
+    for tiles in tilings:
+        for t in range(int(tiles.count)):
+            g, first = int(tiles.group[t]), int(tiles.first[t])
+            rows = np.arange(first, first + tiles.m)
+            covered[rows[rows < starts[g + 1]]] += 1
+            assert first >= starts[g] and (rows[-1] < starts[g + 1] or tiles.m == m), (tiles.m, g, first)
+            count += 1
+    assert (covered[:sum(sizes)] == 1).all() and not covered[sum(sizes):].any()
+    assert count == sum(n // 32 + (n % 32) // 16 + (n % 16) // 8 + -(-(n % 8) // 4) for n in sizes)
+
+
 def test_compiled_matmul_flops_of_the_tiles_and_of_xla_cpus_ragged_dot():
-    """Per loop iteration one tile's three matmuls forward; XLA:CPU's ragged_dot computes each
-    of them for every row and every expert."""
+    """Per loop iteration one tile's three matmuls forward, one loop a tile size (of 8 rows,
+    16 and 32: no tile of 64 fits the 47 rows); XLA:CPU's ragged_dot computes each of them for
+    every row and every expert."""
     x, token, gate, group, sizes, w = _case([10, 0, 17, 13], "swiglu")
 
     def compiled(kernel):
@@ -105,7 +128,8 @@ def test_compiled_matmul_flops_of_the_tiles_and_of_xla_cpus_ragged_dot():
         return jax.jit(f).lower(x, gate, sizes).compile().as_text()
 
     ours = compiled("tiled")
-    assert hlo.dot_flops(ours) == 0 and hlo.loop_dot_flops(ours) == 3 * 2 * 8 * D * F
+    assert grouped.tile_sizes(8, token.shape[0]) == (32, 16, 8)
+    assert hlo.dot_flops(ours) == 0 and hlo.loop_dot_flops(ours) == 3 * 2 * (32 + 16 + 8) * D * F
     theirs = compiled("ragged")
     assert hlo.dot_flops(theirs) == 3 * 2 * token.shape[0] * D * F * G and hlo.loop_dot_flops(theirs) == 0
 

@@ -430,7 +430,7 @@ def matmul_waste(fl: Flops, hlo_text: str, cfg: Any, rules: ShardingRules, batch
                  grad_accum: int = 1, computed: float | None = None) -> dict[str, float]:
     """:meth:`Flops.waste` of a compiled step (its HLO text), its loops counted by trip count.
     A loop whose trip count is known only at run time -- dropless experts' grouped matmuls on
-    CPU, one tile of m rows an iteration (``parallel.grouped``) -- counts per row for
+    CPU, one tile an iteration, one loop a tile size (``parallel.grouped``) -- counts per row for
     ``computed`` k rows per token of a device per MoE layer: the step's ``moe_computed``
     where it ran, else 1 (the routed choices, the tiles' padding aside).
     ``data_dependent`` is their share of ``compiled``."""
@@ -439,8 +439,9 @@ def matmul_waste(fl: Flops, hlo_text: str, cfg: Any, rules: ShardingRules, batch
     if per_iteration:
         tokens = batch_size * seq_len // rules.size(rules.batch_axes) // grad_accum  # a microbatch's
         n, k = rules.size(rules.param_mesh_axes(Dim.EXPERTS)), cfg.moe_top_k
-        tile = grouped.tile_rows(n * tokens * k / cfg.moe_experts)
-        loops = per_iteration / tile * (1.0 if computed is None else computed) * k * tokens
+        # (An iteration of each of the kernel's loops, one a tile size, computes their sum's rows.)
+        tiles = sum(grouped.tile_sizes(grouped.tile_rows(n * tokens * k / cfg.moe_experts)))
+        loops = per_iteration / tiles * (1.0 if computed is None else computed) * k * tokens
     return {**fl.waste(hlo.dot_flops(hlo_text) + loops), "data_dependent": loops,
             "rows_measured": float(computed is not None)}
 

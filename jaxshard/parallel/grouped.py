@@ -7,14 +7,18 @@ On GPUs and TPUs the three matmuls are ``jax.lax.ragged_dot``, which lowers to a
 matmul kernel. XLA:CPU has none: jax lowers ``ragged_dot`` there as every row times every
 group's matrix, masked (G times the FLOPs; ``tests/test_grouped.py`` reads it from the
 compiled program). On CPU the MLP runs in tiles instead (MegaBlocks' tiling): each
-expert's rows in tiles of ``m``, ``while`` loops over the tiles there are (a count known
-only at run time). One loop gathers each tile's rows from their tokens and makes the up (and
-gate) projections, the pre-activations, the only ``[rows, F]`` buffers; a second applies the activation, the down
-projection and the gated sum into the tokens. So no buffer of every possible row's input or
-output passes through memory. The rows computed beyond the real ones are at most
-``G (m - 1)``, the tiles' padding. Backward (custom VJPs) runs the same tiles in two loops,
-for the tokens', gates' and weights' gradients. The first loop's count comes back with the
-result, so a caller can report the rows a step computed from the program itself. The
+expert's rows in tiles of ``8m`` as many as fit, then at most one of ``4m`` and one of
+``2m``, then tiles of ``m``, ``while`` loops over the tiles there are (a count known only at
+run time; one loop a tile size). A tile reads its expert's weights and, backward, adds into
+their gradients: a cost per tile whatever its rows, which the large tiles pay once for 8m
+rows. One pass gathers each tile's rows from their tokens and makes the up (and gate)
+projections, the pre-activations, the only ``[rows, F]`` buffers; a second applies the
+activation, the down projection and the gated sum into the tokens. So no buffer of every
+possible row's input or output passes through memory. The rows computed beyond the real ones
+are at most ``G (m - 1)``, the padding of the tiles of m. Backward (custom VJPs) runs the
+same tiles in two passes, for the tokens', gates' and weights' gradients. The first pass's
+count of rows comes back with the result, so a caller can report the rows a step computed
+from the program itself. The
 pre-activations are named (``GROUPED``) so that the ``dots`` remat policies keep them as a
 matmul's outputs (a custom VJP's own residuals no policy sees, so the forward would run
 again).
@@ -94,7 +98,6 @@ def experts(x_ND: jax.Array, token_R: jax.Array, gate_R: jax.Array, group_R: jax
         names = tuple(sorted(weights))
         out, rows = _tiled(x_ND, token_R, gate_R, sizes_G.astype(jnp.int32), lead, tuple(weights[n] for n in names),
                            names, act, tile)
-        rows = rows * tile
     return checkpoint_name(out, GROUPED), rows
 
 
@@ -143,21 +146,35 @@ def _summed(grad: jax.Array, primal: jax.Array) -> jax.Array:
     return grad.astype(primal.dtype)
 
 
-class _Tiles:
-    """Group g's rows in ceil(size / m) tiles, groups in order: each tile's group, first row
-    and its group's end row, for as many tiles as there can be; ``count`` the tiles there are."""
+# Tile sizes m, 2m, 4m and 8m: a group's rows go in as many tiles of 8m as fit, then at most
+# one of 4m and one of 2m, then tiles of m (the last one padded). Each tile reads its expert's
+# weights and adds into its weight gradients, a cost per tile whatever its rows, so fewer,
+# larger tiles cost less; the padding stays that of tiles of m.
+LEVELS = 4
 
-    def __init__(self, sizes_G: jax.Array, m: int, n_rows: int):
+
+def tile_sizes(m: int, n_rows: int | None = None) -> tuple[int, ...]:
+    """The tile sizes of the kernel's loops, largest first (one loop each, the same matmuls
+    per row): an iteration of every loop together computes ``sum(tile_sizes(m))`` rows. Sizes
+    above ``n_rows`` (no group has that many rows) have no loop."""
+    return tuple(m << j for j in reversed(range(LEVELS)) if j == 0 or n_rows is None or m << j <= n_rows)
+
+
+class _Tiles:
+    """Rows ``[start, start + size)`` of each group g in ceil(size / m) tiles of m, groups in
+    order: each tile's group, first row and the end of its rows, for as many tiles as there
+    can be; ``count`` the tiles there are."""
+
+    def __init__(self, start_G: jax.Array, sizes_G: jax.Array, m: int, n_rows: int):
         G = sizes_G.shape[0]
         per_group = (sizes_G + m - 1) // m
         last = jnp.cumsum(per_group)
-        ends = jnp.cumsum(sizes_G)
         t = jnp.arange(-(-n_rows // m) + G, dtype=jnp.int32)
         # (A count of the groups whose tiles end at or before t: jnp.searchsorted fails on a
         # shard_map's varying operands in jax 0.10.2.)
         self.group = jnp.minimum(jnp.sum(last[None, :] <= t[:, None], axis=1), G - 1).astype(jnp.int32)
-        self.first = ends[self.group] - sizes_G[self.group] + (t - last[self.group] + per_group[self.group]) * m
-        self.end = ends[self.group]
+        self.first = start_G[self.group] + (t - last[self.group] + per_group[self.group]) * m
+        self.end = start_G[self.group] + sizes_G[self.group]
         self.count = last[-1]
         self.m = m
 
@@ -167,10 +184,31 @@ class _Tiles:
         return [jax.lax.dynamic_slice_in_dim(a, self.first[t], self.m) for a in padded], valid
 
 
+def _tilings(sizes_G: jax.Array, m: int, n_rows: int) -> list[_Tiles]:
+    """The rows sorted by group (``sizes_G``) in tiles of :func:`tile_sizes`, one ``_Tiles``
+    a size: every size but m takes whole tiles only, m the rest of each group."""
+    start, left, out = jnp.cumsum(sizes_G) - sizes_G, sizes_G, []
+    for size in tile_sizes(m, n_rows):
+        take = left if size == m else left // size * size
+        out.append(_Tiles(start, take, size, n_rows))
+        start, left = start + take, left - take
+    return out
+
+
 def _loop(n: jax.Array, body, init):
     """``body(t, carry)`` for t < n; returns (the final carry, the count run)."""
     t, carry = jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, body(c[0], c[1])), (jnp.int32(0), init))
     return carry, t
+
+
+def _loops(tilings: list[_Tiles], body, init):
+    """``body(tiles, t, carry)`` for every tile of every tiling in turn; returns (the final
+    carry, the rows the tiles computed: their padding included)."""
+    carry, rows = init, jnp.int32(0)
+    for tiles in tilings:
+        carry, n = _loop(tiles.count, functools.partial(body, tiles), carry)
+        rows = rows + n * tiles.m
+    return carry, rows
 
 
 def _pad(a: jax.Array, m: int) -> jax.Array:
@@ -191,20 +229,20 @@ def _f32(a):
 def _project(x_ND, token_R, sizes_G, ws, names, m):
     w = dict(zip(names, ws))
     R, F = token_R.shape[0], w["w_in"].shape[-1]
-    tiles, token = _Tiles(sizes_G, m, R), _pad(token_R, m)
+    tilings, token = _tilings(sizes_G, m, R), _pad(token_R, m)
     dtype = jnp.result_type(x_ND, w["w_in"])
     kinds = [k for k in ("w_in", "w_gate") if k in w]
 
-    def body(t, pre):
+    def body(tiles, t, pre):
         (tok,), valid = tiles.rows(t, token)
-        e, xt = tiles.group[t], x_ND[tok]
+        e, xt, first = tiles.group[t], x_ND[tok], tiles.first[t]
         new = {k: _dot(xt, w[k][e], dtype) + (w["b_in"][e] if k == "w_in" and "b_in" in w else 0) for k in kinds}
         return {k: jax.lax.dynamic_update_slice_in_dim(
-            pre[k], jnp.where(valid[:, None], new[k], jax.lax.dynamic_slice_in_dim(pre[k], tiles.first[t], m)),
-            tiles.first[t], 0) for k in kinds}
+            pre[k], jnp.where(valid[:, None], new[k], jax.lax.dynamic_slice_in_dim(pre[k], first, tiles.m)),
+            first, 0) for k in kinds}
 
-    pre, count = _loop(tiles.count, body, {k: _zeros((R + m, F), dtype, x_ND, *ws) for k in kinds})
-    return tuple(pre[k] for k in kinds), count  # (R + m rows: the padded layout stays)
+    pre, rows = _loops(tilings, body, {k: _zeros((R + m, F), dtype, x_ND, *ws) for k in kinds})
+    return tuple(pre[k] for k in kinds), rows  # (R + m rows: the padded layout stays)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -221,16 +259,16 @@ def _projected_bwd(names, m, res, cts):
     w = dict(zip(names, ws))
     d_pre = dict(zip([k for k in ("w_in", "w_gate") if k in w], cts[0]))
     R = token_R.shape[0]
-    tiles, token = _Tiles(sizes_G, m, R), _pad(token_R, m)
+    tilings, token = _tilings(sizes_G, m, R), _pad(token_R, m)
     padded = d_pre  # (R + m rows)
 
-    def body(t, carry):
+    def body(tiles, t, carry):
         dx, dw = carry
         (tok,), valid = tiles.rows(t, token)
         e, xt = tiles.group[t], _f32(x_ND[tok])
         upd, dxt = {}, 0.0
         for k, d in padded.items():
-            dt = jnp.where(valid[:, None], _f32(jax.lax.dynamic_slice_in_dim(d, tiles.first[t], m)), 0)
+            dt = jnp.where(valid[:, None], _f32(jax.lax.dynamic_slice_in_dim(d, tiles.first[t], tiles.m)), 0)
             upd[k] = xt.T @ dt
             dxt = dxt + dt @ _f32(w[k][e]).T
             if k == "w_in" and "b_in" in w:
@@ -240,7 +278,7 @@ def _projected_bwd(names, m, res, cts):
     like = (x_ND, *ws, *d_pre.values())
     init = (_zeros(x_ND.shape, jnp.float32, *like),
             {k: _zeros(w[k].shape, jnp.float32, *like) for k in names if k in ("w_in", "w_gate", "b_in")})
-    (dx, dw), _ = _loop(tiles.count, body, init)
+    (dx, dw), _ = _loops(tilings, body, init)
     return _summed(dx, x_ND), None, None, tuple(_summed(dw[k], w[k]) if k in dw else jnp.zeros_like(w[k])
                                                 for k in names)
 
@@ -253,11 +291,11 @@ _projected.defvjp(_projected_fwd, _projected_bwd)
 def _combine(pre, token_R, gate_R, sizes_G, lead, ws, names, act, m, n_tokens):
     w = dict(zip(names, ws))
     R, D = token_R.shape[0], w["w_out"].shape[-1]
-    tiles, token, gate = _Tiles(sizes_G, m, R), _pad(token_R, m), _pad(gate_R, m)
+    tilings, token, gate = _tilings(sizes_G, m, R), _pad(token_R, m), _pad(gate_R, m)
     padded = pre  # (R + m rows)
     dtype = jnp.result_type(pre[0], w["w_out"])
 
-    def body(t, out):
+    def body(tiles, t, out):
         (tok, g, *p), valid = tiles.rows(t, token, gate, *padded)
         e = tiles.group[t]
         y = _dot(act(p[0], p[1] if len(p) > 1 else None), w["w_out"][e], dtype)
@@ -265,7 +303,7 @@ def _combine(pre, token_R, gate_R, sizes_G, lead, ws, names, act, m, n_tokens):
             y = y + lead * w["b_out"][e]
         return out.at[tok].add(jnp.where(valid[:, None], y * g[:, None].astype(dtype), 0))
 
-    return _loop(tiles.count, body, _zeros((n_tokens, D), dtype, *pre, gate_R, lead, *ws))[0]
+    return _loops(tilings, body, _zeros((n_tokens, D), dtype, *pre, gate_R, lead, *ws))[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
@@ -282,11 +320,11 @@ def _combined_bwd(names, act, m, n_tokens, res, d_out):
     pre, token_R, gate_R, sizes_G, lead, ws = res
     w = dict(zip(names, ws))
     R, F = token_R.shape[0], pre[0].shape[-1]
-    tiles, token, gate = _Tiles(sizes_G, m, R), _pad(token_R, m), _pad(gate_R, m)
+    tilings, token, gate = _tilings(sizes_G, m, R), _pad(token_R, m), _pad(gate_R, m)
     padded = pre  # (R + m rows)
     two = len(pre) > 1
 
-    def body(t, carry):
+    def body(tiles, t, carry):
         d_pre, d_gate, dw = carry
         (tok, g, *p), valid = tiles.rows(t, token, gate, *padded)
         e = tiles.group[t]
@@ -303,15 +341,17 @@ def _combined_bwd(names, act, m, n_tokens, res, d_out):
         grads = act_vjp((u * g[:, None]).astype(h.dtype))
         first = tiles.first[t]
         d_pre = [jax.lax.dynamic_update_slice_in_dim(
-            d, jnp.where(valid[:, None], _f32(gr), jax.lax.dynamic_slice_in_dim(d, first, m)), first, 0)
+            d, jnp.where(valid[:, None], _f32(gr), jax.lax.dynamic_slice_in_dim(d, first, tiles.m)), first, 0)
             for d, gr in zip(d_pre, grads)]
-        d_gate = jax.lax.dynamic_update_slice_in_dim(d_gate, jnp.where(valid, d_g, 0), first, 0)
+        # (A padded tile's rows past its group's are another group's: kept as they are.)
+        d_gate = jax.lax.dynamic_update_slice_in_dim(
+            d_gate, jnp.where(valid, d_g, jax.lax.dynamic_slice_in_dim(d_gate, first, tiles.m)), first, 0)
         return d_pre, d_gate, {k: dw[k].at[e].add(upd[k]) for k in dw}
 
     like = (*pre, d_out, gate_R, *ws)
     init = ([_zeros((R + m, F), jnp.float32, *like) for _ in pre], _zeros((R + m,), jnp.float32, *like),
             {k: _zeros(w[k].shape, jnp.float32, *like) for k in names if k in ("w_out", "b_out")})
-    (d_pre, d_gate, dw), _ = _loop(tiles.count, body, init)
+    (d_pre, d_gate, dw), _ = _loops(tilings, body, init)
     return (tuple(_summed(d, p) for d, p in zip(d_pre, pre)), None, _summed(d_gate[:R], gate_R), None, None,
             tuple(_summed(dw[k], w[k]) if k in dw else jnp.zeros_like(w[k]) for k in names))
 
