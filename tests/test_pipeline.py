@@ -217,14 +217,16 @@ def test_zero_bubble_tables_at_the_theory_match_one_device(mesh, microbatches):
     assert_params_close(program.saved(state).params, ref_params)
 
 
+@pytest.mark.parametrize("remat", ["none", "dots"])
 @pytest.mark.parametrize("mesh, microbatches", [("stage=2,data=4", 4), ("stage=4,data=2", 8)])
-def test_zero_bubble_keeps_no_more_than_1f1b_at_twice_the_stages(mesh, microbatches):
+def test_zero_bubble_keeps_no_more_than_1f1b_at_twice_the_stages(mesh, microbatches, remat):
     """Compiled temp bytes per device: ZB-H1 keeps each microbatch's residuals until its W (the
     ones B alone reads only until B), what B hands W, and arrivals waiting for their slot;
-    with M = 2P microbatches and no remat that is no more than 1F1B's 2P - 1 microbatches'
-    residuals (at M = P, or under a remat policy whose W must keep what B recomputed, it is
-    more: docs/pipelines.md)."""
-    model = TransformerLM(get_preset("tiny-llama").replace(n_layers=4))
+    with M = 2P microbatches, without remat and under ``dots`` (whose recomputed norms and
+    activations W runs again rather than keep), that is no more than 1F1B's 2P - 1
+    microbatches' residuals (at M = P, or under ``full``, whose W must keep the matmul inputs
+    B recomputed, it is more: docs/pipelines.md)."""
+    model = TransformerLM(get_preset("tiny-llama").replace(n_layers=4), remat=remat)
     temp = {}
     for kind in ("1f1b", "zb-h1"):
         program = make_program(model, mesh, pipeline_schedule=kind, microbatches=microbatches)

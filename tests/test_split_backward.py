@@ -69,6 +69,30 @@ def test_b_and_w_are_the_pullback_with_every_matmul_once(preset, remat):
     assert 0 < w < b + w and b > 0
 
 
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
+def test_what_b_hands_w_under_dots_depends_on_the_cotangent(preset):
+    """Under ``dots`` every matmul's output is a residual, so what else both parts need of the
+    forward pass (a norm's output, an activation) is cheap and made from the residuals: W runs
+    it again instead of keeping B's copy. So each value B hands W changes with the cotangent
+    (a gradient), none is the forward's; and W reads more residuals than B hands it values."""
+    f, chunk, x = _stack(preset, "dots")
+    (y, extra), pullback = jax.vjp(f, chunk, x)
+    res, treedef = jax.tree.flatten(pullback)
+
+    def full(res, cot):
+        return jax.tree.unflatten(treedef, res)(cot)
+
+    def cot(seed):
+        return jax.random.normal(jax.random.key(seed), y.shape), jnp.ones_like(extra)
+
+    s = split_backward.split(full, res, cot(2), len(jax.tree.leaves(chunk)))
+    one, two = (jax.tree.leaves(s.b(res, cot(seed))[1]) for seed in (2, 3))
+    assert one and all(not np.allclose(a, b) for a, b in zip(one, two)), \
+        [a.shape for a, b in zip(one, two) if np.allclose(a, b)]
+    handed = sum(a.size for a in one)
+    assert sum(r.size for r, w in zip(res, s.w_reads) if w) > 0 and handed < sum(r.size for r in res)
+
+
 def test_a_scan_carrying_what_both_parts_need_splits_and_stays_exact():
     """A toy recurrence whose weight gradient needs the carried cotangent at every step:
     B stacks it per iteration, W scans over the stack."""

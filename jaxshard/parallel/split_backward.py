@@ -14,7 +14,9 @@ interpreters of that jaxpr, binding each equation's primitive where it is traced
 become ordinary parts of the program they are called in. A ``scan`` (the layer stack) is split
 the same way inside: B scans its part of the body and stacks, per iteration, what W reads of
 it; W scans the rest over that stack. Calls (``jit``, ``remat``) are entered as if inlined.
-Any other equation that both parts need runs in B, its outputs handed to W.
+An equation both parts need that is cheap (no matmul) and made from the residuals alone --
+what a remat policy recomputes of the forward pass, such as a norm's output -- runs in both,
+so W keeps no copy of it from B; any other runs in B, its outputs handed to W.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def _inner(eqn) -> tuple[core.Jaxpr, list]:
 
 @dataclass
 class _Plan:
-    """How one jaxpr's equations split. ``role[i]``: "B", "W", "call" or "scan" (split
+    """How one jaxpr's equations split. ``role[i]``: "B", "W", "BW" (run by both), "call" or "scan" (split
     inside: ``sub[i]``), or None (needed by neither). ``stash``: the variables B defines (or
     the jaxpr takes but W will not be given) that W reads."""
 
@@ -60,13 +62,40 @@ class _Plan:
     w_outs: list = field(default_factory=list)
 
 
-def _plan(jaxpr: core.Jaxpr, out_b: list[bool], out_w: list[bool], w_has: set) -> _Plan:
+def _cheap(eqn) -> bool:
+    """An equation W may run again rather than be handed its result: no matmul, no body of its
+    own, no effects or randomness (an elementwise op, a reduction, a reshape)."""
+    name = eqn.primitive.name
+    if name in _CALLS:  # (jax.nn.silu is a jit call, say)
+        return not eqn.effects and all(_cheap(e) for e in _inner(eqn)[0].eqns)
+    return (name not in _COSTLY and "random" not in name and "rng" not in name and not eqn.effects
+            and not any(isinstance(v, (core.Jaxpr, core.ClosedJaxpr)) for v in eqn.params.values()))
+
+
+_COSTLY = ("dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general", "threefry2x32")
+
+
+def _derivable(jaxpr: core.Jaxpr, free: set) -> set:
+    """``free`` (the variables W has without B: the residuals it is given) and what cheap
+    equations make of them alone, in order."""
+    free = set(free) | set(jaxpr.constvars)
+    for eqn in jaxpr.eqns:
+        if _cheap(eqn) and all(not _is_var(v) or v in free for v in eqn.invars):
+            free |= set(eqn.outvars)
+    return free
+
+
+def _plan(jaxpr: core.Jaxpr, out_b: list[bool], out_w: list[bool], w_has: set, free: set = frozenset()) -> _Plan:
     """Partition ``jaxpr`` given which outputs B and W produce. ``w_has``: the invars W is
-    given (others it reads are stashed). B defines whatever B needs; W what only W needs."""
+    given (others it reads are stashed). B defines whatever B needs; W what only W needs. What
+    both need, W runs again where it is cheap and made from ``free`` invars alone (the
+    residuals: a norm's output, an activation under the ``dots`` policies), rather than keep
+    B's result from B to W; else B runs it and hands it over."""
     plan = _Plan(jaxpr, [None] * len(jaxpr.eqns))
     live_b = {v for v, b in zip(jaxpr.outvars, out_b) if b and _is_var(v)}
     live_w = {v for v, w in zip(jaxpr.outvars, out_w) if w and _is_var(v)}
     w_side: set = set()  # variables W defines
+    again = _derivable(jaxpr, free)
     for i in range(len(jaxpr.eqns) - 1, -1, -1):
         eqn = jaxpr.eqns[i]
         ob = [v in live_b for v in eqn.outvars]
@@ -74,14 +103,20 @@ def _plan(jaxpr: core.Jaxpr, out_b: list[bool], out_w: list[bool], w_has: set) -
         if not any(ob) and not any(ow):
             continue
         name = eqn.primitive.name
-        if name in _CALLS and any(ow):
+        if any(ob) and any(ow) and eqn.outvars[0] in again:
+            plan.role[i] = "BW"  # run by both
+            live_b |= {v for v in eqn.invars if _is_var(v)}
+            live_w |= {v for v in eqn.invars if _is_var(v)}
+            w_side |= set(eqn.outvars)
+        elif name in _CALLS and any(ow):
             inner, _ = _inner(eqn)
-            sub = _plan(inner, ob, [w and not b for b, w in zip(ob, ow)], set(inner.invars))
+            sub = _plan(inner, ob, [w and not b for b, w in zip(ob, ow)], set(inner.invars),
+                        {iv for iv, v in zip(inner.invars, eqn.invars) if not _is_var(v) or v in again})
             plan.role[i], plan.sub[i] = "call", sub
             _mark(eqn.invars, sub.in_b, sub.in_w, live_b, live_w)
             w_side |= {v for v, d in zip(eqn.outvars, _w_defined(sub)) if d}
         elif name == "scan" and any(ow) and not all(ob[k] or not ow[k] for k in range(len(ob))):
-            sub = _plan_scan(eqn, ob, ow)
+            sub = _plan_scan(eqn, ob, ow, again)
             plan.role[i], plan.sub[i] = "scan", sub
             _mark(eqn.invars, sub.in_b, sub.in_w, live_b, live_w)
             w_side |= {v for v, d in zip(eqn.outvars, sub.w_outs) if d}
@@ -117,7 +152,7 @@ def _w_defined(plan: _Plan) -> list[bool]:
     """Per outvar of a planned jaxpr: W defines it."""
     defined = set()
     for i, eqn in enumerate(plan.jaxpr.eqns):
-        if plan.role[i] == "W":
+        if plan.role[i] in ("W", "BW"):
             defined |= set(eqn.outvars)
         elif plan.role[i] == "call":
             defined |= {v for v, d in zip(eqn.outvars, _w_defined(plan.sub[i])) if d}
@@ -126,13 +161,17 @@ def _w_defined(plan: _Plan) -> list[bool]:
     return [v in defined for v in plan.jaxpr.outvars]
 
 
-def _plan_scan(eqn, ob: list[bool], ow: list[bool]) -> _Plan:
+def _plan_scan(eqn, ob: list[bool], ow: list[bool], free: set = frozenset()) -> _Plan:
     """A scan split in two scans: B's carries are those B needs or B's part of the body reads;
-    W's the rest that W needs. Per iteration B stacks what W's part of the body reads of it."""
+    W's the rest that W needs. Per iteration B stacks what W's part of the body reads of it.
+    ``free``: the outer variables W has without B (its consts and xs among them are free in
+    the body; its carries are not)."""
     p = eqn.params
     body = p["jaxpr"].jaxpr
     n_c, n_k = p["num_consts"], p["num_carry"]
     n_y = len(body.outvars) - n_k
+    inner_free = {iv for k, (iv, v) in enumerate(zip(body.invars, eqn.invars))
+                  if not n_c <= k < n_c + n_k and (not _is_var(v) or v in free)}
     b_carry = [ob[k] for k in range(n_k)]
     while True:
         out_b = b_carry + ob[n_k:]
@@ -140,7 +179,7 @@ def _plan_scan(eqn, ob: list[bool], ow: list[bool]) -> _Plan:
         # W's carries are its own (given); B's carried values W reads are stashed per iteration.
         w_carry_in = [body.invars[n_c + k] for k in range(n_k) if not b_carry[k]]
         w_has = set(body.invars[:n_c]) | set(w_carry_in) | set(body.invars[n_c + n_k:])
-        sub = _plan(body, out_b, out_w, w_has)
+        sub = _plan(body, out_b, out_w, w_has, inner_free)
         grown = [b or sub.in_b[n_c + k] for k, b in enumerate(b_carry)]
         if grown == b_carry:
             break
@@ -154,7 +193,7 @@ def _plan_scan(eqn, ob: list[bool], ow: list[bool]) -> _Plan:
         out_w = [o or w for o, w in zip(out_w[:n_k], sub.w_carry)] + out_w[n_k:]
         w_carry_in = [body.invars[n_c + k] for k in range(n_k) if not b_carry[k]]
         w_has = set(body.invars[:n_c]) | set(w_carry_in) | set(body.invars[n_c + n_k:])
-        sub2 = _plan(body, out_b, out_w, w_has)
+        sub2 = _plan(body, out_b, out_w, w_has, inner_free)
         sub2.b_carry, sub2.w_carry = sub.b_carry, sub.w_carry
         sub = sub2
     sub.w_outs = out_w[:n_k] + out_w[n_k:]  # per scan output: W's scan makes it
@@ -196,7 +235,7 @@ def _run_b(plan: _Plan, consts: list, args: list, want: list[bool]) -> tuple[lis
     env.update({v: a for v, a in zip(jaxpr.invars, args) if a is not None})
     for i, eqn in enumerate(jaxpr.eqns):
         role = plan.role[i]
-        if role == "B":
+        if role in ("B", "BW"):
             env.update(zip(eqn.outvars, _bind(eqn, [_read(env, v) for v in eqn.invars])))
         elif role == "call":
             inner, inner_consts = _inner(eqn)
@@ -231,7 +270,7 @@ def _run_w(plan: _Plan, consts: list, args: list, stash: list) -> list:
     nested = dict(zip(sorted(plan.sub), nested))
     for i, eqn in enumerate(jaxpr.eqns):
         role = plan.role[i]
-        if role == "W":
+        if role in ("W", "BW"):
             env.update(zip(eqn.outvars, _bind(eqn, [_read(env, v) for v in eqn.invars])))
         elif role == "call":
             inner, inner_consts = _inner(eqn)
@@ -331,7 +370,7 @@ def split(pullback: Callable, residuals: Any, cotangent: Any, n_weights: int) ->
     n_out = len(jaxpr.outvars)
     out_b = [k >= n_weights for k in range(n_out)]
     out_w = [k < n_weights for k in range(n_out)]
-    plan = _plan(jaxpr, out_b, out_w, set(jaxpr.invars[:n_res]))
+    plan = _plan(jaxpr, out_b, out_w, set(jaxpr.invars[:n_res]), set(jaxpr.invars[:n_res]))
 
     def b(res, cot):
         args = jax.tree.leaves(res) + jax.tree.leaves(cot)
