@@ -44,8 +44,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=5, help="timed steps per round (the fastest counts)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of the two schedules")
     p.add_argument("--remat", default="none", help="the model's --remat policy")
-    p.add_argument("--residual-cap", type=int, default=None,
-                   help="ZB-H1's cap on microbatches whose residuals a stage holds (default: P - s on stage s)")
+    p.add_argument("--residual-cap", default=None,
+                   help="ZB-H1's cap on microbatches whose residuals a stage holds: a number, or 'stage' for P - s "
+                        "on stage s (default: the training step's for --remat, pipeline.residual_cap)")
     return p
 
 
@@ -61,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.d_model < 8 or a.d_model % 8:
             raise ConfigError(f"--d-model must be a multiple of 8 (4 heads of an even width, for RoPE), "
                               f"got {a.d_model}")
-        if a.residual_cap is not None and a.residual_cap < 1:
-            raise ConfigError(f"--residual-cap must be >= 1, got {a.residual_cap}")
+        if a.residual_cap not in (None, "stage") and not (a.residual_cap.isdigit() and int(a.residual_cap) >= 1):
+            raise ConfigError(f"--residual-cap must be a number >= 1 or 'stage', got {a.residual_cap}")
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + SINGLE_THREAD).strip()
         from jaxshard import runtime
 
@@ -79,13 +80,15 @@ def main(argv: list[str] | None = None) -> int:
 
         model = TransformerLM(get_preset("llama-tiny").replace(d_model=a.d_model, d_mlp=4 * a.d_model), remat=a.remat)
         rules = ShardingRules(build_mesh("stage=2", jax.devices()[:2]))
+        cap = (pipeline.residual_cap(2, model.remat) if a.residual_cap is None
+               else (2, 1) if a.residual_cap == "stage" else int(a.residual_cap))
         t0 = time.perf_counter()
         rows = []
         for m in ms:
             batch = m * a.rows
             layout = pipeline.StageLayout.make(model.cfg.n_layers, 2)
             tables = {"1f1b": None, "zb-h1": pipeline.make_schedule("zb-h1", 2, m, layout=layout,
-                                                                    residual_cap=a.residual_cap)}
+                                                                    residual_cap=cap)}
             programs = {k: build_program(model, rules, OptimConfig(), StepConfig(pipeline_schedule=k, microbatches=m),
                                          schedule=tables[k]) for k in KINDS}
             times = {k: [] for k in KINDS}
@@ -104,11 +107,11 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
         meta = {"backend": jax.default_backend(), "devices": 2, "cpu_count": os.cpu_count(), "jax": jax.__version__,
                 "model": "llama-tiny", "d_model": a.d_model, "mesh": "stage=2", "rows": a.rows, "seq_len": a.seq_len,
-                "steps": a.steps, "rounds": a.rounds, "remat": a.remat, "residual_cap": a.residual_cap,
+                "steps": a.steps, "rounds": a.rounds, "remat": a.remat, "residual_cap": cap,
                 "wall_s": time.perf_counter() - t0}
         lines = [f"`stage=2` on 2 single-threaded fake CPU devices, llama-tiny (4 layers) at width {a.d_model}, "
                  f"{a.rows} x {a.seq_len} tokens a microbatch, --remat {a.remat}, ZB-H1's residual cap "
-                 f"{'P - s' if a.residual_cap is None else a.residual_cap}; "
+                 f"{'P - s' if isinstance(cap, tuple) else cap}; "
                  f"the fastest of {a.rounds} x {a.steps} steps.", "",
                  "| M | 1F1B step ms | ZB-H1 step ms | ZB-H1 / 1F1B | each round | table idle 1F1B (theory) | "
                  "table idle ZB-H1 (theory) | temp MiB 1F1B / ZB-H1 |", "|---|---|---|---|---|---|---|---|"]

@@ -391,7 +391,7 @@ def test_tools_reject_bad_input_with_one_line():
     assert_one_line_error(run_script("plan.py", "--model", "tiny", "--devices", "8", "--device", "h100",
                                      "--device-memory", ".."), "cannot read a size from '..'")
     assert_one_line_error(run_script("../scripts/bench_zero_bubble.py", "--residual-cap", "0"),
-                          "--residual-cap must be >= 1, got 0")
+                          "--residual-cap must be a number >= 1 or 'stage', got 0")
     assert_one_line_error(run_script("../scripts/bench_zero_bubble.py", "--d-model", "30"),
                           "--d-model must be a multiple of 8 (4 heads of an even width, for RoPE), got 30")
     assert_one_line_error(run_script("../scripts/bench_moe.py", "--d-model", "60"),

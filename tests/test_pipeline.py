@@ -99,9 +99,10 @@ def test_bad_schedules_are_one_line_errors(kind, stages, microbatches, virtual, 
         make_schedule(kind, stages, microbatches, virtual)
 
 
-@pytest.mark.parametrize("kind, cap", [("1f1b", 2), ("gpipe", 2), ("interleaved", 2), ("naive", 2), ("zb-h1", 0)])
+@pytest.mark.parametrize("kind, cap", [("1f1b", 2), ("gpipe", 2), ("interleaved", 2), ("naive", 2), ("zb-h1", 0),
+                                       ("zb-h1", (2, 0)), ("zb-h1", (3, 2, 1))])
 def test_a_residual_cap_is_zero_bubbles_alone_and_at_least_one(kind, cap):
-    with pytest.raises(ConfigError, match=re.escape(f"must be >= 1; got {cap} for {kind}")):
+    with pytest.raises(ConfigError, match=re.escape(f"one or one per stage; got {cap} for {kind} on 2 stages")):
         make_schedule(kind, 2, 2, residual_cap=cap)
 
 
@@ -177,61 +178,136 @@ def check_zero_bubble_table(schedule):
                     assert slot < 0 or sum(1 for a2, b2, sl in waits if sl == slot and a <= b2 and a2 <= b) == 1
 
 
-@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("stages", [2, 3, 4])
 def test_zero_bubble_tables_and_their_bubble(stages):
     """ZB-H1's tables run several ops a stage a tick: fewer ticks than the one-op-a-tick
     theory's 3M + P - 1 and than its units (F, B and W one unit, a tick as long as its busiest
-    stage), never under the theory. With the default residual cap (P - s) at most P
-    microbatches' residuals a stage and one B's hand-over to W, the memory of the one-op
-    tables; every B takes its gradient in the tick it lands (no backward inbox), an F waits
-    in one slot at most; idle less than 1F1B's at M = P. With 1F1B's count of inputs as the
-    cap the units meet the theory exactly from M = 2P."""
+    stage), never under the theory. With the default residual cap (1F1B's 2P - 1) a stage
+    holds as many microbatches' residuals as 1F1B, no arrival waits in an inbox, the idle is
+    below 1F1B's at every M and meets the theory exactly from M = 2P. With P - s on stage s
+    (the cap where a hand-over cannot share its microbatch's slot): at most P microbatches,
+    one B's hand-over to W and one F in the inbox; idle below 1F1B's at M = P only."""
     for m in (stages, 2 * stages, 4 * stages):
         zb, one = make_schedule("zb-h1", stages, m), make_schedule("1f1b", stages, m)
         check_zero_bubble_table(zb)
         assert one.idle() == pytest.approx(one.bubble())
         units = 3 * m / (1 - zb.idle())
         assert zb.ticks < units and units >= 3 * m + stages - 1 - 1e-9
-        assert zb.slots == stages and zb.w_slots == 1 and zb.in_slots == 1 and zb.bwd_in_slots == 0
-        if m == stages:
-            assert zb.idle() < one.idle()
-        wide = make_schedule("zb-h1", stages, m, residual_cap=2 * stages - 1)
-        check_zero_bubble_table(wide)
+        assert zb.slots == one.slots and zb.in_slots == 0 and zb.bwd_in_slots == 0
+        assert zb.idle() < one.idle()
         if m >= 2 * stages:
-            assert wide.idle() == pytest.approx(wide.bubble())
-        assert wide.slots <= one.slots
+            assert zb.idle() == pytest.approx(zb.bubble())
+        narrow = make_schedule("zb-h1", stages, m, residual_cap=tuple(stages - s for s in range(stages)))
+        check_zero_bubble_table(narrow)
+        assert narrow.slots == stages and narrow.w_slots == 1 and narrow.in_slots == 1 and narrow.bwd_in_slots == 0
+        if m == stages:
+            assert narrow.idle() < one.idle()
 
 
-@pytest.mark.parametrize("mesh, microbatches", [("stage=2,data=4", 4), ("stage=4,data=2", 8)])
-def test_zero_bubble_tables_at_the_theory_match_one_device(mesh, microbatches):
-    """The cap at 2P - 1: several Bs' hand-overs waiting for their Ws at once and Ws run in the
-    forward slot, each reading its own slots (the default cap keeps one hand-over)."""
-    model, ref_losses, ref_params = deep("tiny-llama")
+@pytest.mark.parametrize("mesh, microbatches, remat", [("stage=2,data=4", 4, "full"), ("stage=4,data=2", 8, "none")])
+def test_zero_bubble_tables_with_one_hand_over_match_one_device(mesh, microbatches, remat):
+    """The cap at P - s on stage s: an F waits in the inbox, and Ws run in the forward slot
+    as well as the weight slot. Under ``full`` (the step's cap for it) B's hand-overs are
+    larger than the residuals B alone reads and go to a slot of their own; without remat
+    they overwrite those residuals (``pipeline.Handover``)."""
+    _, ref_losses, ref_params = deep("tiny-llama")
+    model = TransformerLM(get_preset("tiny-llama").replace(n_layers=4), remat=remat)
     stages = int(mesh.split(",")[0].split("=")[1])
-    layout = StageLayout.make(4, stages)
-    wide = make_schedule("zb-h1", stages, microbatches, layout=layout, residual_cap=2 * stages - 1)
-    assert wide.w_slots > 1 and (wide.fwgt >= 0).any() and (wide.wgt >= 0).any()
+    cap = tuple(stages - s for s in range(stages))
+    narrow = make_schedule("zb-h1", stages, microbatches, layout=StageLayout.make(4, stages), residual_cap=cap)
+    assert narrow.in_slots and (narrow.fwgt >= 0).any()
     losses, state, program = train(model, mesh, pipeline_schedule="zb-h1", microbatches=microbatches,
-                                   schedule=wide)
+                                   schedule=None if remat == "full" else narrow)
+    assert program.schedule.fwd.tolist() == narrow.fwd.tolist()
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
     assert_params_close(program.saved(state).params, ref_params)
 
 
-@pytest.mark.parametrize("remat", ["none", "dots"])
-@pytest.mark.parametrize("mesh, microbatches", [("stage=2,data=4", 4), ("stage=4,data=2", 8)])
-def test_zero_bubble_keeps_no_more_than_1f1b_at_twice_the_stages(mesh, microbatches, remat):
-    """Compiled temp bytes per device: ZB-H1 keeps each microbatch's residuals until its W (the
-    ones B alone reads only until B), what B hands W, and arrivals waiting for their slot;
-    with M = 2P microbatches, without remat and under ``dots`` (whose recomputed norms and
-    activations W runs again rather than keep), that is no more than 1F1B's 2P - 1
-    microbatches' residuals (at M = P, or under ``full``, whose W must keep the matmul inputs
-    B recomputed, it is more: docs/pipelines.md)."""
+@pytest.mark.parametrize("mesh, microbatches, remat", [
+    ("stage=2,data=4", 2, "none"), ("stage=2,data=4", 4, "none"), ("stage=2,data=4", 2, "dots"),
+    ("stage=2,data=4", 4, "dots"), ("stage=2,data=4", 2, "selective"), ("stage=4,data=2", 4, "none"),
+    ("stage=4,data=2", 8, "none"), ("stage=4,data=2", 4, "dots"), ("stage=4,data=2", 8, "dots")])
+def test_zero_bubble_keeps_no_more_than_1f1b(mesh, microbatches, remat):
+    """Compiled temp bytes per device, at M = P and 2P: ZB-H1 keeps as many microbatches'
+    residuals as 1F1B, each until its W, and B's hand-over to W over the residuals B alone
+    read (the policies of ``pipeline.HANDOVER_FITS``: its norms and activations W runs again
+    rather than keep, its norm scales' gradients B makes whole): no more than 1F1B's. (Under
+    ``full``, whose W must be handed the matmul inputs B recomputed, it is more:
+    docs/pipelines.md.)"""
     model = TransformerLM(get_preset("tiny-llama").replace(n_layers=4), remat=remat)
     temp = {}
     for kind in ("1f1b", "zb-h1"):
         program = make_program(model, mesh, pipeline_schedule=kind, microbatches=microbatches)
         temp[kind] = program.lower_step(microbatches * 4, 64).compile().memory_analysis().temp_size_in_bytes
     assert temp["zb-h1"] <= temp["1f1b"], temp
+
+
+def test_zero_bubbles_cap_widens_only_where_a_hand_over_can_take_its_residuals_place():
+    """1F1B's 2P - 1 where the policy's hand-over fits in the B-only residuals and no axis but
+    stage and the executor's replicas splits a stage's values (a flat slot would gather them);
+    else P - s on stage s."""
+    from jaxshard.parallel.pipeline import flat_slots, residual_cap
+
+    assert flat_slots({"stage": 2, "data": 4, "tensor": 1}, ("data",))
+    for sizes, replicas in (({"stage": 2, "data": 2, "tensor": 2}, ("data",)), ({"stage": 2, "data": 4}, ())):
+        assert not flat_slots(sizes, replicas)
+    assert residual_cap(4, "none") == residual_cap(4, "dots") == 7
+    for remat, flat in (("full", True), ("selective", True), ("dots_no_batch", True), ("none", False)):
+        assert residual_cap(4, remat, flat) == (4, 3, 2, 1)
+    program = make_program(deep("tiny")[0], "data=2,stage=2,tensor=2", pipeline_schedule="zb-h1", microbatches=4)
+    assert program.schedule.in_slots == 1  # (the P - s tables: an F waits)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_ticks_sends_come_after_all_its_work(schedule):
+    """A send is a rendezvous of the stages: in the compiled (scheduled) tick, both sends come
+    after every slot's conditional, so that a tick lasts as long as its slower stage's work
+    (the tables' count), not the slower stage's before a send plus the slower's after it."""
+    model, _, _ = deep("tiny-llama")
+    program = make_program(model, "stage=2,data=4", pipeline_schedule=schedule, microbatches=4)
+    text = program.lower_step(16, 64).compile().as_text()
+    ticks = [body for body in re.split(r"\n(?=\S)", text) if "collective-permute(" in body and "conditional(" in body]
+    assert ticks, "no computation with both the sends and the slots"
+    for body in ticks:
+        lines = body.splitlines()
+        sends = [n for n, line in enumerate(lines) if " collective-permute(" in line]
+        slots = [n for n, line in enumerate(lines) if " conditional(" in line]
+        assert len(sends) == 2 and len(slots) >= 2 and max(slots) < min(sends), (slots, sends)
+
+
+@pytest.mark.parametrize("cap, b_only, handed, shared", [
+    (None, [(4, 3), (2,), (5,)], [(5,), (3, 2), (2, 2)], True),  # B-only residuals and hand-over share a slot
+    ((2, 1), [], [(6,), (2, 2), (3,)], False),  # none B-only (``full``): the hand-over's own slot
+])
+def test_a_hand_over_store_gives_back_what_each_microbatch_left_in_it(cap, b_only, handed, shared):
+    """``pipeline.Handover``: in its one slot per microbatch, or apart, each microbatch's B-only
+    residuals (float32 and bfloat16) come back at its B and its hand-over at its W, whatever
+    the others wrote meanwhile; a tick without B writes back what the slot held."""
+    import jax.numpy as jnp
+    from jaxshard.parallel.pipeline import Handover
+
+    table = make_schedule("zb-h1", 2, 4, residual_cap=cap)
+    dtypes = (jnp.float32, jnp.bfloat16)
+    shapes = lambda dims: [jax.ShapeDtypeStruct(d, dtypes[n % 2]) for n, d in enumerate(dims)]  # noqa: E731
+    store_of = Handover(shapes(b_only), shapes(handed), table)
+    assert store_of.shared is shared
+    values = lambda dims, seed: [jax.random.normal(jax.random.key(seed + n), d).astype(dtypes[n % 2])  # noqa: E731
+                                 for n, d in enumerate(dims)]
+    store = store_of.zeros()
+    for i in range(2):  # microbatch i in slot i (its B-only slot and its hand-over's too, apart)
+        store = store_of.keep_res(store, values(b_only, 10 * i), i, i)
+    held = 2 if shared else table.w_slots  # (apart, the narrow table holds one hand-over)
+    for i in range(2):
+        for got, want in zip(store_of.res(store, i, i), values(b_only, 10 * i)):
+            np.testing.assert_array_equal(got, want)
+        if i < held:
+            store = store_of.keep_handed(store, values(handed, 100 + i), i, i)
+    idle = store_of.keep_handed(store, store_of.idle(store, 0, 0), 0, 0)
+    for i in range(held):
+        for got, want, again in zip(store_of.handed_to_w(store, i, i), values(handed, 100 + i),
+                                    store_of.handed_to_w(idle, i, i)):
+            np.testing.assert_array_equal(got, want)
+            np.testing.assert_array_equal(again, want)
 
 
 @functools.cache
@@ -347,7 +423,10 @@ def test_data_parallel_gradients_are_reduced_once_per_step_not_per_microbatch(me
 @pytest.mark.parametrize("mesh, schedule, microbatches, layout", [
     ("stage=2,data=4", "1f1b", 4, {}), ("data=2,stage=2,tensor=2", "gpipe", 2, {}),
     ("stage=2,data=4", "interleaved", 4, dict(stage_layers=(1, 2, 1, 1))),
-    ("stage=2,data=4", "zb-h1", 4, {})])  # (a neighbour's output waits in the inbox for its forward)
+    ("stage=2,data=4", "zb-h1", 4, {}),
+    # (a neighbour's output waits in the inbox for its forward)
+    ("stage=2,data=4", "zb-h1", 4, dict(schedule=make_schedule("zb-h1", 2, 4, layout=StageLayout.make(4, 2),
+                                                                residual_cap=(2, 1))))])
 def test_evaluation_runs_the_pipeline_and_gathers_no_stage(mesh, schedule, microbatches, layout):
     """The validation loss of a pipelined run comes from the stages' forward slots: the one
     device's loss, with no layer weight gathered across stages (a plain layer scan would

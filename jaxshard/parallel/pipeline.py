@@ -228,19 +228,50 @@ class Schedule:
         return 1 - 3 * self.microbatches * V * P / (P * work.max(axis=1).sum())
 
 
+# The remat policies under which what B hands W is about the size of the residuals B alone
+# reads, which it overwrites (Handover): every matmul's output is kept, so what W reads of
+# the forward pass is kept or cheap to make again, and B hands it the matmuls' output
+# gradients. Under the others B hands W matmul inputs it recomputed too (``full``, ``names``;
+# the attention core's output under ``selective`` and ``dots_no_batch``): up to many times
+# the B-only residuals (tests/test_split_backward.py). The rule goes by the policy because
+# the tables are made before the batch's shape is known (docs/pipelines.md, "Zero bubble").
+HANDOVER_FITS = ("none", "dots")
+
+
+def flat_slots(sizes: dict[str, int], replicas: tuple[str, ...]) -> bool:
+    """Whether a stage's values may be laid out flat in a shared slot (:class:`Handover`):
+    only where every mesh axis but ``stage`` and the executor's ``replicas`` is 1. A tensor,
+    fsdp, sequence or expert axis splits the values, which flattening would gather."""
+    return all(n == 1 for axis, n in sizes.items() if axis != STAGE and axis not in replicas)
+
+
+def residual_cap(stages: int, remat: Any, flat: bool = True) -> int | tuple[int, ...]:
+    """ZB-H1's cap for ``remat``: 1F1B's 2P - 1 microbatches where B's hand-over to W fits in
+    the residuals it overwrites (:data:`HANDOVER_FITS`, and ``flat``: :func:`flat_slots`);
+    else P - s on stage s, which holds one hand-over beside the residuals (docs/pipelines.md)."""
+    if flat and str(remat) in HANDOVER_FITS:
+        return 2 * stages - 1
+    return tuple(stages - s for s in range(stages))
+
+
 def make_schedule(kind: str, stages: int, microbatches: int, virtual: int = 1,
-                  layout: StageLayout | None = None, residual_cap: int | None = None) -> Schedule:
+                  layout: StageLayout | None = None, residual_cap: int | tuple[int, ...] | None = None
+                  ) -> Schedule:
     """``naive``: one microbatch through the stages in turn (vertical model parallelism);
     ``gpipe``: every forward, then every backward; ``1f1b``: microbatch i runs forward on stage s
     at tick i + s and backward at tick i + 2P - 2 - s, so a stage holds at most 2P - 1 inputs;
     ``interleaved``: 1F1B over V chunks per stage, microbatches taken P at a time through each
     chunk in turn (Megatron's order), with one forward and one backward slot per tick;
-    ``zb-h1``: :func:`_zero_bubble`, ``residual_cap`` its cap (default P - s on stage s)."""
+    ``zb-h1``: :func:`_zero_bubble`, ``residual_cap`` its cap (one for every stage, or one per
+    stage; default 2P - 1)."""
     Pn, M, V = stages, microbatches, virtual
     if kind not in SCHEDULES:
         raise ConfigError(f"--pipeline-schedule must be one of {', '.join(SCHEDULES)}, got {kind!r}")
-    if residual_cap is not None and (kind != "zb-h1" or residual_cap < 1):
-        raise ConfigError(f"a residual cap is ZB-H1's and must be >= 1; got {residual_cap} for {kind}")
+    if residual_cap is not None:
+        caps = (residual_cap,) if isinstance(residual_cap, int) else tuple(residual_cap)
+        if kind != "zb-h1" or min(caps, default=0) < 1 or len(caps) not in (1, Pn):
+            raise ConfigError(f"a residual cap is ZB-H1's and must be >= 1, one or one per stage; "
+                              f"got {residual_cap} for {kind} on {Pn} stages")
     if Pn < 2:
         raise ConfigError(f"--pipeline-schedule {kind} needs a stage axis of size > 1 in --mesh")
     if kind == "naive" and M != 1:
@@ -303,22 +334,24 @@ def _slots(spans: list[tuple[int, int]]) -> list[int]:
     return out
 
 
-def _zero_bubble(Pn: int, M: int, layout: StageLayout | None, cap: int | None = None) -> Schedule:
+def _zero_bubble(Pn: int, M: int, layout: StageLayout | None, cap: int | tuple[int, ...] | None = None
+                 ) -> Schedule:
     """ZB-H1 (Qi et al. 2023, Zero Bubble Pipeline Parallelism) on lock-step ticks: a tick
     lasts as long as its busiest stage's work, so each tick is filled to that length.
 
     A tick has three slots a stage runs in turn: the forward slot (an F, or a W where the stage
     has no F to run), the backward slot (a B) and the weight slot (a W). List-scheduled tick by
     tick: a stage runs its next F if the previous stage's ran in an earlier tick and it holds
-    fewer than ``cap`` microbatches' residuals (F done, W not yet; default P - s on stage s,
-    which keeps its memory near 1F1B's), else its oldest waiting W if the cap stopped the F;
+    fewer than ``cap`` microbatches' residuals (F done, W not yet: default 2P - 1, as many as
+    1F1B holds; or one per stage), else its oldest waiting W if the cap stopped the F;
     its next B if the next stage's B of that microbatch ran in an earlier tick (on the last
     stage: its own F, in this tick or before). The tick's length is the most of these any
     stage runs (at least one); then every stage fills its free slots up to that length with
     waiting Ws. Ws hold nothing up, so they go where a stage would idle: into the ticks the
-    next stage spends on F and B, and into the end. ``cap=2P - 1`` (1F1B's count of inputs
-    kept) meets the theory's 3M + P - 1 units of F, B and W from M = 2P, at about 1.7x the
-    memory (docs/pipelines.md)."""
+    next stage spends on F and B, and into the end. The cap at 2P - 1 meets the theory's
+    3M + P - 1 units of F, B and W from M = 2P; P - s on stage s holds the fewest microbatches
+    and idles a quarter of the units on 2 stages (docs/pipelines.md)."""
+    caps = [2 * Pn - 1] * Pn if cap is None else [cap] * Pn if isinstance(cap, int) else list(cap)
     f_at, b_at, w_at, w_first = {}, {}, {}, set()  # w_first: the Ws run in the forward slot
     next_f, next_b, done_w = [0] * Pn, [0] * Pn, [0] * Pn
     waiting: list[list[int]] = [[] for _ in range(Pn)]
@@ -338,7 +371,7 @@ def _zero_bubble(Pn: int, M: int, layout: StageLayout | None, cap: int | None = 
         for s in range(Pn):
             i = next_f[s]
             if i < M and (s == 0 or f_at.get((i, s - 1), t) < t):
-                if i - done_w[s] < (Pn - s if cap is None else cap):
+                if i - done_w[s] < caps[s]:
                     f_at[i, s] = t
                     next_f[s] += 1
                     ran[s], forward_used[s] = ran[s] + 1, True
@@ -391,6 +424,81 @@ def _zero_bubble(Pn: int, M: int, layout: StageLayout | None, cap: int | None = 
         slots, w_slots = max(slots, max(res) + 1), max(w_slots, max(kept.values()) + 1)
     return Schedule("zb-h1", Pn, M, 1, slots=slots, layout=layout, w_slots=w_slots, in_slots=inbox["fwd"],
                     bwd_in_slots=inbox["bwd"], b_slots=b_slots, **tables)
+
+
+class Handover:
+    """Where a zero-bubble stage keeps the residuals only B reads (from F to B) and what B
+    hands W (from B to W). Apart, they take ``b_slots`` and ``w_slots`` slots of their own
+    shapes. Shared, a microbatch's hand-over overwrites its B-only residuals in one slot per
+    microbatch from F to W -- the slot of the residuals W reads -- holding one buffer per
+    dtype as wide as the larger of the two; shared when that takes fewer bytes (the hand-over
+    is mostly smaller than what B alone reads: without remat and under ``dots``) and ``flat``
+    (:func:`flat_slots`)."""
+
+    def __init__(self, b_only: list, handed: list, schedule: Schedule, flat: bool = True) -> None:
+        self.b_only, self.handed = b_only, handed
+        dtypes = sorted({jnp.dtype(x.dtype) for x in b_only + handed}, key=str)
+        size = lambda xs, d: sum(x.size for x in xs if jnp.dtype(x.dtype) == d)  # noqa: E731
+        self.width = {d: max(size(b_only, d), size(handed, d)) for d in dtypes}
+        apart = sum(schedule.b_slots * size(b_only, d) * d.itemsize + schedule.w_slots * size(handed, d) * d.itemsize
+                    for d in dtypes)
+        self.slots = schedule.slots
+        self.shared = flat and self.slots * sum(w * d.itemsize for d, w in self.width.items()) <= apart
+        self.b_slots, self.w_slots = schedule.b_slots, schedule.w_slots
+
+    def zeros(self) -> Any:
+        if self.shared:
+            return {str(d): jnp.zeros((self.slots, w), d) for d, w in self.width.items()}
+        return ([jnp.zeros((self.b_slots, *x.shape), x.dtype) for x in self.b_only],
+                [jnp.zeros((self.w_slots, *x.shape), x.dtype) for x in self.handed])
+
+    @staticmethod
+    def _put(store: dict, leaves: list, slot: jax.Array) -> dict:
+        """Each leaf in place into row ``slot`` at its offset among its dtype's (no row is
+        assembled first: that would be a temp as large as the row)."""
+        out, offset = dict(store), dict.fromkeys(store, 0)
+        for x in leaves:
+            name = str(jnp.dtype(x.dtype))
+            out[name] = jax.lax.dynamic_update_slice(out[name], x.reshape(1, -1), (slot, offset[name]))
+            offset[name] += x.size
+        return out
+
+    @staticmethod
+    def _get(store: dict, shapes: list, slot: jax.Array) -> list:
+        offset, out = dict.fromkeys(store, 0), []
+        for x in shapes:
+            name = str(jnp.dtype(x.dtype))
+            out.append(jax.lax.dynamic_slice(store[name], (slot, offset[name]), (1, x.size)).reshape(x.shape))
+            offset[name] += x.size
+        return out
+
+    def keep_res(self, store: Any, leaves: list, slot: jax.Array, b_slot: jax.Array) -> Any:
+        """At F: the B-only residuals into the microbatch's slot (``slot``: its residuals'; apart: ``b_slot``)."""
+        if self.shared:
+            return self._put(store, leaves, slot)
+        return [buf.at[b_slot].set(x) for buf, x in zip(store[0], leaves)], store[1]
+
+    def res(self, store: Any, slot: jax.Array, b_slot: jax.Array) -> list:
+        if self.shared:
+            return self._get(store, self.b_only, slot)
+        return [buf[b_slot] for buf in store[0]]
+
+    def keep_handed(self, store: Any, leaves: list, slot: jax.Array, w_slot: jax.Array) -> Any:
+        """After B: what it hands W into ``slot`` (over the microbatch's B-only residuals)
+        where shared, else into ``w_slot``. A tick without B hands on what the slot holds
+        (:meth:`idle`)."""
+        if self.shared:
+            return self._put(store, leaves, slot)
+        return store[0], [buf.at[w_slot].set(x) for buf, x in zip(store[1], leaves)]
+
+    def idle(self, store: Any, slot: jax.Array, w_slot: jax.Array) -> list:
+        """What a tick without B writes back: the slot's own content, so nothing changes."""
+        return self.handed_to_w(store, slot, w_slot)
+
+    def handed_to_w(self, store: Any, slot: jax.Array, w_slot: jax.Array) -> list:
+        if self.shared:
+            return self._get(store, self.handed, slot)
+        return [buf[w_slot] for buf in store[1]]
 
 
 class _Residuals:
@@ -642,16 +750,35 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
             halves = split_backward.split(lambda rc, cot: residuals.join(rc[0], rc[1])(cot),
                                           (res_shapes, chunk(0)), cot_shape, n_weights)
             _, w_shapes = jax.eval_shape(halves.b, (res_shapes, chunk(0)), cot_shape)
-        # Per residual leaf: kept until W (zero-bubble, W reads it), else until B.
-        until_w = list(halves.w_reads) if zb else [True] * len(res_shapes)
+        # Per residual leaf: kept until W (zero-bubble, W reads it), else until B. Zero-bubble
+        # residuals are (the ones W reads, per leaf; the B-only ones with B's hand-over to W).
+        # (``w_reads`` goes on over the chunk's params, which follow its residuals.)
+        until_w = list(halves.w_reads)[:len(res_shapes)] if zb else [True] * len(res_shapes)
+        if zb:
+            handover = Handover([r for r, w in zip(res_shapes, until_w) if not w], jax.tree.leaves(w_shapes),
+                                 schedule, flat_slots(dict(mesh.shape), replicas))
 
         def keep_res(stash_res, res, slot, b_slot):
-            return [keep([buf], [x], slot if w else b_slot)[0] for buf, x, w in zip(stash_res, res, until_w)]
+            if not zb:
+                return keep(stash_res, res, slot)
+            ws, store = stash_res
+            return (keep(ws, [x for x, w in zip(res, until_w) if w], slot),
+                    handover.keep_res(store, [x for x, w in zip(res, until_w) if not w], slot, b_slot))
 
-        def kept_res(stash_res, slot, b_slot):
-            return [buf[slot if w else b_slot] for buf, w in zip(stash_res, until_w)]
+        def kept_res(stash_res, slot, b_slot=None):
+            """The residuals of ``slot`` (zero-bubble: B-only ones of ``b_slot``; None: W's
+            read, the B-only ones zeros that W does not read)."""
+            if not zb:
+                return kept(stash_res, slot)
+            ws, store = stash_res
+            for_w = iter(kept(ws, slot))
+            if b_slot is None:
+                b_only = iter(jnp.zeros(x.shape, x.dtype) for x in handover.b_only)
+            else:
+                b_only = iter(handover.res(store, slot, b_slot))
+            return [next(for_w) if w else next(b_only) for w in until_w]
 
-        def backward_b(j, v, y_kept, stash_res, slot, received_g, b_slot):
+        def backward_b(j, v, y_kept, stash_res, slot, received_g, b_slot, w_slot):
             """B: (loss, (extra loss, side), the outer params' gradients, the input's
             gradient, what W reads); the last chunk's runs the head and the loss first."""
             c = chunk(v)
@@ -670,16 +797,18 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
                 lambda: d_outer)
             return loss, no_side, d_outer, d_x, kept_w
 
-        def idle_b(j, v, y_kept, stash_res, slot, received_g, b_slot):
+        def idle_b(j, v, y_kept, stash_res, slot, received_g, b_slot, w_slot):
             return (jnp.zeros((), jnp.float32), no_side, zeros(outer), zeros_x,
-                    jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), w_shapes))
+                    jax.tree.unflatten(jax.tree.structure(w_shapes), handover.idle(stash_res[1], slot, w_slot)))
 
         def add_weights(acc, stash, k, u, res_slot, w_slot):
             """W of microbatch ``k`` (-1: none) on chunk ``u``, from its residuals and what its
             B kept, added into the weights' gradients (an idle slot adds nothing)."""
             def weights(acc):
-                grads = halves.w((kept_res(stash[1], jnp.maximum(res_slot, 0), 0), chunk(u)),
-                                 kept(stash[2], jnp.maximum(w_slot, 0)))
+                res_at = jnp.maximum(res_slot, 0)
+                handed = handover.handed_to_w(stash[1][1], res_at, jnp.maximum(w_slot, 0))
+                grads = halves.w((kept_res(stash[1], res_at), chunk(u)),
+                                 jax.tree.unflatten(jax.tree.structure(w_shapes), handed))
                 return add_chunk(acc, jax.tree.unflatten(chunk_tree, grads), u)
 
             return jax.lax.cond(k >= 0, weights, lambda acc: acc, acc)
@@ -690,9 +819,9 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
             # (the last chunk keeps its input: its forward runs in its backward slot, with the
             # head), pass the chunk's output on.
             if zb:  # what arrived waits in the inbox until its F or B takes it
-                inbox_x, received_x = arrive(stash[3], received_x, tables["fwd_in"][t, s], tables["fwd_from"][t, s])
-                inbox_g, received_g = arrive(stash[4], received_g, tables["bwd_in"][t, s], tables["bwd_from"][t, s])
-                stash = stash[:3] + (inbox_x, inbox_g)
+                inbox_x, received_x = arrive(stash[2], received_x, tables["fwd_in"][t, s], tables["fwd_from"][t, s])
+                inbox_g, received_g = arrive(stash[3], received_g, tables["bwd_in"][t, s], tables["bwd_from"][t, s])
+                stash = stash[:2] + (inbox_x, inbox_g)
             i, i_, v_, slot, x_in = take_input(t, received_x)
             stash_x, stash_res = stash[:2]
 
@@ -723,16 +852,33 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
                     received_g)
                 d_blocks_acc = add_chunk(d_blocks_acc, d_chunk, w)
             else:
-                stash_w = stash[2]
+                w_slot = jnp.maximum(tables["bwd_wslot"][t, s], 0)
                 loss, bwd_extras, d_outer, d_x, kept_w = jax.lax.cond(
                     j >= 0, backward_b, idle_b, jnp.maximum(j, 0), w, x_last, stash[1], back,
-                    received_g, jnp.maximum(tables["bwd_bslot"][t, s], 0))
-                stash_w = keep_if(stash_w, kept_w, jnp.where(j >= 0, tables["bwd_wslot"][t, s], -1))
-                stash = (stash[0], stash[1], stash_w) + tuple(stash[3:])
+                    received_g, jnp.maximum(tables["bwd_bslot"][t, s], 0), w_slot)
+                ws, store = stash[1]
+                # Written after the forward slot's W has read the store, which XLA cannot see
+                # from the slot alone (nothing orders the two): the slot is made to depend on
+                # that W's result (a test XLA cannot fold, as in attention's block masks), so
+                # that XLA writes the store in place instead of copying it.
+                done = jnp.isnan(jax.tree.leaves(d_blocks_acc)[0].reshape(-1)[0]).astype(back.dtype)
+                at = jnp.minimum(back, K - 1 + done)
+                store = handover.keep_handed(store, jax.tree.leaves(kept_w), at, w_slot)
+                stash = (stash[0], (ws, store)) + tuple(stash[2:])
                 # W slot: the weights' gradients from the residuals and what B kept.
                 d_blocks_acc = add_weights(d_blocks_acc, stash, tables["wgt"][t, s],
                                            jnp.maximum(tables["wgt_chunk"][t, s], 0), tables["wgt_slot"][t, s],
                                            tables["wgt_wslot"][t, s])
+            # The sends wait for the tick's last op. A send is a rendezvous of the stages, and
+            # XLA would issue each as soon as its value is made (after the F, after the B), so
+            # that a tick lasted as long as the slower stage's ops before it plus the slower
+            # stage's after it, where the tables count the slower stage's whole tick (ZB-H1's
+            # Ws, after both sends, then ran while the other stage waited). Adding a zero made
+            # from the last op's result (a test XLA cannot fold, as in attention's block
+            # masks) orders them after it.
+            last = jax.tree.leaves(d_blocks_acc)[0].reshape(-1)[0]
+            zero = jnp.minimum(0, jnp.isnan(last).astype(jnp.int32))
+            y, d_x = y + zero.astype(y.dtype), d_x + zero.astype(d_x.dtype)
             received_x = jax.lax.ppermute(y, STAGE, to_next)
             received_g = jax.lax.ppermute(d_x, STAGE, to_prev)
             extras_acc = jax.tree.map(lambda a, f, b: a + f + b, extras_acc, fwd_extras, bwd_extras)
@@ -740,11 +886,12 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
                     jax.tree.map(jnp.add, d_outer_acc, d_outer)), None
 
         slots = lambda tree, n: jax.tree.map(lambda x: jnp.zeros((n, *x.shape), x.dtype), tree)  # noqa: E731
-        stashes = (slots(zeros_x, held_slots),
-                   [slots(r, K if w else schedule.b_slots) for r, w in zip(res_shapes, until_w)])
-        if zb:  # and what B keeps for W; the inboxes
-            stashes += (slots(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), w_shapes), schedule.w_slots),
-                        slots(zeros_x, schedule.in_slots), slots(zeros_x, schedule.bwd_in_slots))
+        if not zb:
+            stashes = (slots(zeros_x, held_slots), [slots(r, K) for r in res_shapes])
+        else:  # the residuals W reads, the B-only ones with what B hands W; the inboxes
+            stashes = (slots(zeros_x, held_slots),
+                       ([slots(r, K) for r, w in zip(res_shapes, until_w) if w], handover.zeros()),
+                       slots(zeros_x, schedule.in_slots), slots(zeros_x, schedule.bwd_in_slots))
         init = (zeros_x, zeros_x, stashes, jnp.zeros((), jnp.float32), no_side, zeros(blocks), zeros(outer))
         (_, _, _, loss, extras, d_blocks, d_outer), _ = jax.lax.scan(tick, init, jnp.arange(schedule.ticks))
         # The loss lives on the last stage, the outer params' gradients on the two ends; each

@@ -346,6 +346,43 @@ def _scan_w(eqn, sub: _Plan, env: dict, stash: list) -> list:
     return outs
 
 
+def _matmuls(eqn) -> int:
+    """The matmuls an equation runs (a scan's body's, times its length)."""
+    name = eqn.primitive.name
+    if name in _COSTLY:
+        return 1
+    if name in _CALLS:
+        return sum(_matmuls(e) for e in _inner(eqn)[0].eqns)
+    if name == "scan":
+        return eqn.params["length"] * sum(_matmuls(e) for e in eqn.params["jaxpr"].jaxpr.eqns)
+    return 0
+
+
+def _b_matmuls(plan: _Plan) -> int:
+    """The matmuls B runs under ``plan``."""
+    n = 0
+    for i, eqn in enumerate(plan.jaxpr.eqns):
+        if plan.role[i] in ("B", "BW"):
+            n += _matmuls(eqn)
+        elif plan.role[i] == "call":
+            n += _b_matmuls(plan.sub[i])
+        elif plan.role[i] == "scan":
+            n += eqn.params["length"] * _b_matmuls(plan.sub[i])
+    return n
+
+
+def _bytes(v) -> int:
+    return v.aval.size * v.aval.dtype.itemsize
+
+
+def _stash_bytes(plan: _Plan) -> int:
+    """The bytes B hands W under ``plan`` (a scan's, per iteration, times its length)."""
+    n = sum(_bytes(v) for v in plan.stash)
+    for i, sub in plan.sub.items():
+        n += sub and _stash_bytes(sub) * (plan.jaxpr.eqns[i].params["length"] if plan.role[i] == "scan" else 1)
+    return n
+
+
 @dataclass(frozen=True)
 class Split:
     """A pullback split in two. ``b(residuals, cotangent) -> (the input gradient's leaves,
@@ -356,6 +393,7 @@ class Split:
     w: Callable[..., Any]
     out_tree: Any
     w_reads: tuple[bool, ...]  # per leaf of the residuals: W reads it (else it is B's alone)
+    in_b: tuple[int, ...] = ()  # the weight gradients B computes and hands W whole
 
 
 def split(pullback: Callable, residuals: Any, cotangent: Any, n_weights: int) -> Split:
@@ -368,17 +406,38 @@ def split(pullback: Callable, residuals: Any, cotangent: Any, n_weights: int) ->
     closed, out_shape = jax.make_jaxpr(pullback, return_shape=True)(residuals, cotangent)
     jaxpr, consts = closed.jaxpr, list(closed.consts)
     n_out = len(jaxpr.outvars)
-    out_b = [k >= n_weights for k in range(n_out)]
-    out_w = [k < n_weights for k in range(n_out)]
-    plan = _plan(jaxpr, out_b, out_w, set(jaxpr.invars[:n_res]), set(jaxpr.invars[:n_res]))
+
+    def make(early: set) -> tuple[_Plan, list[bool], list[bool]]:
+        out_b = [k >= n_weights or k in early for k in range(n_out)]
+        out_w = [k < n_weights and k not in early for k in range(n_out)]
+        return _plan(jaxpr, out_b, out_w, set(jaxpr.invars[:n_res]), set(jaxpr.invars[:n_res])), out_b, out_w
+
+    # A weight whose gradient takes no matmul beyond B's (a norm's scale, a bias) is B's to
+    # compute, where that hands W less: W would need the cotangent it reduces, as large as an
+    # activation, where B hands on the gradient, as small as the weight.
+    early: set = set()
+    plan, out_b, out_w = make(early)
+    matmuls, handed = _b_matmuls(plan), _stash_bytes(plan)
+    for k in range(n_weights):
+        trial = make(early | {k})
+        cost = _stash_bytes(trial[0]) + _bytes(jaxpr.outvars[k])
+        if _b_matmuls(trial[0]) == matmuls and cost < handed:
+            early.add(k)
+            (plan, out_b, out_w), handed = trial, cost
+    early_at = sorted(early)
 
     def b(res, cot):
         args = jax.tree.leaves(res) + jax.tree.leaves(cot)
         outs, stash = _run_b(plan, consts, [a if r else None for a, r in zip(args, plan.in_b)], out_b)
-        return outs[n_weights:], stash
+        return outs[n_weights:], [stash, [outs[k] for k in early_at]]
 
     def w(res, stash):
+        stash, made = stash
         args = [a if r else None for a, r in zip(jax.tree.leaves(res), plan.in_w)]
-        return _run_w(plan, consts, args + [None] * (len(jaxpr.invars) - n_res), stash)[:n_weights]
+        outs = _run_w(plan, consts, args + [None] * (len(jaxpr.invars) - n_res), stash)[:n_weights]
+        for k, g in zip(early_at, made):
+            outs[k] = g
+        return outs
 
-    return Split(b=b, w=w, out_tree=jax.tree.structure(out_shape), w_reads=tuple(plan.in_w[:n_res]))
+    return Split(b=b, w=w, out_tree=jax.tree.structure(out_shape), w_reads=tuple(plan.in_w[:n_res]),
+                 in_b=tuple(early_at))

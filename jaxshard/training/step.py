@@ -205,7 +205,9 @@ def pipeline_schedule(rules: ShardingRules, model: Stageable, cfg: StepConfig) -
         raise ConfigError("--balance needs the batch shape: resolve it with balance_stages() first")
     kind, stages, virtual, microbatches = plan
     layout = pipeline.StageLayout.make(model.cfg.n_layers, stages, virtual, cfg.stage_layers)
-    return pipeline.make_schedule(kind, stages, microbatches, virtual, layout)
+    flat = pipeline.flat_slots(dict(rules.sizes), pipeline.replica_axes(rules))
+    cap = pipeline.residual_cap(stages, Remat.parse(model.remat), flat) if kind == "zb-h1" else None
+    return pipeline.make_schedule(kind, stages, microbatches, virtual, layout, residual_cap=cap)
 
 
 def balance_stages(model: Stageable, rules: ShardingRules, cfg: StepConfig, batch_size: int,
