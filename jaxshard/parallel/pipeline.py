@@ -17,9 +17,10 @@ backward slot applies them. So every stage does one forward and one backward per
 schedule fixes: GPipe all M microbatches, 1F1B at most 2P - 1 whatever M is.
 
 A zero-bubble schedule (ZB-H1) splits the backward slot: B computes the stage input's gradient
-and hands W (``parallel.split_backward``) what the weights' gradients need, and W runs in a
-slot of its own, later; what a neighbour sends and its F or B does not take in the tick it lands
-waits in an inbox slot until then.
+and hands W (``parallel.split_backward``) what the weights' gradients need, in the place of
+the residuals only B read (:class:`Handover`), and W runs in a slot of its own, later; what a
+neighbour sends and its F or B does not take in the tick it lands waits in an inbox slot until
+then.
 
 The two ends run inside the executor: stage 0 embeds its microbatch's tokens (and, backward,
 takes the embedding's gradient), the last stage applies the head and the loss in its backward
@@ -592,6 +593,7 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         raise ConfigError(f"the pipeline's schedule needs a layout of {Pn} stages x {V} chunks")
     S = layout.depth
     zb = schedule.split
+    flat = flat_slots(dict(mesh.shape), replicas)
     if zb and head is None:
         raise ConfigError(f"--pipeline-schedule {schedule.kind} needs the model's head apart from its last chunk")
     tables = {name: jnp.asarray(getattr(schedule, name)) for name in
@@ -756,7 +758,7 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         until_w = list(halves.w_reads)[:len(res_shapes)] if zb else [True] * len(res_shapes)
         if zb:
             handover = Handover([r for r, w in zip(res_shapes, until_w) if not w], jax.tree.leaves(w_shapes),
-                                 schedule, flat_slots(dict(mesh.shape), replicas))
+                                 schedule, flat)
 
         def keep_res(stash_res, res, slot, b_slot):
             if not zb:
@@ -800,6 +802,13 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         def idle_b(j, v, y_kept, stash_res, slot, received_g, b_slot, w_slot):
             return (jnp.zeros((), jnp.float32), no_side, zeros(outer), zeros_x,
                     jax.tree.unflatten(jax.tree.structure(w_shapes), handover.idle(stash_res[1], slot, w_slot)))
+
+        def zero_after(tree):
+            """0, made from ``tree``'s first element by a test XLA cannot fold (as attention's
+            block masks are): what is computed from it comes after ``tree``. Only where
+            nothing splits the stage's values (``flat``): an element of a split array would
+            be fetched from the device holding it."""
+            return jnp.minimum(0, jnp.isnan(jax.tree.leaves(tree)[0].reshape(-1)[0]).astype(jnp.int32))
 
         def add_weights(acc, stash, k, u, res_slot, w_slot):
             """W of microbatch ``k`` (-1: none) on chunk ``u``, from its residuals and what its
@@ -859,10 +868,8 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
                 ws, store = stash[1]
                 # Written after the forward slot's W has read the store, which XLA cannot see
                 # from the slot alone (nothing orders the two): the slot is made to depend on
-                # that W's result (a test XLA cannot fold, as in attention's block masks), so
-                # that XLA writes the store in place instead of copying it.
-                done = jnp.isnan(jax.tree.leaves(d_blocks_acc)[0].reshape(-1)[0]).astype(back.dtype)
-                at = jnp.minimum(back, K - 1 + done)
+                # that W's result, so that XLA writes the store in place instead of copying it.
+                at = back + zero_after(d_blocks_acc) if handover.shared else back
                 store = handover.keep_handed(store, jax.tree.leaves(kept_w), at, w_slot)
                 stash = (stash[0], (ws, store)) + tuple(stash[2:])
                 # W slot: the weights' gradients from the residuals and what B kept.
@@ -873,12 +880,10 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
             # XLA would issue each as soon as its value is made (after the F, after the B), so
             # that a tick lasted as long as the slower stage's ops before it plus the slower
             # stage's after it, where the tables count the slower stage's whole tick (ZB-H1's
-            # Ws, after both sends, then ran while the other stage waited). Adding a zero made
-            # from the last op's result (a test XLA cannot fold, as in attention's block
-            # masks) orders them after it.
-            last = jax.tree.leaves(d_blocks_acc)[0].reshape(-1)[0]
-            zero = jnp.minimum(0, jnp.isnan(last).astype(jnp.int32))
-            y, d_x = y + zero.astype(y.dtype), d_x + zero.astype(d_x.dtype)
+            # Ws, after both sends, then ran while the other stage waited).
+            if flat:
+                zero = zero_after(d_blocks_acc)
+                y, d_x = y + zero.astype(y.dtype), d_x + zero.astype(d_x.dtype)
             received_x = jax.lax.ppermute(y, STAGE, to_next)
             received_g = jax.lax.ppermute(d_x, STAGE, to_prev)
             extras_acc = jax.tree.map(lambda a, f, b: a + f + b, extras_acc, fwd_extras, bwd_extras)

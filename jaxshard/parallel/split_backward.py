@@ -16,7 +16,10 @@ the same way inside: B scans its part of the body and stacks, per iteration, wha
 it; W scans the rest over that stack. Calls (``jit``, ``remat``) are entered as if inlined.
 An equation both parts need that is cheap (no matmul) and made from the residuals alone --
 what a remat policy recomputes of the forward pass, such as a norm's output -- runs in both,
-so W keeps no copy of it from B; any other runs in B, its outputs handed to W.
+so W keeps no copy of it from B; any other runs in B, its outputs handed to W. A weight
+whose gradient takes no matmul beyond B's (a norm's scale, a bias) B computes whole where that
+hands W fewer bytes: the gradient is the weight's size, the cotangent W would reduce for it an
+activation's.
 """
 
 from __future__ import annotations
@@ -379,7 +382,7 @@ def _stash_bytes(plan: _Plan) -> int:
     """The bytes B hands W under ``plan`` (a scan's, per iteration, times its length)."""
     n = sum(_bytes(v) for v in plan.stash)
     for i, sub in plan.sub.items():
-        n += sub and _stash_bytes(sub) * (plan.jaxpr.eqns[i].params["length"] if plan.role[i] == "scan" else 1)
+        n += _stash_bytes(sub) * (plan.jaxpr.eqns[i].params["length"] if plan.role[i] == "scan" else 1)
     return n
 
 
