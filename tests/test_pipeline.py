@@ -335,6 +335,7 @@ def deep(name: str, layers: int = 4):
     ("stage=2,data=4", "1f1b", 4, 0, 4, dict(stage_layers=(3, 1))),  # uneven: stage 1 has an empty slot
     ("stage=2,data=4", "zb-h1", 4, 0, 4, {}),
     ("stage=4,data=2", "zb-h1", 4, 0, 4, {}),
+    ("data=2,stage=2,tensor=2", "zb-h1", 4, 0, 4, {}),  # B and W of the column projections' regions
 ])
 def test_pipeline_matches_one_device(name, mesh, schedule, microbatches, zero, layers, pipeline):
     model, ref_losses, ref_params = deep(name, layers)

@@ -3,6 +3,8 @@ together exactly the pullback's gradients, and every matmul of the pullback run 
 and W's compiled matmul FLOPs sum to the pullback's, W's are the weight gradients' (one
 matmul per weight use), B's no more than the rest."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -157,3 +159,86 @@ def test_a_scan_carrying_what_both_parts_need_splits_and_stays_exact():
     want_ws, want_x = full(res, cot)
     np.testing.assert_allclose(d_ws, want_ws, rtol=1e-6)
     np.testing.assert_allclose(d_x[0], want_x, rtol=1e-6)
+
+
+@pytest.mark.parametrize("preset, mesh, sp", [("tiny-llama", "tensor=2", False), ("tiny", "tensor=4", True),
+                                              ("moe-tiny", "expert=4", False)])
+def test_a_shard_map_regions_weight_matmuls_run_in_w(preset, mesh, sp):
+    """Under tensor parallelism the column projections run in a ``shard_map`` region, and
+    under an ``expert`` axis the experts: split into a B region and a W region over the same
+    axes, each weight's gradient matmul runs in W. Per device, compiled: W's matmul FLOPs are
+    every weight use's (a tensor-split weight's shard's), and B + W the pullback's; the
+    gradients equal the pullback's."""
+    from jaxshard.mesh import build_mesh
+    from jaxshard.rules import ShardingRules, Strategy, use_rules
+    from tests.harness import first_devices
+
+    rules = ShardingRules(build_mesh(mesh, first_devices(mesh)), Strategy(sequence_parallel=sp))
+    f, chunk, x = _stack(preset, "none", (4, 16))
+    (y, _), _ = jax.eval_shape(lambda c, x: jax.vjp(f, c, x), chunk, x)
+    cot_y = jax.random.normal(jax.random.key(2), y.shape)
+    n_weights = len(jax.tree.leaves(chunk))
+
+    def parts(chunk, x, cot_y, upto):
+        """The pullback's gradients: whole (``upto`` None), or B then W ("w"), or B alone ("b":
+        the input's gradient and what it hands W)."""
+        with use_rules(rules):
+            out, pullback = jax.vjp(f, chunk, x)
+            cot = (cot_y, jnp.ones_like(out[1]))
+            res, treedef = jax.tree.flatten(pullback)
+            full = lambda res, cot: jax.tree.unflatten(treedef, res)(cot)  # noqa: E731
+            if upto is None:
+                return jax.tree.leaves(full(res, cot))
+            s = split_backward.split(full, res, cot, n_weights)
+            d_x, stash = s.b(res, cot)
+            return d_x + jax.tree.leaves(stash) if upto == "b" else s.w(res, stash) + d_x
+
+    flops = {k: _dot_flops(lambda *a: parts(*a, k), chunk, x, cot_y) for k in (None, "b", "w")}
+    w = flops["w"] - flops["b"]
+    assert w > 0 and flops["w"] == flops[None], flops
+    got, want = (jax.jit(lambda *a: parts(*a, k))(chunk, x, cot_y) for k in ("w", None))
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    cfg, tokens = get_preset(preset), x.shape[0] * x.shape[1]
+    size = lambda part: sum(p.size for path, p in jax.tree_util.tree_leaves_with_path(chunk)  # noqa: E731
+                            if path[-1].key.startswith(("w", "router")) and part(jax.tree_util.keystr(path)))
+    if not cfg.moe_experts:  # every weight is split over tensor: its shard's gradient, per device
+        assert w == 2 * size(lambda _: True) * tokens / rules.sizes["tensor"], (w, flops)
+    else:  # the dense weights over the device's tokens; its experts' over their capacity's slots
+        n = rules.sizes["expert"]
+        slots = math.ceil(cfg.moe_capacity_factor * cfg.moe_top_k * tokens / cfg.moe_experts)
+        experts = size(lambda p: "ffn" in p and "router" not in p) / n  # the device's experts
+        assert w == 2 * size(lambda p: "ffn" not in p or "router" in p) * tokens / n + 2 * experts * slots, (w, flops)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_a_region_split_hands_each_devices_values_to_w(check_vma):
+    """A toy column-parallel region (each device's weight columns, the input replicated):
+    W's region is given B's per-device cotangents and makes each device's weight gradient;
+    exact whether or not the region types what varies (unchecked, every value is handed on
+    per device)."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((4,), ("tensor",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
+
+    def f(w, x):
+        y = jax.shard_map(lambda w, x: jnp.tanh(x @ w), mesh=mesh, in_specs=(P(None, "tensor"), P()),
+                          out_specs=P(None, "tensor"), check_vma=check_vma)(w, x)
+        return y, jnp.zeros(())
+
+    w, x = (jax.random.normal(jax.random.key(k), s) for k, s in ((0, (6, 8)), (1, (5, 6))))
+    cot = (jax.random.normal(jax.random.key(2), (5, 8)), jnp.ones(()))
+
+    def parts(w, x, cot, split):
+        _, pullback = jax.vjp(f, w, x)
+        res, treedef = jax.tree.flatten(pullback)
+        full = lambda res, cot: jax.tree.unflatten(treedef, res)(cot)  # noqa: E731
+        if not split:
+            return full(res, cot)
+        s = split_backward.split(full, res, cot, 1)
+        d_x, stash = s.b(res, cot)
+        return s.w(res, stash)[0], d_x[0]
+
+    got, want = (jax.jit(parts, static_argnums=3)(w, x, cot, split) for split in (True, False))
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)

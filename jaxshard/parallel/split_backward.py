@@ -13,7 +13,11 @@ gradient needs; W what the weights' gradients need beyond it. The two parts run 
 interpreters of that jaxpr, binding each equation's primitive where it is traced, so they
 become ordinary parts of the program they are called in. A ``scan`` (the layer stack) is split
 the same way inside: B scans its part of the body and stacks, per iteration, what W reads of
-it; W scans the rest over that stack. Calls (``jit``, ``remat``) are entered as if inlined.
+it; W scans the rest over that stack. Calls (``jit``, ``remat``) are entered as if inlined. A
+``shard_map`` region (tensor parallelism's column projections, the experts' dispatch) is split
+into two regions over the same mesh axes: B's hands W, per device, what W reads of it (each
+value out of the region and back in with a leading dim split over the axes it varies over), so
+the matmuls of the weights a region takes run in W like any other's.
 An equation both parts need that is cheap (no matmul) and made from the residuals alone --
 what a remat policy recomputes of the forward pass, such as a norm's output -- runs in both,
 so W keeps no copy of it from B; any other runs in B, its outputs handed to W. A weight
@@ -28,9 +32,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import jax
+import numpy as np
 from jax.extend import core
+from jax.sharding import PartitionSpec as P
 
 _CALLS = ("jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint")
+_MANUAL = ("shard_map",)
 
 
 def _is_var(v) -> bool:
@@ -47,9 +54,10 @@ def _inner(eqn) -> tuple[core.Jaxpr, list]:
 
 @dataclass
 class _Plan:
-    """How one jaxpr's equations split. ``role[i]``: "B", "W", "BW" (run by both), "call" or "scan" (split
-    inside: ``sub[i]``), or None (needed by neither). ``stash``: the variables B defines (or
-    the jaxpr takes but W will not be given) that W reads."""
+    """How one jaxpr's equations split. ``role[i]``: "B", "W", "BW" (run by both), "call",
+    "scan" or "manual" (a ``shard_map`` region; split inside: ``sub[i]``), or None (needed by
+    neither). ``stash``: the variables B defines (or the jaxpr takes but W will not be given)
+    that W reads."""
 
     jaxpr: core.Jaxpr
     role: list = field(default_factory=list)
@@ -63,6 +71,9 @@ class _Plan:
     w_carry: list = field(default_factory=list)
     out_b: list = field(default_factory=list)
     w_outs: list = field(default_factory=list)
+    # A split region's hand-over from B to W: the stash's tree and, per leaf, the region's axes
+    # it varies over (its specs out of B's region and into W's); set when B is first traced.
+    carried: tuple | None = None
 
 
 def _cheap(eqn) -> bool:
@@ -111,11 +122,11 @@ def _plan(jaxpr: core.Jaxpr, out_b: list[bool], out_w: list[bool], w_has: set, f
             live_b |= {v for v in eqn.invars if _is_var(v)}
             live_w |= {v for v in eqn.invars if _is_var(v)}
             w_side |= set(eqn.outvars)
-        elif name in _CALLS and any(ow):
+        elif (name in _CALLS or name in _MANUAL) and any(ow):
             inner, _ = _inner(eqn)
             sub = _plan(inner, ob, [w and not b for b, w in zip(ob, ow)], set(inner.invars),
                         {iv for iv, v in zip(inner.invars, eqn.invars) if not _is_var(v) or v in again})
-            plan.role[i], plan.sub[i] = "call", sub
+            plan.role[i], plan.sub[i] = "call" if name in _CALLS else "manual", sub
             _mark(eqn.invars, sub.in_b, sub.in_w, live_b, live_w)
             w_side |= {v for v, d in zip(eqn.outvars, _w_defined(sub)) if d}
         elif name == "scan" and any(ow) and not all(ob[k] or not ow[k] for k in range(len(ob))):
@@ -157,7 +168,7 @@ def _w_defined(plan: _Plan) -> list[bool]:
     for i, eqn in enumerate(plan.jaxpr.eqns):
         if plan.role[i] in ("W", "BW"):
             defined |= set(eqn.outvars)
-        elif plan.role[i] == "call":
+        elif plan.role[i] in ("call", "manual"):
             defined |= {v for v, d in zip(eqn.outvars, _w_defined(plan.sub[i])) if d}
         elif plan.role[i] == "scan":
             defined |= {v for v, d in zip(eqn.outvars, plan.sub[i].w_outs) if d}
@@ -248,6 +259,10 @@ def _run_b(plan: _Plan, consts: list, args: list, want: list[bool]) -> tuple[lis
                                  [not w for w in _w_defined(sub)])
             env.update({v: o for v, o in zip(eqn.outvars, outs) if o is not None})
             env[("stash", i)] = stash
+        elif role == "manual":
+            outs, stash = _region_b(eqn, plan.sub[i], env)
+            env.update({v: o for v, o in zip(eqn.outvars, outs) if o is not None})
+            env[("stash", i)] = stash
         elif role == "scan":
             outs, stash = _scan_b(eqn, plan.sub[i], env)
             env.update({v: o for v, o in zip(eqn.outvars, outs) if o is not None})
@@ -281,6 +296,9 @@ def _run_w(plan: _Plan, consts: list, args: list, stash: list) -> list:
             outs = _run_w(sub, inner_consts, [_read(env, v) if w and (not _is_var(v) or v in env) else None
                                               for v, w in zip(eqn.invars, sub.in_w)], nested[i])
             env.update({v: o for v, o, d in zip(eqn.outvars, outs, _w_defined(sub)) if d})
+        elif role == "manual":
+            outs = _region_w(eqn, plan.sub[i], env, nested[i])
+            env.update({v: o for v, o in zip(eqn.outvars, outs) if o is not None})
         elif role == "scan":
             outs = _scan_w(eqn, plan.sub[i], env, nested[i])
             env.update({v: o for v, o in zip(eqn.outvars, outs) if o is not None})
@@ -349,12 +367,115 @@ def _scan_w(eqn, sub: _Plan, env: dict, stash: list) -> list:
     return outs
 
 
+# ---- shard_map regions -------------------------------------------------------------------
+
+def _varying(aval) -> frozenset:
+    """The manual axes a value inside a ``shard_map`` varies over (its type says so)."""
+    kind = getattr(aval, "manual_axis_type", None)
+    return frozenset(kind.varying if kind is not None else getattr(aval, "vma", ()))
+
+
+def _devices(aval, region: tuple | None) -> int:
+    """The devices of a region's axes a value of it varies over (1 outside a region)."""
+    if region is None:
+        return 1
+    sizes, typed = region
+    return int(np.prod([n for a, n in sizes.items() if a in _varying(aval) or not typed]))
+
+
+def _region(eqn) -> tuple:
+    """A ``shard_map`` equation's (mesh, in_specs, out_specs, {its manual axes: size}, check_vma)."""
+    p = eqn.params
+    axes = p.get("newly_manual_axes", p.get("axis_names", p.get("manual_axes")))
+    mesh = p["mesh"]
+    return (mesh, p["in_specs"], p["out_specs"], {a: dict(mesh.shape)[a] for a in axes},
+            p.get("check_vma", p.get("check_rep", True)))
+
+
+def _hand_out(leaves: list, axes: frozenset, typed: bool) -> tuple[list, list]:
+    """Per-device values out of a region: each with a leading dim split over the region's axes
+    it varies over (a value that varies over none is the same on each and leaves as it is).
+    ``typed``: the region checks what varies (else every value is taken to vary over all)."""
+    specs, out = [], []
+    for x in leaves:
+        over = tuple(sorted(_varying(jax.typeof(x)) & axes if typed else axes))
+        specs.append(P(over) if over else P())
+        out.append(x[None] if over else x)
+    return out, specs
+
+
+def _region_b(eqn, sub: _Plan, env: dict) -> tuple[list, list]:
+    """B's part of a ``shard_map`` region, a region of its own over the same axes: the
+    region's outputs B makes (None elsewhere) and, handed out per device, its stash."""
+    mesh, in_specs, out_specs, sizes, check = _region(eqn)
+    inner, inner_consts = _inner(eqn)
+    reads = [k for k, b in enumerate(sub.in_b) if b]
+    want = [not w for w in _w_defined(sub)]
+    found: dict = {}
+
+    def body(*xs):
+        args = [None] * len(inner.invars)
+        for k, x in zip(reads, xs):
+            args[k] = x
+        outs, stash = _run_b(sub, inner_consts, args, want)
+        leaves, tree = jax.tree.flatten(stash)
+        leaves, specs = _hand_out(leaves, frozenset(sizes), check)
+        made = [k for k, o in enumerate(outs) if o is not None]
+        found.update(made=made, carried=(tree, tuple(specs)))
+        return [outs[k] for k in made], leaves
+
+    args = [_read(env, eqn.invars[k]) for k in reads]
+    specs_in = tuple(in_specs[k] for k in reads)
+
+    def region(fn, specs_out):
+        return jax.shard_map(fn, mesh=mesh, in_specs=specs_in, out_specs=specs_out,
+                             axis_names=frozenset(sizes), check_vma=check)(*args)
+
+    # Traced once for what B makes and how its stash leaves (both static), then run.
+    jax.eval_shape(lambda: region(lambda *xs: (body(*xs), ())[1], ()))
+    made, (tree, specs) = found["made"], found["carried"]
+    sub.carried = (tree, specs)
+    outs_made, stash = region(body, ([out_specs[k] for k in made], list(specs)))
+    outs = [None] * len(inner.outvars)
+    for k, o in zip(made, outs_made):
+        outs[k] = o
+    return outs, stash
+
+
+def _region_w(eqn, sub: _Plan, env: dict, stash: list) -> list:
+    """W's part of a ``shard_map`` region, a region of its own over the same axes, given
+    B's stash as :func:`_region_b` handed it out: the region's outputs W makes."""
+    if sub.carried is None:
+        raise AssertionError("a region's W traced before its B")
+    mesh, in_specs, out_specs, sizes, check = _region(eqn)
+    inner, inner_consts = _inner(eqn)
+    tree, specs = sub.carried
+    reads = [k for k, (v, w) in enumerate(zip(eqn.invars, sub.in_w)) if w and (not _is_var(v) or v in env)]
+    made = [k for k, d in enumerate(_w_defined(sub)) if d]
+
+    def body(xs, leaves):
+        args = [None] * len(inner.invars)
+        for k, x in zip(reads, xs):
+            args[k] = x
+        leaves = [x[0] if spec != P() else x for x, spec in zip(leaves, specs)]
+        outs = _run_w(sub, inner_consts, args, jax.tree.unflatten(tree, leaves))
+        return [outs[k] for k in made]
+
+    made_outs = jax.shard_map(body, mesh=mesh, in_specs=([in_specs[k] for k in reads], list(specs)),
+                              out_specs=[out_specs[k] for k in made], axis_names=frozenset(sizes),
+                              check_vma=check)([_read(env, eqn.invars[k]) for k in reads], stash)
+    outs = [None] * len(inner.outvars)
+    for k, o in zip(made, made_outs):
+        outs[k] = o
+    return outs
+
+
 def _matmuls(eqn) -> int:
     """The matmuls an equation runs (a scan's body's, times its length)."""
     name = eqn.primitive.name
     if name in _COSTLY:
         return 1
-    if name in _CALLS:
+    if name in _CALLS or name in _MANUAL:
         return sum(_matmuls(e) for e in _inner(eqn)[0].eqns)
     if name == "scan":
         return eqn.params["length"] * sum(_matmuls(e) for e in eqn.params["jaxpr"].jaxpr.eqns)
@@ -367,7 +488,7 @@ def _b_matmuls(plan: _Plan) -> int:
     for i, eqn in enumerate(plan.jaxpr.eqns):
         if plan.role[i] in ("B", "BW"):
             n += _matmuls(eqn)
-        elif plan.role[i] == "call":
+        elif plan.role[i] in ("call", "manual"):
             n += _b_matmuls(plan.sub[i])
         elif plan.role[i] == "scan":
             n += eqn.params["length"] * _b_matmuls(plan.sub[i])
@@ -378,11 +499,17 @@ def _bytes(v) -> int:
     return v.aval.size * v.aval.dtype.itemsize
 
 
-def _stash_bytes(plan: _Plan) -> int:
-    """The bytes B hands W under ``plan`` (a scan's, per iteration, times its length)."""
-    n = sum(_bytes(v) for v in plan.stash)
+def _stash_bytes(plan: _Plan, region: tuple | None = None) -> int:
+    """The bytes B hands W under ``plan`` (a scan's, per iteration, times its length; a
+    region's, per device, times the devices of the axes each value varies over). ``region``:
+    ({axis: size}, whether it checks what varies) of the region ``plan`` is the body of."""
+    n = sum(_bytes(v) * _devices(v.aval, region) for v in plan.stash)
     for i, sub in plan.sub.items():
-        n += _stash_bytes(sub) * (plan.jaxpr.eqns[i].params["length"] if plan.role[i] == "scan" else 1)
+        eqn = plan.jaxpr.eqns[i]
+        if plan.role[i] == "manual":
+            n += _stash_bytes(sub, (_region(eqn)[3], _region(eqn)[4]))
+        else:
+            n += _stash_bytes(sub, region) * (eqn.params["length"] if plan.role[i] == "scan" else 1)
     return n
 
 
