@@ -242,3 +242,64 @@ def test_a_region_split_hands_each_devices_values_to_w(check_vma):
     got, want = (jax.jit(parts, static_argnums=3)(w, x, cot, split) for split in (True, False))
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+
+def _split_matches(pullback, res, cot, n_weights):
+    """Split ``pullback`` and run B then W, jitted: each gradient equal to the pullback's."""
+    def split_run(res, cot):
+        s = split_backward.split(pullback, res, cot, n_weights)
+        d_in, stash = s.b(res, cot)
+        return s.w(res, stash) + d_in
+
+    got, want = jax.jit(split_run)(res, cot), jax.tree.leaves(jax.jit(pullback)(res, cot))
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["call", "region"])
+def test_a_call_output_both_parts_need_is_made_by_b_too(kind):
+    """A cheap value made from the residuals alone (W makes it again) that B's input gradient
+    reads after the call: B's part of the call makes it as well, not only W's."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((4,), ("tensor",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
+
+    def inner(x, cot):
+        n = jnp.sin(x)
+        return n, n.T @ cot
+
+    def pullback(res, cot):
+        w, x = res
+        if kind == "call":
+            n, d_w = jax.jit(inner)(x, cot)
+        else:
+            n, d_w = jax.shard_map(inner, mesh=mesh, in_specs=(P(), P(None, "tensor")),
+                                   out_specs=(P(), P(None, "tensor")))(x, cot)
+        return d_w, n, cot @ w.T
+
+    res = (jax.random.normal(jax.random.key(0), (6, 8)), jax.random.normal(jax.random.key(1), (5, 6)))
+    _split_matches(pullback, res, jax.random.normal(jax.random.key(2), (5, 8)), 1)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_a_region_returning_a_literal_and_its_own_input_splits(check_vma):
+    """A region's outputs may be a literal and one of its inputs passed through (here only W
+    reads it): W's region passes it on, and the literal needs neither part."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((4,), ("tensor",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
+
+    def local(x, w, cot, scale):
+        c = cot * scale
+        return jax.lax.psum(c @ w.T, "tensor"), x.T @ (c * scale), 0.0, x
+
+    def pullback(res, cot):
+        w, x = res
+        d_x, d_w, zero, x_again = jax.shard_map(
+            local, mesh=mesh, in_specs=(P(), P(None, "tensor"), P(None, "tensor"), P()),
+            out_specs=(P(), P(None, "tensor"), P(), P()), check_vma=check_vma)(x, w, cot, 3.0)
+        return d_w + zero + jnp.tanh(x_again).sum(), d_x
+
+    res = (jax.random.normal(jax.random.key(0), (6, 8)), jax.random.normal(jax.random.key(1), (5, 6)))
+    _split_matches(pullback, res, jax.random.normal(jax.random.key(2), (5, 8)), 1)

@@ -161,11 +161,13 @@ class Schedule:
     layout: StageLayout | None = None
     # Zero-bubble schedules: the backward slot computes the input's gradient (B) alone and
     # the weights' (W) run in their own slot, reading the forward's residuals (kept from the
-    # forward to W) and what B handed on (kept in one of ``w_slots`` from B to W).
+    # forward to W) and what B handed on: kept from B to W over the microbatch's B-only
+    # residuals, in its residuals' slot, where :class:`Handover` shares them; else in one of
+    # ``w_slots``.
     wgt: np.ndarray | None = None  # [ticks, stages]: microbatch
     wgt_chunk: np.ndarray | None = None
     wgt_slot: np.ndarray | None = None  # the residuals' slot
-    bwd_wslot: np.ndarray | None = None  # where B keeps what W reads
+    bwd_wslot: np.ndarray | None = None  # where B keeps what W reads (hand-over apart)
     wgt_wslot: np.ndarray | None = None
     # A W may also run in the forward slot of a tick that has no F for the stage.
     fwgt: np.ndarray | None = None
@@ -175,7 +177,8 @@ class Schedule:
     # Zero-bubble: a stage's F (B) may come ticks after the previous (next) stage sent its
     # input (gradient); such an arrival waits in a slot of an inbox: where it lands, where the
     # F (B) reads it (-1 in both: the F or B takes it in the tick it lands, from no slot).
-    # Residuals only B reads are kept from F to B, in slots of their own.
+    # Residuals only B reads are kept from F to B, in slots of their own (hand-over apart;
+    # shared, in the residuals' slot).
     fwd_bslot: np.ndarray | None = None
     bwd_bslot: np.ndarray | None = None
     b_slots: int = 0

@@ -127,6 +127,7 @@ def _plan(jaxpr: core.Jaxpr, out_b: list[bool], out_w: list[bool], w_has: set, f
             sub = _plan(inner, ob, [w and not b for b, w in zip(ob, ow)], set(inner.invars),
                         {iv for iv, v in zip(inner.invars, eqn.invars) if not _is_var(v) or v in again})
             plan.role[i], plan.sub[i] = "call" if name in _CALLS else "manual", sub
+            sub.out_b = ob
             _mark(eqn.invars, sub.in_b, sub.in_w, live_b, live_w)
             w_side |= {v for v, d in zip(eqn.outvars, _w_defined(sub)) if d}
         elif name == "scan" and any(ow) and not all(ob[k] or not ow[k] for k in range(len(ob))):
@@ -163,8 +164,8 @@ def _mark(invars, in_b, in_w, live_b, live_w) -> None:
 
 
 def _w_defined(plan: _Plan) -> list[bool]:
-    """Per outvar of a planned jaxpr: W defines it."""
-    defined = set()
+    """Per outvar of a planned jaxpr: W defines it (an input W reads, passed through, too)."""
+    defined = {v for v, w in zip(plan.jaxpr.invars, plan.in_w) if w}
     for i, eqn in enumerate(plan.jaxpr.eqns):
         if plan.role[i] in ("W", "BW"):
             defined |= set(eqn.outvars)
@@ -172,7 +173,13 @@ def _w_defined(plan: _Plan) -> list[bool]:
             defined |= {v for v, d in zip(eqn.outvars, _w_defined(plan.sub[i])) if d}
         elif plan.role[i] == "scan":
             defined |= {v for v, d in zip(eqn.outvars, plan.sub[i].w_outs) if d}
-    return [v in defined for v in plan.jaxpr.outvars]
+    return [_is_var(v) and v in defined for v in plan.jaxpr.outvars]
+
+
+def _b_wants(sub: _Plan) -> list[bool]:
+    """Per output of a split call or region: B's part makes it -- what B reads of it after
+    the call (even where W makes it too) and whatever W does not make."""
+    return [b or not w for b, w in zip(sub.out_b, _w_defined(sub))]
 
 
 def _plan_scan(eqn, ob: list[bool], ow: list[bool], free: set = frozenset()) -> _Plan:
@@ -256,7 +263,7 @@ def _run_b(plan: _Plan, consts: list, args: list, want: list[bool]) -> tuple[lis
             sub = plan.sub[i]
             outs, stash = _run_b(sub, inner_consts, [_read(env, v) if b else None
                                                      for v, b in zip(eqn.invars, sub.in_b)],
-                                 [not w for w in _w_defined(sub)])
+                                 _b_wants(sub))
             env.update({v: o for v, o in zip(eqn.outvars, outs) if o is not None})
             env[("stash", i)] = stash
         elif role == "manual":
@@ -389,7 +396,7 @@ def _region(eqn) -> tuple:
     axes = p.get("newly_manual_axes", p.get("axis_names", p.get("manual_axes")))
     mesh = p["mesh"]
     return (mesh, p["in_specs"], p["out_specs"], {a: dict(mesh.shape)[a] for a in axes},
-            p.get("check_vma", p.get("check_rep", True)))
+            p["check_vma"] if "check_vma" in p else p["check_rep"])
 
 
 def _hand_out(leaves: list, axes: frozenset, typed: bool) -> tuple[list, list]:
@@ -410,7 +417,7 @@ def _region_b(eqn, sub: _Plan, env: dict) -> tuple[list, list]:
     mesh, in_specs, out_specs, sizes, check = _region(eqn)
     inner, inner_consts = _inner(eqn)
     reads = [k for k, b in enumerate(sub.in_b) if b]
-    want = [not w for w in _w_defined(sub)]
+    want = _b_wants(sub)
     found: dict = {}
 
     def body(*xs):
@@ -559,6 +566,8 @@ def split(pullback: Callable, residuals: Any, cotangent: Any, n_weights: int) ->
     def b(res, cot):
         args = jax.tree.leaves(res) + jax.tree.leaves(cot)
         outs, stash = _run_b(plan, consts, [a if r else None for a, r in zip(args, plan.in_b)], out_b)
+        if any(outs[k] is None for k in range(len(outs)) if out_b[k]):
+            raise AssertionError("B's part of the split backward pass left an output it owns unmade")
         return outs[n_weights:], [stash, [outs[k] for k in early_at]]
 
     def w(res, stash):
