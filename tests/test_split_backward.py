@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jaxshard.analysis import hlo
 from jaxshard.parallel import pipeline, split_backward
@@ -211,15 +212,18 @@ def test_a_shard_map_regions_weight_matmuls_run_in_w(preset, mesh, sp):
         assert w == 2 * size(lambda p: "ffn" not in p or "router" in p) * tokens / n + 2 * experts * slots, (w, flops)
 
 
+def _tensor_mesh():
+    """4 devices on one ``tensor`` axis, left to the partitioner (as the library's meshes are)."""
+    return jax.make_mesh((4,), ("tensor",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
+
+
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_a_region_split_hands_each_devices_values_to_w(check_vma):
     """A toy column-parallel region (each device's weight columns, the input replicated):
     W's region is given B's per-device cotangents and makes each device's weight gradient;
     exact whether or not the region types what varies (unchecked, every value is handed on
     per device)."""
-    from jax.sharding import PartitionSpec as P
-
-    mesh = jax.make_mesh((4,), ("tensor",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
+    mesh = _tensor_mesh()
 
     def f(w, x):
         y = jax.shard_map(lambda w, x: jnp.tanh(x @ w), mesh=mesh, in_specs=(P(None, "tensor"), P()),
@@ -261,9 +265,7 @@ def _split_matches(pullback, res, cot, n_weights):
 def test_a_call_output_both_parts_need_is_made_by_b_too(kind):
     """A cheap value made from the residuals alone (W makes it again) that B's input gradient
     reads after the call: B's part of the call makes it as well, not only W's."""
-    from jax.sharding import PartitionSpec as P
-
-    mesh = jax.make_mesh((4,), ("tensor",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
+    mesh = _tensor_mesh()
 
     def inner(x, cot):
         n = jnp.sin(x)
@@ -286,9 +288,7 @@ def test_a_call_output_both_parts_need_is_made_by_b_too(kind):
 def test_a_region_returning_a_literal_and_its_own_input_splits(check_vma):
     """A region's outputs may be a literal and one of its inputs passed through (here only W
     reads it): W's region passes it on, and the literal needs neither part."""
-    from jax.sharding import PartitionSpec as P
-
-    mesh = jax.make_mesh((4,), ("tensor",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
+    mesh = _tensor_mesh()
 
     def local(x, w, cot, scale):
         c = cot * scale
