@@ -6,18 +6,20 @@
 Three parts, each in its own process (device count and threading are fixed at JAX start):
 
 * **bubble** -- ``stage=2`` on 2 fake CPU devices, each single-threaded, so each stage has a core
-  of its own and a waiting stage really idles. For naive, GPipe, 1F1B and interleaved (V = 2) at
-  M in {P, 2P, 4P} with a fixed microbatch: the step time T, and each stage's own work W_s, timed
-  as the same executor running a table in which only stage s works, every tick (its M V forward
-  and backward slots back to back, no waiting), less the same table with every slot idle (the
-  optimizer and the per-tick sends, which T pays too). Measured bubble = idle device time / all
-  device time = 1 - sum_s W_s / (P (T - T_idle)); theory (P-1)/(M+P-1), interleaved (P-1)/(VM+P-1).
-  The two devices are not independent: all stages working at once (the same table with every
-  stage busy every tick, A) take longer than the slowest stage alone (the "slowdown" column), so
-  the bubble is also given against A, 1 - A / (T - T_idle): the first counts the slowdown as
-  idle time, the second credits a stage with the speed it gains while the other idles.
-* **steps** -- naive vs GPipe vs 1F1B vs interleaved on ``stage=4,data=2`` over 8 fake devices
-  (which share the 2 cores: the bubble is hidden there, the executor's overheads are not).
+  of its own and a waiting stage really idles. For naive, GPipe, 1F1B, interleaved (V = 2) and
+  ZB-H1 at M in {P, 2P, 4P} with a fixed microbatch: the step time T, and each stage's own
+  work W_s, timed as the same executor running a table in which only stage s works, every tick
+  (its M V forward and backward slots back to back, no waiting; ZB-H1's B and W in the tick
+  of their F), less the same table with every slot idle (the optimizer and the per-tick sends,
+  which T pays too). Measured bubble = idle device time / all device time
+  = 1 - sum_s W_s / (P (T - T_idle)); theory (P-1)/(M+P-1), interleaved (P-1)/(VM+P-1), ZB-H1
+  (P-1)/(3M+P-1). The two devices are not independent: all stages working at once (the same
+  table with every stage busy every tick, A) take longer than the slowest stage alone (the
+  "slowdown" column), so the bubble is also given against A, 1 - A / (T - T_idle): the first
+  counts the slowdown as idle time, the second credits a stage with the speed it gains while
+  the other idles.
+* **steps** -- naive vs GPipe vs 1F1B vs interleaved vs ZB-H1 on ``stage=4,data=2`` over 8 fake
+  devices (which share the 2 cores: the bubble is hidden there, the executor's overheads are not).
 * **balance** -- a model whose last stage is heavy (a 16k vocabulary's head): the even split
   against ``--balance profile``'s, step time on the ``bubble`` part's 2 single-threaded devices.
 
@@ -39,8 +41,8 @@ sys.path[0] = ROOT
 
 SINGLE_THREAD = "--xla_cpu_multi_thread_eigen=false"
 BUBBLE_RUNS = [("naive", 1), ("gpipe", 2), ("gpipe", 4), ("gpipe", 8), ("1f1b", 2), ("1f1b", 4), ("1f1b", 8),
-               ("interleaved", 2), ("interleaved", 4), ("interleaved", 8)]
-STEP_RUNS = [("naive", 1), ("gpipe", 8), ("1f1b", 8), ("interleaved", 8)]
+               ("interleaved", 2), ("interleaved", 4), ("interleaved", 8), ("zb-h1", 2), ("zb-h1", 4), ("zb-h1", 8)]
+STEP_RUNS = [("naive", 1), ("gpipe", 8), ("1f1b", 8), ("interleaved", 8), ("zb-h1", 8)]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -188,7 +190,7 @@ def plot(a) -> str | None:
     rows = json.load(open(os.path.join(a.out, "bubble.json")))
     fig, ax = plt.subplots(figsize=(7, 5.5))
     ms = [1, 2, 4, 8]
-    for kind, v, color in (("gpipe", 1, "C0"), ("1f1b", 1, "C1"), ("interleaved", 2, "C2")):
+    for kind, v, color in (("gpipe", 1, "C0"), ("1f1b", 1, "C1"), ("interleaved", 2, "C2"), ("zb-h1", 1, "C4")):
         pts = [r for r in rows if r["schedule"] == kind]
         ax.plot([r["microbatches"] for r in pts], [r["bubble_measured"] for r in pts], "o-", color=color,
                 label=f"{kind}: against each stage alone")
@@ -197,6 +199,7 @@ def plot(a) -> str | None:
     for v, style in ((1, "k--"), (2, "k:")):
         ax.plot(ms, [1 / (v * m + 1) for m in ms], style, label=f"theory (P-1)/({'V' if v > 1 else ''}M+P-1)"
                 + (f", V={v}" if v > 1 else ""))
+    ax.plot(ms, [1 / (3 * m + 1) for m in ms], "k-.", label="ZB-H1 theory (P-1)/(3M+P-1)")
     naive = next(r for r in rows if r["schedule"] == "naive")
     ax.plot([1, 1], [naive["bubble_measured"], naive["bubble_vs_all_busy"]], "s", color="C3", label="naive (both)")
     ax.set_xlabel("microbatches M (P = 2 stages)")

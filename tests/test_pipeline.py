@@ -68,21 +68,36 @@ def test_schedule_tables_hold_what_each_schedule_promises(stages):
     assert check_table(make_schedule("naive", stages, 1)) == 1
 
 
-def test_packed_tables_give_one_stage_all_its_slots_and_no_waiting():
+@pytest.mark.parametrize("kind, virtual", [("interleaved", 2), ("zb-h1", 1)])
+def test_packed_tables_give_one_stage_all_its_slots_and_no_waiting(kind, virtual):
     """What --measure-bubble times as a stage's own work: each of its M V forward and backward
-    slots once, one per tick, and nothing on the other stages."""
-    schedule = make_schedule("interleaved", 2, 4, 2)
+    slots once (a zero-bubble schedule's B and W both, in the same tick), one per tick, and
+    nothing on the other stages; nothing waits in an inbox."""
+    schedule = make_schedule(kind, 2, 4, virtual)
+    phases = ("fwd", "bwd", "wgt") if schedule.split else ("fwd", "bwd")
     for stage in (None, 0, 1, "all"):
         table = packed(schedule, stage)
         assert table.ticks == schedule.virtual * schedule.microbatches
         for s in range(schedule.stages):
             works = stage == "all" or stage == s
-            for phase in ("fwd", "bwd"):
+            for phase in phases:
                 ids, chunks = getattr(table, phase)[:, s], getattr(table, f"{phase}_chunk")[:, s]
+                assert ids.shape == (table.ticks,)
                 if works:
-                    assert sorted(zip(ids, chunks)) == [(i, v) for i in range(4) for v in range(2)]
+                    assert sorted(zip(ids, chunks)) == [(i, v) for i in range(4) for v in range(virtual)]
                 else:
                     assert (ids == -1).all()
+        if schedule.split:
+            assert (table.wgt == table.bwd).all() and (table.fwgt == -1).all()
+            assert (table.fwd_in == -1).all() and (table.bwd_in == -1).all() and table.in_slots == 0
+    if schedule.split:  # the executor runs it (every stage busy: the timing's widest table)
+        model = TransformerLM(get_preset("tiny").replace(n_layers=4))
+        flags = dict(pipeline_schedule=kind, microbatches=4)
+        real = make_program(model, "stage=2,data=4", **flags).schedule
+        program = make_program(model, "stage=2,data=4", schedule=packed(real, "all"), **flags)
+        batch = jax.device_put(random_batches(model.cfg.vocab_size)[0], program.batch_sharding)
+        _, metrics = program.step(program.init(0), batch)
+        assert np.isfinite(float(metrics["loss"]))
 
 
 @pytest.mark.parametrize("kind, stages, microbatches, virtual, message", [

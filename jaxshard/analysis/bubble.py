@@ -32,8 +32,9 @@ if TYPE_CHECKING:
 
 def packed(schedule: Schedule, stage: int | str | None) -> Schedule:
     """``schedule``'s M V forward + backward slots on every tick, on ``stage`` only ("all": on
-    every stage at once; None: no stage works), with no waiting. The data dependencies are
-    ignored: only its time means anything."""
+    every stage at once; None: no stage works), with no waiting; a zero-bubble schedule's
+    backward as its B and its W, the W in the same tick's weight slot. The data dependencies
+    are ignored: only its time means anything."""
     n = schedule.virtual * schedule.microbatches
     t = np.arange(n)
     i = np.tile((t % schedule.microbatches)[:, None], (1, schedule.stages)).astype(np.int32)
@@ -43,8 +44,14 @@ def packed(schedule: Schedule, stage: int | str | None) -> Schedule:
         active[stage] = True
     i = np.where(active, i, -1)
     zero = np.zeros_like(i)
+    split = {}
+    if schedule.split:  # all in slot 0: F writes it, B reads and rewrites it, W reads it
+        none = np.full_like(i, -1)
+        split = dict(wgt=i, wgt_chunk=v, wgt_slot=zero, bwd_wslot=zero, wgt_wslot=zero, fwgt=none,
+                     fwgt_slot=zero, fwgt_wslot=zero, w_slots=1, fwd_bslot=zero, bwd_bslot=zero, b_slots=1,
+                     fwd_in=none, fwd_from=none, bwd_in=none, bwd_from=none, in_slots=0, bwd_in_slots=0)
     return dataclasses.replace(schedule, kind="packed", fwd=i, bwd=i, fwd_chunk=v, bwd_chunk=v,
-                               fwd_slot=zero, bwd_slot=zero, slots=1)
+                               fwd_slot=zero, bwd_slot=zero, slots=1, **split)
 
 
 def step_seconds(program: Program, batch_size: int, seq_len: int, vocab: int, steps: int) -> float:
