@@ -290,7 +290,7 @@ def test_the_memory_table_counts_float8s_state_and_its_temporaries_are_bf16s(mes
 
     temp = {}
     for recipe in (None, "tensorwise", "rowwise", "delayed"):
-        model = TransformerLM(get_preset("tiny-llama").replace(fp8=recipe), remat="full")
+        model = fp8_model("tiny-llama", recipe, remat="full")
         program = make_program(model, mesh)
         compiled = program.lower_step(BATCH, SEQ).compile().memory_analysis()
         predicted, _ = accounting.predict(model, program.rules, BATCH, SEQ, remat=model.remat)
