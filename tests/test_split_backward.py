@@ -3,6 +3,7 @@ together exactly the pullback's gradients, and every matmul of the pullback run 
 and W's compiled matmul FLOPs sum to the pullback's, W's are the weight gradients' (one
 matmul per weight use), B's no more than the rest."""
 
+import contextlib
 import math
 
 import jax
@@ -76,28 +77,39 @@ def test_b_and_w_are_the_pullback_with_every_matmul_once(preset, remat):
     assert 0 < w < b + w and b > 0
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
-def test_what_b_hands_w_under_dots_depends_on_the_cotangent(preset):
+@pytest.mark.parametrize("preset, mesh, sp", [("tiny", None, False), ("tiny-llama", None, False),
+                                              ("tiny", "tensor=2", False), ("tiny-llama", "tensor=2", False),
+                                              ("tiny", "tensor=4", True)])
+def test_what_b_hands_w_under_dots_depends_on_the_cotangent(preset, mesh, sp):
     """Under ``dots`` every matmul's output is a residual, so what else both parts need of the
     forward pass (a norm's output, an activation) is cheap and made from the residuals: W runs
-    it again instead of keeping B's copy. So each value B hands W changes with the cotangent
-    (a gradient), none is the forward's; and W reads more residuals than B hands it values."""
-    f, chunk, x = _stack(preset, "dots")
-    (y, extra), pullback = jax.vjp(f, chunk, x)
-    res, treedef = jax.tree.flatten(pullback)
+    it again instead of keeping B's copy -- under tensor parallelism too, where a column
+    projection's output leaves a ``shard_map`` region that only reshapes its residual. So each
+    value B hands W changes with the cotangent (a gradient), none is the forward's; and W reads
+    more residuals than B hands it values."""
+    from jaxshard.mesh import build_mesh
+    from jaxshard.rules import ShardingRules, Strategy, use_rules
+    from tests.harness import first_devices
 
-    def full(res, cot):
-        return jax.tree.unflatten(treedef, res)(cot)
+    f, chunk, x = _stack(preset, "dots", (4, 16))
+    rules = mesh and ShardingRules(build_mesh(mesh, first_devices(mesh)), Strategy(sequence_parallel=sp))
 
-    def cot(seed):
-        return jax.random.normal(jax.random.key(seed), y.shape), jnp.ones_like(extra)
+    def parts(chunk, x, cot_y):
+        """(the values B hands W, the residuals W reads)."""
+        with use_rules(rules) if rules else contextlib.nullcontext():
+            (_, extra), pullback = jax.vjp(f, chunk, x)
+            res, treedef = jax.tree.flatten(pullback)
+            full = lambda res, cot: jax.tree.unflatten(treedef, res)(cot)  # noqa: E731
+            cot = (cot_y, jnp.ones_like(extra))
+            s = split_backward.split(full, res, cot, len(jax.tree.leaves(chunk)))
+            return jax.tree.leaves(s.b(res, cot)[1]), [r for r, w in zip(res, s.w_reads) if w], res
 
-    s = split_backward.split(full, res, cot(2), len(jax.tree.leaves(chunk)))
-    one, two = (jax.tree.leaves(s.b(res, cot(seed))[1]) for seed in (2, 3))
+    run = jax.jit(parts)
+    (one, w_reads, res), (two, _, _) = (run(chunk, x, jax.random.normal(jax.random.key(seed), x.shape))
+                                        for seed in (2, 3))
     assert one and all(not np.allclose(a, b) for a, b in zip(one, two)), \
         [a.shape for a, b in zip(one, two) if np.allclose(a, b)]
-    handed = sum(a.size for a in one)
-    assert sum(r.size for r, w in zip(res, s.w_reads) if w) > 0 and handed < sum(r.size for r in res)
+    assert w_reads and sum(a.size for a in one) < sum(r.size for r in res)
 
 
 def _handed_and_b_only(preset, remat):
@@ -162,20 +174,23 @@ def test_a_scan_carrying_what_both_parts_need_splits_and_stays_exact():
     np.testing.assert_allclose(d_x[0], want_x, rtol=1e-6)
 
 
-@pytest.mark.parametrize("preset, mesh, sp", [("tiny-llama", "tensor=2", False), ("tiny", "tensor=4", True),
-                                              ("moe-tiny", "expert=4", False)])
-def test_a_shard_map_regions_weight_matmuls_run_in_w(preset, mesh, sp):
+@pytest.mark.parametrize("preset, mesh, sp, remat", [("tiny-llama", "tensor=2", False, "none"),
+                                                     ("tiny", "tensor=4", True, "none"),
+                                                     ("tiny", "tensor=2", False, "dots"),
+                                                     ("moe-tiny", "expert=4", False, "none")])
+def test_a_shard_map_regions_weight_matmuls_run_in_w(preset, mesh, sp, remat):
     """Under tensor parallelism the column projections run in a ``shard_map`` region, and
     under an ``expert`` axis the experts: split into a B region and a W region over the same
     axes, each weight's gradient matmul runs in W. Per device, compiled: W's matmul FLOPs are
     every weight use's (a tensor-split weight's shard's), and B + W the pullback's; the
-    gradients equal the pullback's."""
+    gradients equal the pullback's. (Under ``dots`` W also runs again the regions that only
+    reshape a residual.)"""
     from jaxshard.mesh import build_mesh
     from jaxshard.rules import ShardingRules, Strategy, use_rules
     from tests.harness import first_devices
 
     rules = ShardingRules(build_mesh(mesh, first_devices(mesh)), Strategy(sequence_parallel=sp))
-    f, chunk, x = _stack(preset, "none", (4, 16))
+    f, chunk, x = _stack(preset, remat, (4, 16))
     (y, _), _ = jax.eval_shape(lambda c, x: jax.vjp(f, c, x), chunk, x)
     cot_y = jax.random.normal(jax.random.key(2), y.shape)
     n_weights = len(jax.tree.leaves(chunk))
@@ -246,6 +261,32 @@ def test_a_region_split_hands_each_devices_values_to_w(check_vma):
     got, want = (jax.jit(parts, static_argnums=3)(w, x, cot, split) for split in (True, False))
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+
+def test_w_runs_again_a_region_that_only_reshapes_a_residual_but_not_one_that_sends():
+    """Both parts need two regions' outputs, each made from a residual alone with no matmul: W
+    runs again the one that only computes on each device's values (B hands it nothing of it)
+    but not the one with a ``psum`` (W would send its bytes again, in another tick): B hands W
+    that region's output."""
+    mesh = _tensor_mesh()
+    only_here = jax.shard_map(jnp.tanh, mesh=mesh, in_specs=P(None, "tensor"), out_specs=P(None, "tensor"))
+    summed = jax.shard_map(lambda x: jax.lax.psum(2 * x, "tensor"), mesh=mesh, in_specs=P(None, "tensor"),
+                           out_specs=P())
+
+    def pullback(res, cot):
+        w, x = res
+        a, b = only_here(x)[:, :2], summed(x)
+        return (a * b).T @ cot, (cot @ w.T) * a * b
+
+    res = (jax.random.normal(jax.random.key(0), (2, 3)), jax.random.normal(jax.random.key(1), (8, 8)))
+    cot = jax.random.normal(jax.random.key(2), (8, 3))
+    _split_matches(pullback, res, cot, 1)
+    s = split_backward.split(pullback, res, cot, 1)
+    handed = [np.asarray(h) for h in jax.tree.leaves(jax.jit(s.b)(res, cot)[1])]
+    a, b = np.tanh(np.asarray(res[1]))[:, :2], np.asarray(summed(res[1]))
+    forward = {"psum": b, "tanh": a, "product": a * b}
+    kept = {k for k, v in forward.items() for h in handed if h.shape == v.shape and np.allclose(h, v)}
+    assert kept == {"psum"}, (kept, [h.shape for h in handed])
 
 
 def _split_matches(pullback, res, cot, n_weights):

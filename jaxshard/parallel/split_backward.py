@@ -18,12 +18,12 @@ it; W scans the rest over that stack. Calls (``jit``, ``remat``) are entered as 
 into two regions over the same mesh axes: B's hands W, per device, what W reads of it (each
 value out of the region and back in with a leading dim split over the axes it varies over), so
 the matmuls of the weights a region takes run in W like any other's.
-An equation both parts need that is cheap (no matmul) and made from the residuals alone --
-what a remat policy recomputes of the forward pass, such as a norm's output -- runs in both,
-so W keeps no copy of it from B; any other runs in B, its outputs handed to W. A weight
-whose gradient takes no matmul beyond B's (a norm's scale, a bias) B computes whole where that
-hands W fewer bytes: the gradient is the weight's size, the cotangent W would reduce for it an
-activation's.
+An equation both parts need that is cheap (no matmul, no collective) and made from the
+residuals alone -- what a remat policy recomputes of the forward pass, such as a norm's output,
+or a region that only reshapes a saved matmul output -- runs in both, so W keeps no copy of
+it from B; any other runs in B, its outputs handed to W. A weight whose gradient takes no
+matmul beyond B's (a norm's scale, a bias) B computes whole where that hands W fewer bytes:
+the gradient is the weight's size, the cotangent W would reduce for it an activation's.
 """
 
 from __future__ import annotations
@@ -78,9 +78,11 @@ class _Plan:
 
 def _cheap(eqn) -> bool:
     """An equation W may run again rather than be handed its result: no matmul, no body of its
-    own, no effects or randomness (an elementwise op, a reduction, a reshape)."""
+    own, no effects or randomness (an elementwise op, a reduction, a reshape); a call or a
+    ``shard_map`` region made of such equations alone. (A collective is not one: its named
+    axis is an effect. W would send its bytes again.)"""
     name = eqn.primitive.name
-    if name in _CALLS:  # (jax.nn.silu is a jit call, say)
+    if name in _CALLS or name in _MANUAL:  # (jax.nn.silu is a jit call; a TP region may only reshape)
         return not eqn.effects and all(_cheap(e) for e in _inner(eqn)[0].eqns)
     return (name not in _COSTLY and "random" not in name and "rng" not in name and not eqn.effects
             and not any(isinstance(v, (core.Jaxpr, core.ClosedJaxpr)) for v in eqn.params.values()))
