@@ -5,6 +5,7 @@ matmul per weight use), B's no more than the rest."""
 
 import contextlib
 import math
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +78,37 @@ def test_b_and_w_are_the_pullback_with_every_matmul_once(preset, remat):
     assert 0 < w < b + w and b > 0
 
 
+def _on_mesh(preset, remat, mesh=None, sp=False):
+    """(the stack's chunk, an input of 4 x 16 tokens, the rules of ``mesh`` (None: no mesh),
+    parts) where ``parts(chunk, x, cot_y, upto)`` runs the stack's forward pass and then, under
+    the rules, its pullback: whole (``upto`` None), or B then W ("w": the weights' gradients,
+    then the input's), or B alone ("b": the input's gradient and what it hands W), or "handed"
+    (what B hands W, the residuals W reads, all residuals)."""
+    from jaxshard.mesh import build_mesh
+    from jaxshard.rules import ShardingRules, Strategy, use_rules
+    from tests.harness import first_devices
+
+    f, chunk, x = _stack(preset, remat, (4, 16))
+    rules = mesh and ShardingRules(build_mesh(mesh, first_devices(mesh)), Strategy(sequence_parallel=sp))
+    n_weights = len(jax.tree.leaves(chunk))
+
+    def parts(chunk, x, cot_y, upto):
+        with use_rules(rules) if rules else contextlib.nullcontext():
+            out, pullback = jax.vjp(f, chunk, x)
+            cot = (cot_y, jnp.ones_like(out[1]))
+            res, treedef = jax.tree.flatten(pullback)
+            full = lambda res, cot: jax.tree.unflatten(treedef, res)(cot)  # noqa: E731
+            if upto is None:
+                return jax.tree.leaves(full(res, cot))
+            s = split_backward.split(full, res, cot, n_weights)
+            d_x, stash = s.b(res, cot)
+            if upto == "handed":
+                return jax.tree.leaves(stash), [r for r, w in zip(res, s.w_reads) if w], res
+            return d_x + jax.tree.leaves(stash) if upto == "b" else s.w(res, stash) + d_x
+
+    return chunk, x, rules, parts
+
+
 @pytest.mark.parametrize("preset, mesh, sp", [("tiny", None, False), ("tiny-llama", None, False),
                                               ("tiny", "tensor=2", False), ("tiny-llama", "tensor=2", False),
                                               ("tiny", "tensor=4", True)])
@@ -87,24 +119,8 @@ def test_what_b_hands_w_under_dots_depends_on_the_cotangent(preset, mesh, sp):
     projection's output leaves a ``shard_map`` region that only reshapes its residual. So each
     value B hands W changes with the cotangent (a gradient), none is the forward's; and W reads
     more residuals than B hands it values."""
-    from jaxshard.mesh import build_mesh
-    from jaxshard.rules import ShardingRules, Strategy, use_rules
-    from tests.harness import first_devices
-
-    f, chunk, x = _stack(preset, "dots", (4, 16))
-    rules = mesh and ShardingRules(build_mesh(mesh, first_devices(mesh)), Strategy(sequence_parallel=sp))
-
-    def parts(chunk, x, cot_y):
-        """(the values B hands W, the residuals W reads)."""
-        with use_rules(rules) if rules else contextlib.nullcontext():
-            (_, extra), pullback = jax.vjp(f, chunk, x)
-            res, treedef = jax.tree.flatten(pullback)
-            full = lambda res, cot: jax.tree.unflatten(treedef, res)(cot)  # noqa: E731
-            cot = (cot_y, jnp.ones_like(extra))
-            s = split_backward.split(full, res, cot, len(jax.tree.leaves(chunk)))
-            return jax.tree.leaves(s.b(res, cot)[1]), [r for r, w in zip(res, s.w_reads) if w], res
-
-    run = jax.jit(parts)
+    chunk, x, _, parts = _on_mesh(preset, "dots", mesh, sp)
+    run = jax.jit(lambda *a: parts(*a, "handed"))
     (one, w_reads, res), (two, _, _) = (run(chunk, x, jax.random.normal(jax.random.key(seed), x.shape))
                                         for seed in (2, 3))
     assert one and all(not np.allclose(a, b) for a, b in zip(one, two)), \
@@ -185,29 +201,8 @@ def test_a_shard_map_regions_weight_matmuls_run_in_w(preset, mesh, sp, remat):
     every weight use's (a tensor-split weight's shard's), and B + W the pullback's; the
     gradients equal the pullback's. (Under ``dots`` W also runs again the regions that only
     reshape a residual.)"""
-    from jaxshard.mesh import build_mesh
-    from jaxshard.rules import ShardingRules, Strategy, use_rules
-    from tests.harness import first_devices
-
-    rules = ShardingRules(build_mesh(mesh, first_devices(mesh)), Strategy(sequence_parallel=sp))
-    f, chunk, x = _stack(preset, remat, (4, 16))
-    (y, _), _ = jax.eval_shape(lambda c, x: jax.vjp(f, c, x), chunk, x)
-    cot_y = jax.random.normal(jax.random.key(2), y.shape)
-    n_weights = len(jax.tree.leaves(chunk))
-
-    def parts(chunk, x, cot_y, upto):
-        """The pullback's gradients: whole (``upto`` None), or B then W ("w"), or B alone ("b":
-        the input's gradient and what it hands W)."""
-        with use_rules(rules):
-            out, pullback = jax.vjp(f, chunk, x)
-            cot = (cot_y, jnp.ones_like(out[1]))
-            res, treedef = jax.tree.flatten(pullback)
-            full = lambda res, cot: jax.tree.unflatten(treedef, res)(cot)  # noqa: E731
-            if upto is None:
-                return jax.tree.leaves(full(res, cot))
-            s = split_backward.split(full, res, cot, n_weights)
-            d_x, stash = s.b(res, cot)
-            return d_x + jax.tree.leaves(stash) if upto == "b" else s.w(res, stash) + d_x
+    chunk, x, rules, parts = _on_mesh(preset, remat, mesh, sp)
+    cot_y = jax.random.normal(jax.random.key(2), x.shape)
 
     flops = {k: _dot_flops(lambda *a: parts(*a, k), chunk, x, cot_y) for k in (None, "b", "w")}
     w = flops["w"] - flops["b"]
@@ -225,6 +220,31 @@ def test_a_shard_map_regions_weight_matmuls_run_in_w(preset, mesh, sp, remat):
         slots = math.ceil(cfg.moe_capacity_factor * cfg.moe_top_k * tokens / cfg.moe_experts)
         experts = size(lambda p: "ffn" in p and "router" not in p) / n  # the device's experts
         assert w == 2 * size(lambda p: "ffn" not in p or "router" in p) * tokens / n + 2 * experts * slots, (w, flops)
+
+
+@pytest.mark.parametrize("preset, mesh, sp", [("tiny", "tensor=4", True), ("tiny-llama", "tensor=2", False),
+                                              ("tiny-llama", "sequence=4", False), ("tiny-llama", "fsdp=4", False)])
+def test_the_split_sends_what_the_whole_pass_sends_but_sps_gathered_gradients(preset, mesh, sp):
+    """Bytes each device sends, per kind of collective, in the compiled forward and backward
+    pass whole and split into B and W: the same, but under SP, where a row projection's output
+    gradient arrives split over the sequence and both of its gradients need it whole. The
+    whole pass gathers it once; split, B gathers it and hands it on split, and W gathers it
+    again: one all-gather more of ``[rows, seq, d]`` a row projection (attention output, MLP
+    output) a layer (docs/pipelines.md, "What the split sends again under SP")."""
+    chunk, x, rules, parts = _on_mesh(preset, "none", mesh, sp)
+    sent = {}
+    for upto in (None, "w"):
+        text = jax.jit(lambda *a: parts(*a, upto)).lower(chunk, x, x).compile().as_text()
+        sent[upto] = Counter()
+        for c in hlo.parse(text):
+            sent[upto][c.kind] += c.sent_bytes * c.executions
+    assert sent[None], sent  # (each mesh sends something)
+    extra = Counter(sent["w"])
+    extra.subtract(sent[None])
+    t = rules.sizes["tensor"]
+    gathers = 2 * get_preset(preset).n_layers if sp else 0
+    want = gathers * x.size * 4 * (t - 1) / t  # float32, the ring's (t - 1) / t of each
+    assert {k: v for k, v in extra.items() if v} == ({"all-gather": want} if sp else {}), (sent, want)
 
 
 def _tensor_mesh():
