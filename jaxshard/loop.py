@@ -220,7 +220,7 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
         chunks = f" x {schedule.virtual} chunks" if schedule.virtual > 1 else ""
         _log(f"pipeline {schedule.kind}: {schedule.stages} stages{chunks} (layers {schedule.layout.describe()}), "
              f"{schedule.microbatches} microbatches in {schedule.ticks} ticks, bubble "
-             f"(P-1)/({'VM' if chunks else 'M'}+P-1) = {schedule.bubble():.0%}, {schedule.slots} microbatches' activations kept per stage")
+             f"{schedule.bubble_formula} = {schedule.bubble():.0%}, {schedule.slots} microbatches' activations kept per stage")
     state, start, samples, resumed = _start(cfg, program, model, ckpt, family)
     t0 = time.perf_counter()
     compiled = program.lower_step(B, L).compile()

@@ -68,6 +68,18 @@ def test_schedule_tables_hold_what_each_schedule_promises(stages):
     assert check_table(make_schedule("naive", stages, 1)) == 1
 
 
+@pytest.mark.parametrize("kind, virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)])
+def test_the_logged_bubble_formula_gives_the_bubble(kind, virtual):
+    """The formula a run logs beside the bubble is the one it computed: evaluated at the
+    schedule's P, M and V, it gives :meth:`Schedule.bubble`."""
+    schedule = make_schedule(kind, 4, 8, virtual)
+    formula = schedule.bubble_formula
+    at = {"P": schedule.stages, "M": schedule.microbatches, "V": schedule.virtual}
+    product = re.sub(r"(?<=[\dPMV])(?=[PMV])", "*", formula)  # 3M: 3*M, VM: V*M
+    value = eval(re.sub(r"[PMV]", lambda m: str(at[m[0]]), product))  # noqa: S307
+    assert value == pytest.approx(schedule.bubble()), (formula, value, schedule.bubble())
+
+
 @pytest.mark.parametrize("kind, virtual", [("interleaved", 2), ("zb-h1", 1)])
 def test_packed_tables_give_one_stage_all_its_slots_and_no_waiting(kind, virtual):
     """What --measure-bubble times as a stage's own work: each of its M V forward and backward

@@ -206,6 +206,11 @@ class Schedule:
         return (self.stages - 1) / (self.virtual * self.microbatches + self.stages - 1)
 
     @property
+    def bubble_formula(self) -> str:
+        """:meth:`bubble`'s formula, as the logs print it."""
+        return f"(P-1)/({'3M' if self.split else 'VM' if self.virtual > 1 else 'M'}+P-1)"
+
+    @property
     def keeps_inputs(self) -> bool:
         """Whether a stage keeps chunk inputs (or, zero-bubble, the last chunk's outputs) from
         one tick to a later one: only where the last chunk's backward slot runs in a later
