@@ -283,7 +283,7 @@ def test_a_region_split_hands_each_devices_values_to_w(check_vma):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
 
 
-def test_w_runs_again_a_region_that_only_reshapes_a_residual_but_not_one_that_sends():
+def test_w_runs_again_a_region_that_computes_on_its_own_values_but_not_one_that_sends():
     """Both parts need two regions' outputs, each made from a residual alone with no matmul: W
     runs again the one that only computes on each device's values (B hands it nothing of it)
     but not the one with a ``psum`` (W would send its bytes again, in another tick): B hands W
