@@ -256,16 +256,18 @@ def test_zero_bubble_tables_with_one_hand_over_match_one_device(mesh, microbatch
     ("tiny-llama", "stage=2,data=4", 2, "selective"), ("tiny-llama", "stage=4,data=2", 4, "none"),
     ("tiny-llama", "stage=4,data=2", 8, "none"), ("tiny-llama", "stage=4,data=2", 4, "dots"),
     ("tiny-llama", "stage=4,data=2", 8, "dots"), ("tiny", "stage=2,data=4", 2, "none"),
-    ("tiny", "stage=2,data=4", 4, "dots"), ("tiny-llama", "data=2,stage=2,tensor=2", 4, "dots")])
+    ("tiny", "stage=2,data=4", 4, "dots"), ("tiny-llama", "data=2,stage=2,tensor=2", 4, "dots"),
+    ("tiny", "stage=2,fsdp=4", 4, "dots")])
 def test_zero_bubble_keeps_no_more_than_1f1b(name, mesh, microbatches, remat):
     """Compiled temp bytes per device, at M = P and 2P: ZB-H1 keeps as many microbatches'
     residuals as 1F1B, each until its W, and B's hand-over to W over the residuals B alone
     read (the policies of ``pipeline.HANDOVER_FITS``: its norms and activations W runs again
     rather than keep, its norm scales' gradients B makes whole): no more than 1F1B's. (Under
     ``full``, whose W must be handed the matmul inputs B recomputed, it is more:
-    docs/pipelines.md.) With a tensor axis the hand-over has a slot of its own and the cap is
-    P - s: at M = 2P, P microbatches and one hand-over against 1F1B's 2P - 1, no more under
-    ``dots`` only where W makes again what the column projections' regions recompute."""
+    docs/pipelines.md.) With a tensor or fsdp axis the hand-over has a slot of its own and the
+    cap is P - s: at M = 2P, P microbatches and one hand-over against 1F1B's 2P - 1, no more
+    under ``dots`` only where W makes again what the column projections' regions recompute
+    (tensor) and what the gathered biases and norm scales make (fsdp; B hands W those weights)."""
     model = TransformerLM(get_preset(name).replace(n_layers=4), remat=remat)
     temp = {}
     for kind in ("1f1b", "zb-h1"):

@@ -36,6 +36,8 @@ import numpy as np
 from jax.extend import core
 from jax.sharding import PartitionSpec as P
 
+from jaxshard import remat
+
 _CALLS = ("jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint")
 _MANUAL = ("shard_map",)
 
@@ -91,12 +93,21 @@ def _cheap(eqn) -> bool:
 _COSTLY = ("dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general", "threefry2x32")
 
 
+def _gathered(eqn) -> bool:
+    """ZeRO-3/FSDP's gather of a weight for compute (a sharding constraint the partitioner
+    makes an all-gather): B runs it and hands W its result, a weight, rather than W sending its
+    bytes again."""
+    return remat.is_gathered(eqn.primitive, eqn.params)
+
+
 def _derivable(jaxpr: core.Jaxpr, free: set) -> set:
-    """``free`` (the variables W has without B: the residuals it is given) and what cheap
-    equations make of them alone, in order."""
+    """``free`` (the variables W has without B: the residuals it is given), what cheap
+    equations make of them alone, in order, and the weights :func:`_gathered` makes of them (B
+    hands those on: the size of a weight, where what W makes of them, a norm's output or an
+    activation, is the size of an activation)."""
     free = set(free) | set(jaxpr.constvars)
     for eqn in jaxpr.eqns:
-        if _cheap(eqn) and all(not _is_var(v) or v in free for v in eqn.invars):
+        if (_cheap(eqn) or _gathered(eqn)) and all(not _is_var(v) or v in free for v in eqn.invars):
             free |= set(eqn.outvars)
     return free
 
@@ -119,7 +130,7 @@ def _plan(jaxpr: core.Jaxpr, out_b: list[bool], out_w: list[bool], w_has: set, f
         if not any(ob) and not any(ow):
             continue
         name = eqn.primitive.name
-        if any(ob) and any(ow) and eqn.outvars[0] in again:
+        if any(ob) and any(ow) and eqn.outvars[0] in again and _cheap(eqn):
             plan.role[i] = "BW"  # run by both
             live_b |= {v for v in eqn.invars if _is_var(v)}
             live_w |= {v for v in eqn.invars if _is_var(v)}
