@@ -233,7 +233,10 @@ def test_the_split_sends_what_the_whole_pass_sends_but_sps_gathered_gradients(pr
     gradient arrives split over the sequence and both of its gradients need it whole. The
     whole pass gathers it once; split, B gathers it and hands it on split, and W gathers it
     again: one all-gather more of ``[rows, seq, d]`` a row projection (attention output, MLP
-    output) a layer (docs/pipelines.md, "What the split sends again under SP")."""
+    output) a layer (docs/pipelines.md, "What the split sends again under SP"). B and W compile
+    into one program here, where XLA merges a collective both run on the same value, so this
+    catches what a hand-over makes W send, not a collective W repeats of B's (in a pipeline
+    they run in different ticks): the region and FSDP tests above check those."""
     chunk, x, rules, parts = _on_mesh(preset, "none", mesh, sp)
     sent = {}
     for upto in (None, "w"):
