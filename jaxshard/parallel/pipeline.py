@@ -254,13 +254,28 @@ def flat_slots(sizes: dict[str, int], replicas: tuple[str, ...]) -> bool:
     return all(n == 1 for axis, n in sizes.items() if axis != STAGE and axis not in replicas)
 
 
-def residual_cap(stages: int, remat: Any, flat: bool = True) -> int | tuple[int, ...]:
+def residual_cap(stages: int, remat: Any, flat: bool = True, microbatches: int | None = None
+                 ) -> int | tuple[int, ...]:
     """ZB-H1's cap for ``remat``: 1F1B's 2P - 1 microbatches where B's hand-over to W fits in
     the residuals it overwrites (:data:`HANDOVER_FITS`, and ``flat``: :func:`flat_slots`);
-    else P - s on stage s, which holds one hand-over beside the residuals (docs/pipelines.md)."""
+    else P - s on stage s, which holds one hand-over beside the residuals (docs/pipelines.md),
+    lowered to the fewest microbatches whose tables for ``microbatches`` idle no more, keep no
+    more hand-overs and no more arrivals waiting, and take at most one tick more (each tick
+    sends an activation and a gradient): P - 1 on stages 0 and 1 at M = P from 3 stages."""
     if flat and str(remat) in HANDOVER_FITS:
         return 2 * stages - 1
-    return tuple(stages - s for s in range(stages))
+    narrow = tuple(stages - s for s in range(stages))
+    if microbatches is None or microbatches < stages:  # (make_schedule says what is wrong)
+        return narrow
+    base, best = _zero_bubble(stages, microbatches, None, narrow), narrow
+    for most in range(stages - 1, 0, -1):
+        cap = tuple(min(c, most) for c in narrow)
+        tables = _zero_bubble(stages, microbatches, None, cap)
+        if (tables.idle() > base.idle() + 1e-9 or tables.w_slots > base.w_slots or tables.ticks > base.ticks + 1
+                or tables.in_slots + tables.bwd_in_slots > base.in_slots + base.bwd_in_slots):
+            break
+        best = cap
+    return best
 
 
 def make_schedule(kind: str, stages: int, microbatches: int, virtual: int = 1,

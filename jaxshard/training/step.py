@@ -206,7 +206,7 @@ def pipeline_schedule(rules: ShardingRules, model: Stageable, cfg: StepConfig) -
     kind, stages, virtual, microbatches = plan
     layout = pipeline.StageLayout.make(model.cfg.n_layers, stages, virtual, cfg.stage_layers)
     flat = pipeline.flat_slots(dict(rules.sizes), pipeline.replica_axes(rules))
-    cap = pipeline.residual_cap(stages, Remat.parse(model.remat), flat) if kind == "zb-h1" else None
+    cap = pipeline.residual_cap(stages, Remat.parse(model.remat), flat, microbatches) if kind == "zb-h1" else None
     return pipeline.make_schedule(kind, stages, microbatches, virtual, layout, residual_cap=cap)
 
 
