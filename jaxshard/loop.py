@@ -218,9 +218,13 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
     schedule = program.schedule
     if schedule:
         chunks = f" x {schedule.virtual} chunks" if schedule.virtual > 1 else ""
+        tables = f" (these tables: {schedule.idle():.0%})" if abs(schedule.idle() - schedule.bubble()) > 0.005 else ""
         _log(f"pipeline {schedule.kind}: {schedule.stages} stages{chunks} (layers {schedule.layout.describe()}), "
              f"{schedule.microbatches} microbatches in {schedule.ticks} ticks, bubble "
-             f"{schedule.bubble_formula} = {schedule.bubble():.0%}, {schedule.slots} microbatches' activations kept per stage")
+             f"{schedule.bubble_formula} = {schedule.bubble():.0%}{tables}, {schedule.slots} microbatches' "
+             f"activations kept per stage")
+        if note := schedule.idle_note():
+            _log(f"note: {note}")
     state, start, samples, resumed = _start(cfg, program, model, ckpt, family)
     t0 = time.perf_counter()
     compiled = program.lower_step(B, L).compile()

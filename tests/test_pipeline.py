@@ -314,6 +314,23 @@ def test_zero_bubbles_cap_widens_only_where_a_hand_over_can_take_its_residuals_p
     assert program.schedule.in_slots == 1  # (the P - s tables: an F waits)
 
 
+def test_zero_bubble_tables_that_idle_more_than_1f1b_say_so():
+    """The narrow cap's tables idle more than 1F1B's from M = 2P on 2 stages (and M = 2P on 4);
+    the run's log says so and by how much, from the tables (a quarter of the units against
+    1F1B's fifth at P = 2, M = 4). Where they idle less, and for 1F1B itself, nothing."""
+    from jaxshard.parallel.pipeline import residual_cap
+
+    def narrow(stages, m):
+        return make_schedule("zb-h1", stages, m, residual_cap=residual_cap(stages, "full", True, m))
+
+    note = narrow(2, 4).idle_note()
+    assert note.startswith("zb-h1's tables idle 25% here") and "1f1b's would 20%" in note
+    assert "at most 2 microbatches" in note and note.endswith("--pipeline-schedule 1f1b may be faster")
+    assert "idle 33% here" in narrow(4, 8).idle_note() and "1f1b's would 27%" in narrow(4, 8).idle_note()
+    for quiet in (narrow(2, 2), narrow(4, 4), make_schedule("zb-h1", 2, 8), make_schedule("1f1b", 2, 8)):
+        assert quiet.idle_note() is None
+
+
 def test_the_narrow_cap_keeps_fewer_residuals_for_nothing():
     """Where a hand-over needs a slot of its own, the cap P - s is lowered where that costs
     nothing: the tables idle no more, keep no more hand-overs and waiting arrivals, and take

@@ -210,6 +210,20 @@ class Schedule:
         """:meth:`bubble`'s formula, as the logs print it."""
         return f"(P-1)/({'3M' if self.split else 'VM' if self.virtual > 1 else 'M'}+P-1)"
 
+    def idle_note(self) -> str | None:
+        """For zero-bubble tables that idle more than 1F1B's would at the same P and M (the
+        cap P - s, where B's hand-over needs a slot of its own: from M = 2P on 2 stages), the
+        line that says so; else None."""
+        if not self.split:
+            return None
+        tables, one = self.idle(), make_schedule("1f1b", self.stages, self.microbatches).idle()
+        if tables <= one + 1e-9:
+            return None
+        return (f"{self.kind}'s tables idle {tables:.0%} here (F, B and W one unit each), 1f1b's would {one:.0%}: "
+                f"B's hand-over to W needs a slot of its own (a tensor, fsdp, sequence or expert axis, or "
+                f"--remat other than none and dots), so a stage holds at most {self.slots} microbatches; "
+                f"--pipeline-schedule 1f1b may be faster")
+
     @property
     def keeps_inputs(self) -> bool:
         """Whether a stage keeps chunk inputs (or, zero-bubble, the last chunk's outputs) from
