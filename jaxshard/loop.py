@@ -218,7 +218,8 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
     schedule = program.schedule
     if schedule:
         chunks = f" x {schedule.virtual} chunks" if schedule.virtual > 1 else ""
-        tables = f" (these tables: {schedule.idle():.0%})" if abs(schedule.idle() - schedule.bubble()) > 0.005 else ""
+        tables = f"{schedule.idle():.0%}"  # a zero-bubble schedule's own, where it is not the theory's
+        tables = f" (these tables: {tables})" if schedule.split and tables != f"{schedule.bubble():.0%}" else ""
         _log(f"pipeline {schedule.kind}: {schedule.stages} stages{chunks} (layers {schedule.layout.describe()}), "
              f"{schedule.microbatches} microbatches in {schedule.ticks} ticks, bubble "
              f"{schedule.bubble_formula} = {schedule.bubble():.0%}{tables}, {schedule.slots} microbatches' "

@@ -212,16 +212,16 @@ class Schedule:
 
     def idle_note(self) -> str | None:
         """For zero-bubble tables that idle more than 1F1B's would at the same P and M (the
-        cap P - s, where B's hand-over needs a slot of its own: from M = 2P on 2 stages), the
-        line that says so; else None."""
+        cap P - s, where B's hand-over needs a slot of its own: from M = P + 2), the line that
+        says so; else None."""
         if not self.split:
             return None
         tables, one = self.idle(), make_schedule("1f1b", self.stages, self.microbatches).idle()
         if tables <= one + 1e-9:
             return None
         return (f"{self.kind}'s tables idle {tables:.0%} here (F, B and W one unit each), 1f1b's would {one:.0%}: "
-                f"B's hand-over to W needs a slot of its own (a tensor, fsdp, sequence or expert axis, or "
-                f"--remat other than none and dots), so a stage holds at most {self.slots} microbatches; "
+                f"B's hand-over to W needs a slot of its own (an axis that splits a stage's values: tensor, fsdp, "
+                f"sequence, expert or data under ZeRO; or --remat other than none and dots), so a stage holds at most {self.slots} microbatches; "
                 f"--pipeline-schedule 1f1b may be faster")
 
     @property
@@ -387,8 +387,9 @@ def _zero_bubble(Pn: int, M: int, layout: StageLayout | None, cap: int | tuple[i
     stage runs (at least one); then every stage fills its free slots up to that length with
     waiting Ws. Ws hold nothing up, so they go where a stage would idle: into the ticks the
     next stage spends on F and B, and into the end. The cap at 2P - 1 meets the theory's
-    3M + P - 1 units of F, B and W from M = 2P; P - s on stage s holds the fewest microbatches
-    and idles a quarter of the units on 2 stages (docs/pipelines.md)."""
+    3M + P - 1 units of F, B and W at M = 2P and 4P (and most M from 2P); P - s on stage s
+    holds at most P microbatches (:func:`residual_cap` lowers it where that costs nothing) and
+    idles a quarter of the units on 2 stages (docs/pipelines.md)."""
     caps = [2 * Pn - 1] * Pn if cap is None else [cap] * Pn if isinstance(cap, int) else list(cap)
     f_at, b_at, w_at, w_first = {}, {}, {}, set()  # w_first: the Ws run in the forward slot
     next_f, next_b, done_w = [0] * Pn, [0] * Pn, [0] * Pn
