@@ -221,7 +221,8 @@ class Schedule:
             return None
         return (f"{self.kind}'s tables idle {tables:.0%} here (F, B and W one unit each), 1f1b's would {one:.0%}: "
                 f"B's hand-over to W needs a slot of its own (an axis that splits a stage's values: tensor, fsdp, "
-                f"sequence, expert or data under ZeRO; or --remat other than none and dots), so a stage holds at most {self.slots} microbatches; "
+                f"sequence, expert, or data under ZeRO-2/3; or --remat other than none and dots), so a stage "
+                f"holds at most {self.slots} microbatches; "
                 f"--pipeline-schedule 1f1b may be faster")
 
     @property
