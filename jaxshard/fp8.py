@@ -32,6 +32,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -89,6 +90,15 @@ def delayed_scale(history: jax.Array, previous: jax.Array, dtype: Any) -> jax.Ar
 
 
 # ---- the scaled matmul ------------------------------------------------------------------------
+
+SCALE = "fp8_scale"  # a tensorwise scale or delayed amax the forward pass takes: kept by every remat policy
+
+
+def keep_scale(x: jax.Array) -> jax.Array:
+    """``x`` (a scalar the forward pass reduced over the devices), named so that every remat
+    policy keeps it for the backward pass (``jaxshard.remat``) rather than take it again."""
+    return checkpoint_name(x, SCALE)
+
 
 def power_of_two(scale: jax.Array) -> jax.Array:
     """``scale`` rounded down to a power of two (no value then scales past the format's
@@ -180,24 +190,36 @@ def _as_2d(x, w, n_in):
 
 
 def _forward(x, w, rowwise, columns, n_in, rows):
-    # Contracting K, whole here: a rowwise amax along it needs no maximum over devices.
-    x_split, w_split = ((), ()) if rowwise else (columns + rows, columns)
     x2, w2 = _as_2d(x, w, n_in)
-    y = scaled_matmul(x2, w2, E4M3, E4M3, rowwise, a_split=x_split, b_split=w_split)
-    return y.reshape(*x.shape[:x.ndim - n_in], *w.shape[n_in:]).astype(x.dtype), (x, w)
+    if rowwise:  # contracting K, whole here: a rowwise amax along it needs no maximum over devices
+        return _out(scaled_matmul(x2, w2, E4M3, E4M3, True), x, w, n_in), (x, w, None)
+    # Tensorwise: the weight's scale is kept for the input gradient's matmul, which would
+    # otherwise take the same amax again (a reduction over the devices a split weight lies
+    # on). ``x`` is whole on each device of ``columns``: only ``rows`` cut its amax. (Its scale
+    # is taken again for the weight gradient: the kept one made XLA:CPU's compiled temp 10-17%
+    # larger on the test meshes, for a reason not found; tests/test_fp8_training.py.)
+    sx = keep_scale(_operand_scale(x2, E4M3, 1, False, rows))
+    sw = keep_scale(_operand_scale(w2, E4M3, 0, False, columns))
+    return _out(scaled_matmul(x2, w2, E4M3, E4M3, False, sx, sw), x, w, n_in), (x, w, sw)
+
+
+def _out(y, x, w, n_in):
+    return y.reshape(*x.shape[:x.ndim - n_in], *w.shape[n_in:]).astype(x.dtype)
 
 
 def _backward(rowwise, columns, n_in, rows, saved, g):
-    x, w = saved
+    x, w, sw = saved
     x2, w2 = _as_2d(x, w, n_in)
     g2 = g.reshape(x2.shape[0], w2.shape[1])
-    grad = E4M3 if rowwise else E5M2
-    # g w^T contracts over N, which ``columns`` split: g's amax along it or whole, w's alike.
-    dx = scaled_matmul(g2, w2.T, grad, E4M3, rowwise, a_split=columns + (() if rowwise else rows),
-                       b_split=columns)
-    # x^T g contracts over the tokens M, which ``rows`` split: x's and g's amaxes along M or whole.
-    whole = () if rowwise else columns
-    dw = weight_grad(x, g2, n_in, E4M3, grad, rowwise, rows + whole)
+    if rowwise:
+        # g w^T contracts over N, which ``columns`` split: g's and w's amaxes along it.
+        dx = scaled_matmul(g2, w2.T, E4M3, E4M3, True, a_split=columns, b_split=columns)
+        # x^T g contracts over the tokens M, which ``rows`` split: x's and g's amaxes along it.
+        dw = weight_grad(x, g2, n_in, E4M3, E4M3, True, rows)
+    else:  # the output gradient's one scale (N split over ``columns``, M over ``rows``) serves both
+        sg = _operand_scale(g2, E5M2, 0, False, columns + rows)
+        dx = scaled_matmul(g2, w2.T, E5M2, E4M3, False, sg, sw)
+        dw = weight_grad(x, g2, n_in, E4M3, E5M2, False, rows, g_scale=sg)
     return dx.reshape(x.shape).astype(x.dtype), dw.reshape(w.shape).astype(w.dtype)
 
 
@@ -261,7 +283,9 @@ def _delayed_dense_fwd(x, w, meta, n_in, columns):
     x2, w2 = _as_2d(x, w, n_in)
     y = scaled_matmul(x2, w2, E4M3, E4M3, False, meta[0, -1], meta[1, -1])
     out = y.reshape(*x.shape[:x.ndim - n_in], *w.shape[n_in:]).astype(x.dtype)
-    return out, (x, w, meta, _whole_amax(x2, columns), _whole_amax(w2, columns))
+    # (``x`` is whole on each device of ``columns``; its maximum over them makes the next meta
+    # the same on each by its type, as the region's output needs.)
+    return out, (x, w, meta, keep_scale(_whole_amax(x2, columns)), keep_scale(_whole_amax(w2, columns)))
 
 
 def _delayed_dense_bwd(n_in, columns, saved, g):

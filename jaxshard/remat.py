@@ -4,7 +4,8 @@ keeping or re-gathering a layer's weights for the backward pass (``--reshard-aft
 ``--remat`` takes a policy name, or a policy with names after a colon:
 
 * ``none``: keep every activation the backward pass needs;
-* ``full``: keep only each layer's input, recompute the layer in the backward pass;
+* ``full``: keep only each layer's input (and its float8 scales), recompute the layer in the
+  backward pass;
 * ``dots`` / ``dots_no_batch``: keep matmul outputs (those without batch dims), recompute the rest;
 * ``selective``: Megatron's selective recompute -- keep everything but the attention core
   (scores, softmax, probabilities times values), which is recomputed from the saved q, k, v;
@@ -34,6 +35,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxshard.errors import ConfigError
+from jaxshard.fp8 import SCALE
 from jaxshard.parallel.experts import EXCHANGED
 from jaxshard.parallel.grouped import GROUPED
 from jaxshard.rules import GATHERED, active
@@ -213,10 +215,12 @@ def _keeping_exchanges(base, remat: Remat):
     """``base``, and keep the MoE exchanges' results (``parallel.experts.EXCHANGED``):
     recomputing them would send them again. The ``dots`` policies keep the grouped matmuls'
     outputs too (``parallel.grouped.GROUPED``: matmuls, but in a loop of the op's own, which
-    ``checkpoint_dots`` does not see)."""
+    ``checkpoint_dots`` does not see). Every policy, ``full`` too, keeps the float8 scales
+    (``fp8.SCALE``): a scalar each, where taking it again reduces a tensor over the devices."""
     if base is jax.checkpoint_policies.everything_saveable:
         return base
-    kept = (EXCHANGED, GROUPED) if remat.kind in (Kind.DOTS, Kind.DOTS_NO_BATCH) else (EXCHANGED,)
+    kept = {Kind.FULL: (SCALE,), Kind.DOTS: (EXCHANGED, GROUPED, SCALE),
+            Kind.DOTS_NO_BATCH: (EXCHANGED, GROUPED, SCALE)}.get(remat.kind, (EXCHANGED, SCALE))
 
     def policy(prim, *avals, **params):
         return (prim.name == "name" and params.get("name") in kept) or base(prim, *avals, **params)
@@ -226,9 +230,7 @@ def _keeping_exchanges(base, remat: Remat):
 
 def _policy(remat: Remat, gathers: bool, keep_gathered: bool):
     """The ``jax.checkpoint`` policy, or None for no checkpoint at all."""
-    base = _base_policy(remat)
-    if remat.kind is not Kind.FULL:
-        base = _keeping_exchanges(base, remat)
+    base = _keeping_exchanges(_base_policy(remat), remat)
     if not gathers:
         return None if base is jax.checkpoint_policies.everything_saveable else base
     if keep_gathered and base is jax.checkpoint_policies.everything_saveable:

@@ -10,6 +10,12 @@ MODULE = """HloModule jit_step, entry_computation_layout={()->f32[]}, num_partit
   ROOT %s = f32[] add(%x, %y)
 }
 
+%max (x.1: f32[], y.1: f32[]) -> f32[] {
+  %x.1 = f32[] parameter(0)
+  %y.1 = f32[] parameter(1)
+  ROOT %mx = f32[] maximum(%x.1, %y.1)
+}
+
 %fused_slice (param_0.1: f32[16,64], param_1.2: s32[]) -> f32[2,64] {
   %param_0.1 = f32[16,64]{1,0} parameter(0)
   %param_1.2 = s32[] parameter(1)
@@ -45,6 +51,8 @@ ENTRY %main (a: f32[16,64], b: f32[4], w: (s32[], f32[8,64])) -> f32[] {
   %m = f32[4,64]{1,0} all-gather(%sl), channel_id=4, replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=4], device_ids=([4,2]T(1,0)) {'axis_0'}, dimensions={0}, use_global_device_ids=true
   %cp = f32[2,64]{1,0} collective-permute(%sl), channel_id=5, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
   %rs-start = ((f32[16,64]{1,0}), f32[2,64]{1,0}) reduce-scatter-start(%a), channel_id=6, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, dimensions={0}, to_apply=%add
+  %amax = f32[] parameter(3)
+  %maxed = f32[] all-reduce(%amax), channel_id=7, replica_groups=[1,8]<=[8], use_global_device_ids=true, to_apply=%max
   ROOT %r = f32[] constant(0)
 }
 """
@@ -67,6 +75,13 @@ def test_combined_collective_is_split_and_iota_groups_transposed():
     assert small.kind == big.kind == "all-reduce"  # used whole, not sliced
     assert small.groups == ((0, 4), (1, 5), (2, 6), (3, 7))  # [4,2]<=[2,4]T(1,0)
     assert big.sent_bytes == 2 * (2 - 1) / 2 * big.bytes
+
+
+def test_a_reducing_collective_says_what_it_reduces_with():
+    found = by_name()
+    assert found["maxed"].reduction == "maximum" and found["maxed"].kind == "all-reduce"
+    assert found["ar"].reduction == found["combined#0"].reduction == found["rs-start"].reduction == "add"
+    assert found["ag"].reduction == found["cp"].reduction == ""
 
 
 def test_loop_trip_count_multiplies_executions():

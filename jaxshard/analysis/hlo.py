@@ -50,6 +50,7 @@ class Collective:
     conditional: bool = False
     axes: tuple[str, ...] = ()  # mesh axes its groups span (see attribute())
     n_partitions: int = 0  # devices of the program (0: unknown)
+    reduction: str = ""  # a reducing collective's op ("add", "maximum"); "" for the others
 
     @property
     def group_size(self) -> int:
@@ -248,6 +249,8 @@ def parse(hlo_text: str) -> list[Collective]:
             result = result[len(result) // 2:]
         operands = [a for o in re.findall(r"%([\w.\-]+)", m["operands"]) for a in shapes.get(o, [])]
         groups = parse_groups(m["attrs"], n_partitions)
+        applied = re.search(r"\bto_apply=%([\w.\-]+)", m["attrs"])
+        reduction = body[applied[1]][-1]["op"] if applied and body.get(applied[1]) else ""
         # XLA combines small collectives into one with a tuple result; each element is its own
         # transfer (and may be a reduce-scatter while its neighbours are not).
         parts = [(m["name"], result, operands, {m["name"]})]
@@ -267,7 +270,7 @@ def parse(hlo_text: str) -> list[Collective]:
                 kind=kind, name=name, shapes=tuple(s for _, s in res),
                 operand_shapes=tuple(s for _, s in ops), bytes=_nbytes(full), groups=groups,
                 spelled_as=op, executions=runs.get(where[m["name"]], 1),
-                conditional=where[m["name"]] in in_branch, n_partitions=n_partitions))
+                conditional=where[m["name"]] in in_branch, n_partitions=n_partitions, reduction=reduction))
     return found
 
 
