@@ -216,7 +216,8 @@ def _keeping_exchanges(base, remat: Remat):
     recomputing them would send them again. The ``dots`` policies keep the grouped matmuls'
     outputs too (``parallel.grouped.GROUPED``: matmuls, but in a loop of the op's own, which
     ``checkpoint_dots`` does not see). Every policy, ``full`` too, keeps the float8 scales
-    (``fp8.SCALE``): a scalar each, where taking it again reduces a tensor over the devices."""
+    (``fp8.SCALE``): a scalar each, where taking it again reduces a tensor over the devices.
+    (:func:`from_inputs` runs a function's forward again whatever the policy names.)"""
     if base is jax.checkpoint_policies.everything_saveable:
         return base
     kept = {Kind.FULL: (SCALE,), Kind.DOTS: (EXCHANGED, GROUPED, SCALE),

@@ -283,7 +283,7 @@ def test_the_memory_table_counts_float8s_state_and_its_temporaries_are_bf16s(mes
     accounting's argument bytes are the compiled step's exactly, for every recipe. The float8
     matmul keeps for its backward pass what a bf16 one keeps (its compute-dtype input and
     weight, quantised again there), so the table adds no temporaries for it; the compiled
-    temp is within 2% of no float8's for tensorwise and rowwise (seen: 0.89-0.97x), and at most 1.15x it for
+    temp is at most 2% above no float8's for tensorwise and rowwise (seen: 0.89-0.97x), and at most 1.15x it for
     delayed, whose next state comes out of the backward pass as a cotangent (under ``full``
     remat, where its share is largest)."""
     from jaxshard.analysis import accounting
@@ -370,8 +370,8 @@ def test_the_backward_pass_takes_two_tensorwise_amaxes_a_linear_layer(remat):
     again (for the weight gradient); the weight's scale it keeps from the forward, as every
     remat policy keeps the forward's scales (a scalar each), so none is taken again to
     recompute the forward. On ``fsdp=8`` (weights kept gathered: the backward gathers none
-    again) the compiled step's maximum all-reduces are the forward's (the loss alone) plus two
-    per linear layer. Taking all three again from the residuals, as before, the backward had
+    again) the compiled step's maximum all-reduces are the forward pass's (those of the
+    evaluation program: the float8 forward's amaxes) plus two per linear layer. Taking all three again from the residuals, as before, the backward had
     42 (14 a layer's 7 linears), 54 under ``dots`` and ``full``.
 
     Kept too, the input's scale would save the last of them, but it made the compiled temp

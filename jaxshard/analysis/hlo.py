@@ -23,7 +23,7 @@ KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
                 "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
                 **dict.fromkeys(("f8e4m3fn", "f8e5m2", "f8e4m3", "f8e4m3fnuz", "f8e5m2fnuz", "f8e4m3b11fnuz"), 1)}
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = (?P<shape>\(.*?\)|\S+) "
+_INSTR = re.compile(r"^\s*(?P<root>ROOT\s+)?%(?P<name>[\w.\-]+) = (?P<shape>\(.*?\)|\S+) "
                     r"(?P<op>[\w\-]+)\((?P<operands>[^)]*)\)(?P<attrs>.*)$")
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[\w.\-]+)\s*\((?P<params>.*)\)\s*->.*\{\s*$")
 _ARRAY = re.compile(r"\b(?P<dtype>[a-z]+\d*(?:[a-z]+\d*)*)\[(?P<dims>[\d,]*)\]")
@@ -250,7 +250,8 @@ def parse(hlo_text: str) -> list[Collective]:
         operands = [a for o in re.findall(r"%([\w.\-]+)", m["operands"]) for a in shapes.get(o, [])]
         groups = parse_groups(m["attrs"], n_partitions)
         applied = re.search(r"\bto_apply=%([\w.\-]+)", m["attrs"])
-        reduction = body[applied[1]][-1]["op"] if applied and body.get(applied[1]) else ""
+        roots = [r["op"] for r in body.get(applied[1], ()) if r["root"]] if applied else []
+        reduction = roots[0] if roots else ""
         # XLA combines small collectives into one with a tuple result; each element is its own
         # transfer (and may be a reduce-scatter while its neighbours are not).
         parts = [(m["name"], result, operands, {m["name"]})]
