@@ -224,8 +224,9 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
              f"{schedule.microbatches} microbatches in {schedule.ticks} ticks, bubble "
              f"{schedule.bubble_formula} = {schedule.bubble():.0%}{tables}, {schedule.slots} microbatches' "
              f"activations kept per stage")
-        if note := schedule.idle_note():
-            _log(f"note: {note}")
+        for note in (schedule.idle_note(), schedule.memory_note(model.remat)):
+            if note:
+                _log(f"note: {note}")
     state, start, samples, resumed = _start(cfg, program, model, ckpt, family)
     t0 = time.perf_counter()
     compiled = program.lower_step(B, L).compile()

@@ -332,6 +332,31 @@ def test_zero_bubble_tables_that_idle_more_than_1f1b_say_so():
         assert quiet.idle_note() is None
 
 
+def test_zero_bubble_runs_that_keep_more_than_1f1b_say_so():
+    """Where B's hand-over keeps a slot of its own, the run's log says when the tables keep
+    more than 1F1B would: on 2 stages at M = P, two microbatches' residuals and a hand-over
+    against two (the compiled temp there: 1.03-1.20x 1F1B's, docs/pipelines.md), and under
+    --remat full at any M (1.32-1.35x). Where a stage keeps no more (2 stages at M = 2P, 4
+    stages at M = P) or the hand-over shares the residuals' place, nothing."""
+    def program(mesh, remat, microbatches):
+        return make_program(TransformerLM(get_preset("tiny").replace(n_layers=4), remat=remat), mesh,
+                            pipeline_schedule="zb-h1", microbatches=microbatches).schedule
+
+    apart = program("data=2,stage=2,tensor=2", "dots", 2)
+    assert apart.handover_apart
+    note = apart.memory_note("dots")
+    assert note.startswith("zb-h1 keeps up to 2 microbatches' residuals and 1 B-to-W hand-over a stage")
+    assert "1f1b would keep 2 microbatches' residuals" in note and "more memory than 1f1b" in note
+    full = program("stage=2,data=4", "full", 4)
+    assert "under --remat full a hand-over holds every weight matmul's output gradient" in full.memory_note("full")
+    assert program("data=2,stage=2,tensor=2", "dots", 4).memory_note("dots") is None
+    shared = program("stage=2,data=4", "dots", 2)
+    assert not shared.handover_apart and shared.memory_note("dots") is None
+    four = make_schedule("zb-h1", 4, 4, residual_cap=residual_cap(4, "dots", False, 4))
+    assert four.memory_note("dots") is None  # (apart or not: 3 microbatches and a hand-over against 4)
+    assert make_schedule("1f1b", 2, 2).memory_note("full") is None
+
+
 def test_the_narrow_cap_keeps_fewer_residuals_for_nothing():
     """Where a hand-over needs a slot of its own, the cap P - s is lowered where that costs
     nothing: the tables idle no more, keep no more hand-overs and waiting arrivals, and take

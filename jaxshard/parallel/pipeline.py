@@ -174,6 +174,9 @@ class Schedule:
     fwgt_slot: np.ndarray | None = None
     fwgt_wslot: np.ndarray | None = None
     w_slots: int = 0
+    # Zero-bubble: whether B's hand-over keeps slots of its own rather than the B-only
+    # residuals' place (:func:`handover_apart`; the tables then have residual_cap's narrow cap).
+    handover_apart: bool = False
     # Zero-bubble: a stage's F (B) may come ticks after the previous (next) stage sent its
     # input (gradient); such an arrival waits in a slot of an inbox: where it lands, where the
     # F (B) reads it (-1 in both: the F or B takes it in the tick it lands, from no slot).
@@ -225,6 +228,27 @@ class Schedule:
                 f"holds at most {self.slots} microbatches; "
                 f"--pipeline-schedule 1f1b may be faster")
 
+    def memory_note(self, remat: Any = None) -> str | None:
+        """For zero-bubble tables whose hand-over from B to W keeps a slot of its own, the line
+        that says where they keep more than 1F1B would at the same P and M: more microbatches'
+        values a stage (residuals plus hand-overs; 2 stages at M = P: 3 against 2), or, under
+        ``--remat full``, a hand-over several activations a layer where 1F1B keeps one; else
+        None. Every stage's buffers are as large as the fullest stage's (one program)."""
+        if not self.split or not self.handover_apart:
+            return None
+        one = make_schedule("1f1b", self.stages, self.microbatches).slots
+        held = f"keeps up to {self.slots} microbatches' residuals and {self.w_slots} B-to-W hand-over" + \
+            ("s" if self.w_slots > 1 else "") + " a stage"
+        if self.slots + self.w_slots > one:
+            why = f"1f1b would keep {one} microbatches' residuals"
+        elif str(remat) == "full":
+            why = ("under --remat full a hand-over holds every weight matmul's output gradient, several activations "
+                   "a layer, where 1f1b keeps each layer's input")
+        else:
+            return None
+        return (f"{self.kind} {held}: {why}, so it takes more memory than 1f1b here "
+                f"(docs/pipelines.md, 'Zero bubble'); --pipeline-schedule 1f1b keeps less")
+
     @property
     def keeps_inputs(self) -> bool:
         """Whether a stage keeps chunk inputs (or, zero-bubble, the last chunk's outputs) from
@@ -269,6 +293,13 @@ def flat_slots(sizes: dict[str, int], replicas: tuple[str, ...]) -> bool:
     return all(n == 1 for axis, n in sizes.items() if axis != STAGE and axis not in replicas)
 
 
+def handover_apart(remat: Any, flat: bool) -> bool:
+    """Whether B's hand-over to W keeps slots of its own: where it may not fit in the B-only
+    residuals it would overwrite (a policy outside :data:`HANDOVER_FITS`) or they cannot be laid
+    out flat (not ``flat``: :func:`flat_slots`)."""
+    return not (flat and str(remat) in HANDOVER_FITS)
+
+
 def residual_cap(stages: int, remat: Any, flat: bool = True, microbatches: int | None = None
                  ) -> int | tuple[int, ...]:
     """ZB-H1's cap for ``remat``: 1F1B's 2P - 1 microbatches where B's hand-over to W fits in
@@ -277,7 +308,7 @@ def residual_cap(stages: int, remat: Any, flat: bool = True, microbatches: int |
     lowered to the fewest microbatches whose tables for ``microbatches`` idle no more, keep no
     more hand-overs and no more arrivals waiting, and take at most one tick more (each tick
     sends an activation and a gradient): P - 1 on stages 0 and 1 at M = P from 3 stages."""
-    if flat and str(remat) in HANDOVER_FITS:
+    if not handover_apart(remat, flat):
         return 2 * stages - 1
     narrow = tuple(stages - s for s in range(stages))
     if microbatches is None or microbatches < stages:  # (make_schedule says what is wrong)

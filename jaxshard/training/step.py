@@ -206,8 +206,12 @@ def pipeline_schedule(rules: ShardingRules, model: Stageable, cfg: StepConfig) -
     kind, stages, virtual, microbatches = plan
     layout = pipeline.StageLayout.make(model.cfg.n_layers, stages, virtual, cfg.stage_layers)
     flat = pipeline.flat_slots(dict(rules.sizes), pipeline.replica_axes(rules))
-    cap = pipeline.residual_cap(stages, Remat.parse(model.remat), flat, microbatches) if kind == "zb-h1" else None
-    return pipeline.make_schedule(kind, stages, microbatches, virtual, layout, residual_cap=cap)
+    if kind != "zb-h1":
+        return pipeline.make_schedule(kind, stages, microbatches, virtual, layout)
+    remat = Remat.parse(model.remat)
+    cap = pipeline.residual_cap(stages, remat, flat, microbatches)
+    return dataclasses.replace(pipeline.make_schedule(kind, stages, microbatches, virtual, layout, residual_cap=cap),
+                               handover_apart=pipeline.handover_apart(remat, flat))
 
 
 def balance_stages(model: Stageable, rules: ShardingRules, cfg: StepConfig, batch_size: int,
