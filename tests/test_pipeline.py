@@ -335,9 +335,10 @@ def test_zero_bubble_tables_that_idle_more_than_1f1b_say_so():
 def test_zero_bubble_runs_that_keep_more_than_1f1b_say_so():
     """Where B's hand-over keeps a slot of its own, the run's log says when the tables keep
     more than 1F1B would: on 2 stages at M = P, two microbatches' residuals and a hand-over
-    against two (the compiled temp there: 1.03-1.20x 1F1B's, docs/pipelines.md), and under
-    --remat full at any M (1.32-1.35x). Where a stage keeps no more (2 stages at M = 2P, 4
-    stages at M = P) or the hand-over shares the residuals' place, nothing."""
+    against two (the compiled temp there: 1.03-1.20x 1F1B's, docs/pipelines.md), under
+    --remat full at any M (1.32-1.35x), and under dots_no_batch and names (1.11-1.29x). Where
+    a stage keeps no more (2 stages at M = 2P under dots and selective, 4 stages at M = P) or
+    the hand-over shares the residuals' place, nothing."""
     def program(mesh, remat, microbatches):
         return make_program(TransformerLM(get_preset("tiny").replace(n_layers=4), remat=remat), mesh,
                             pipeline_schedule="zb-h1", microbatches=microbatches).schedule
@@ -349,6 +350,10 @@ def test_zero_bubble_runs_that_keep_more_than_1f1b_say_so():
     assert "1f1b would keep 2 microbatches' residuals" in note and "more memory than 1f1b" in note
     full = program("stage=2,data=4", "full", 4)
     assert "under --remat full a hand-over holds every weight matmul's output gradient" in full.memory_note("full")
+    for remat in ("dots_no_batch", "names:qkv,attn_proj,mlp_in"):
+        assert f"under --remat {remat} a hand-over holds the matmul inputs B made again" in \
+            program("stage=2,data=4", remat, 4).memory_note(remat)
+    assert program("stage=2,data=4", "selective", 4).memory_note("selective") is None
     assert program("data=2,stage=2,tensor=2", "dots", 4).memory_note("dots") is None
     shared = program("stage=2,data=4", "dots", 2)
     assert not shared.handover_apart and shared.memory_note("dots") is None

@@ -232,8 +232,11 @@ class Schedule:
         """For zero-bubble tables whose hand-over from B to W keeps a slot of its own, the line
         that says where they keep more than 1F1B would at the same P and M: more microbatches'
         values a stage (residuals plus hand-overs; 2 stages at M = P: 3 against 2), or, under
-        ``--remat full``, a hand-over several activations a layer where 1F1B keeps one; else
-        None. Every stage's buffers are as large as the fullest stage's (one program)."""
+        ``--remat full``, a hand-over several activations a layer where 1F1B keeps one, or under
+        the policies that save fewer matmul outputs than ``dots`` (``dots_no_batch``, ``names``),
+        a hand-over of the matmul inputs B made again (1.11-1.29x 1F1B's temp on 2 stages;
+        docs/pipelines.md); else None. Every stage's buffers are as large as the fullest
+        stage's (one program)."""
         if not self.split or not self.handover_apart:
             return None
         one = make_schedule("1f1b", self.stages, self.microbatches).slots
@@ -244,6 +247,9 @@ class Schedule:
         elif str(remat) == "full":
             why = ("under --remat full a hand-over holds every weight matmul's output gradient, several activations "
                    "a layer, where 1f1b keeps each layer's input")
+        elif str(remat) not in (*HANDOVER_FITS, "selective"):
+            why = (f"under --remat {remat} a hand-over holds the matmul inputs B made again besides their output "
+                   f"gradients, more than the policy keeps")
         else:
             return None
         return (f"{self.kind} {held}: {why}, so it takes more memory than 1f1b here "
