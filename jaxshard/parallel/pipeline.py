@@ -174,7 +174,7 @@ class Schedule:
     fwgt_slot: np.ndarray | None = None
     fwgt_wslot: np.ndarray | None = None
     w_slots: int = 0
-    # Zero-bubble: whether B's hand-over keeps slots of its own rather than the B-only
+    # Zero-bubble: whether B's hand-over surely keeps slots of its own rather than the B-only
     # residuals' place (:func:`handover_apart`; the tables then have residual_cap's narrow cap).
     handover_apart: bool = False
     # Zero-bubble: a stage's F (B) may come ticks after the previous (next) stage sent its
@@ -233,10 +233,9 @@ class Schedule:
         that says where they keep more than 1F1B would at the same P and M: more microbatches'
         values a stage (residuals plus hand-overs; 2 stages at M = P: 3 against 2), or, under
         ``--remat full``, a hand-over several activations a layer where 1F1B keeps one, or under
-        the policies that save fewer matmul outputs than ``dots`` (``dots_no_batch``, ``names``),
-        a hand-over of the matmul inputs B made again (1.11-1.29x 1F1B's temp on 2 stages;
-        docs/pipelines.md); else None. Every stage's buffers are as large as the fullest
-        stage's (one program)."""
+        ``dots_no_batch`` and ``names``, a hand-over of the matmul inputs B made again
+        (1.11-1.29x 1F1B's temp on 2 stages; docs/pipelines.md); else None. Every stage's
+        buffers are as large as the fullest stage's (one program)."""
         if not self.split or not self.handover_apart:
             return None
         one = make_schedule("1f1b", self.stages, self.microbatches).slots
@@ -247,7 +246,7 @@ class Schedule:
         elif str(remat) == "full":
             why = ("under --remat full a hand-over holds every weight matmul's output gradient, several activations "
                    "a layer, where 1f1b keeps each layer's input")
-        elif str(remat) not in (*HANDOVER_FITS, "selective"):
+        elif str(remat).split(":")[0] in HANDOVER_LARGE:
             why = (f"under --remat {remat} a hand-over holds the matmul inputs B made again besides their output "
                    f"gradients, more than the policy keeps")
         else:
@@ -299,11 +298,19 @@ def flat_slots(sizes: dict[str, int], replicas: tuple[str, ...]) -> bool:
     return all(n == 1 for axis, n in sizes.items() if axis != STAGE and axis not in replicas)
 
 
+# The policies whose hand-over holds matmul inputs B made again besides their output
+# gradients: many times the B-only residuals (9-19x on the test stacks; all of it under
+# ``full``, where B reads no residual alone), so :class:`Handover` keeps it apart.
+HANDOVER_LARGE = ("full", "dots_no_batch", "names")
+
+
 def handover_apart(remat: Any, flat: bool) -> bool:
-    """Whether B's hand-over to W keeps slots of its own: where it may not fit in the B-only
-    residuals it would overwrite (a policy outside :data:`HANDOVER_FITS`) or they cannot be laid
-    out flat (not ``flat``: :func:`flat_slots`)."""
-    return not (flat and str(remat) in HANDOVER_FITS)
+    """Whether :class:`Handover` surely keeps B's hand-over to W in slots of its own: where a
+    stage's values cannot be laid out flat (not ``flat``: :func:`flat_slots`), and under the
+    policies of :data:`HANDOVER_LARGE`. Elsewhere it shares the B-only residuals' place, or
+    (``selective``, ``offload``, whose tables have the narrow cap too) decides by sizes the
+    tables do not know; counted as shared."""
+    return not flat or str(remat).split(":")[0] in HANDOVER_LARGE
 
 
 def residual_cap(stages: int, remat: Any, flat: bool = True, microbatches: int | None = None
@@ -314,7 +321,7 @@ def residual_cap(stages: int, remat: Any, flat: bool = True, microbatches: int |
     lowered to the fewest microbatches whose tables for ``microbatches`` idle no more, keep no
     more hand-overs and no more arrivals waiting, and take at most one tick more (each tick
     sends an activation and a gradient): P - 1 on stages 0 and 1 at M = P from 3 stages."""
-    if not handover_apart(remat, flat):
+    if flat and str(remat) in HANDOVER_FITS:
         return 2 * stages - 1
     narrow = tuple(stages - s for s in range(stages))
     if microbatches is None or microbatches < stages:  # (make_schedule says what is wrong)
