@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 from jaxshard.axes import MeshAxis
 from jaxshard.errors import ConfigError
 from jaxshard.parallel import split_backward
+from jaxshard.remat import Remat
 from jaxshard.rules import StateKind
 
 STAGE = str(MeshAxis.STAGE)
@@ -243,10 +244,10 @@ class Schedule:
             ("s" if self.w_slots > 1 else "") + " a stage"
         if self.slots + self.w_slots > one:
             why = f"1f1b would keep {one} microbatches' residuals"
-        elif str(remat) == "full":
+        elif Remat.parse(remat).kind == "full":
             why = ("under --remat full a hand-over holds every weight matmul's output gradient, several activations "
                    "a layer, where 1f1b keeps each layer's input")
-        elif str(remat).split(":")[0] in HANDOVER_LARGE:
+        elif Remat.parse(remat).kind in HANDOVER_LARGE:
             why = (f"under --remat {remat} a hand-over holds the matmul inputs B made again besides their output "
                    f"gradients, more than the policy keeps")
         else:
@@ -310,7 +311,7 @@ def handover_apart(remat: Any, flat: bool) -> bool:
     policies of :data:`HANDOVER_LARGE`. Elsewhere it shares the B-only residuals' place, or
     (``selective``, ``offload``, whose tables have the narrow cap too) decides by sizes the
     tables do not know; counted as shared."""
-    return not flat or str(remat).split(":")[0] in HANDOVER_LARGE
+    return not flat or Remat.parse(remat).kind in HANDOVER_LARGE
 
 
 def residual_cap(stages: int, remat: Any, flat: bool = True, microbatches: int | None = None
