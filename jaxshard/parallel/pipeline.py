@@ -252,7 +252,7 @@ class Schedule:
                    f"gradients, more than the policy keeps")
         else:
             return None
-        return (f"{self.kind} {held}: {why}, so it takes more memory than 1f1b here "
+        return (f"{self.kind} {held}: {why}, so it can take more memory than 1f1b here "
                 f"(docs/pipelines.md, 'Zero bubble'); --pipeline-schedule 1f1b keeps less")
 
     @property
@@ -306,9 +306,10 @@ HANDOVER_LARGE = ("full", "dots_no_batch", "names")
 
 
 def handover_apart(remat: Any, flat: bool) -> bool:
-    """Whether :class:`Handover` surely keeps B's hand-over to W in slots of its own: where a
-    stage's values cannot be laid out flat (not ``flat``: :func:`flat_slots`), and under the
-    policies of :data:`HANDOVER_LARGE`. Elsewhere it shares the B-only residuals' place, or
+    """Whether :class:`Handover` surely keeps B's hand-over to W in slots of its own (all of
+    it, or the leaves laid out like no B-only residual): where a stage's values cannot be
+    laid out flat (not ``flat``: :func:`flat_slots`), and under the policies of
+    :data:`HANDOVER_LARGE`. Elsewhere it shares the B-only residuals' place, or
     (``selective``, ``offload``, whose tables have the narrow cap too) decides by sizes the
     tables do not know; counted as shared."""
     return not flat or Remat.parse(remat).kind in HANDOVER_LARGE
@@ -511,6 +512,31 @@ def _zero_bubble(Pn: int, M: int, layout: StageLayout | None, cap: int | tuple[i
                     bwd_in_slots=inbox["bwd"], b_slots=b_slots, **tables)
 
 
+def same_layout(a: tuple[int, ...], b: tuple[int, ...], exact: bool = True) -> bool:
+    """Whether a value of shape ``a`` may take the place of one of shape ``b`` as it is laid
+    out over the devices: the same shape, or (not ``exact``) the same but for one dim other
+    than the last split in two adjacent ones (tokens into rows of a sequence, heads into
+    groups of a shared key). Such a reshape keeps each element on the device that holds it
+    where the split dim is divided over devices by its outer factor, as the partitioner
+    divides it. The last dim is a value's features, which a model's projections split
+    otherwise on either side (a whole model-width gradient into a head-split query's place
+    gathered it back: tests/test_pipeline.py's verifier test)."""
+    a, b = tuple(a), tuple(b)
+    if exact or abs(len(a) - len(b)) != 1:
+        return a == b
+    short, long = (a, b) if len(a) < len(b) else (b, a)
+    # dims k and k + 1 of the longer one made one, k + 1 not its last
+    return any(short == long[:k] + (long[k] * long[k + 1],) + long[k + 2:] for k in range(len(long) - 2))
+
+
+def _set(buf: jax.Array, x: jax.Array, slot: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_index_in_dim(buf, x, slot, 0)
+
+
+def _get(buf: jax.Array, slot: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False)
+
+
 class Handover:
     """Where a zero-bubble stage keeps the residuals only B reads (from F to B) and what B
     hands W (from B to W). Apart, they take ``b_slots`` and ``w_slots`` slots of their own
@@ -518,9 +544,17 @@ class Handover:
     microbatch from F to W -- the slot of the residuals W reads -- holding one buffer per
     dtype as wide as the larger of the two; shared when that takes fewer bytes (the hand-over
     is mostly smaller than what B alone reads: without remat and under ``dots``) and ``flat``
-    (:func:`flat_slots`)."""
+    (:func:`flat_slots`). Apart, leaf by leaf (``leafwise``): a hand-over leaf laid out as a
+    B-only one (:func:`same_layout`) overwrites it, in that leaf's slot per microbatch from F
+    to W, where that holds no more slots than a hand-over slot (``into``: the leaves so
+    placed). :func:`run` asks for it where the values are split (not ``flat``), but not where
+    every param is (FSDP): writing over a leaf W may still read is ordered after W by an
+    element of a gradient, which a device would then fetch from the one holding it every
+    tick. (On a flat mesh, where the policy's hand-over does not fit the shared slot, it saved
+    1-2% of the temp under ``dots_no_batch`` and cost 1.2% under ``names`` at M = 2P.)"""
 
-    def __init__(self, b_only: list, handed: list, schedule: Schedule, flat: bool = True) -> None:
+    def __init__(self, b_only: list, handed: list, schedule: Schedule, flat: bool = True,
+                 leafwise: bool = True) -> None:
         self.b_only, self.handed = b_only, handed
         dtypes = sorted({jnp.dtype(x.dtype) for x in b_only + handed}, key=str)
         size = lambda xs, d: sum(x.size for x in xs if jnp.dtype(x.dtype) == d)  # noqa: E731
@@ -530,12 +564,23 @@ class Handover:
         self.slots = schedule.slots
         self.shared = flat and self.slots * sum(w * d.itemsize for d, w in self.width.items()) <= apart
         self.b_slots, self.w_slots = schedule.b_slots, schedule.w_slots
+        self.into: dict[int, int] = {}  # hand-over leaf -> the B-only leaf whose place it takes
+        if leafwise and not self.shared and self.w_slots >= self.slots - self.b_slots:
+            for exact in (True, False):  # the same shape first, then one dim split in two
+                for i, x in enumerate(handed):
+                    free = (j for j, b in enumerate(b_only) if j not in self.into.values()
+                            and b.dtype == x.dtype and same_layout(x.shape, b.shape, exact))
+                    if i not in self.into and (j := next(free, None)) is not None:
+                        self.into[i] = j
+        self.hosts = set(self.into.values())
 
     def zeros(self) -> Any:
         if self.shared:
             return {str(d): jnp.zeros((self.slots, w), d) for d, w in self.width.items()}
-        return ([jnp.zeros((self.b_slots, *x.shape), x.dtype) for x in self.b_only],
-                [jnp.zeros((self.w_slots, *x.shape), x.dtype) for x in self.handed])
+        return ([jnp.zeros((self.slots if j in self.hosts else self.b_slots, *x.shape), x.dtype)
+                 for j, x in enumerate(self.b_only)],
+                [jnp.zeros((0,) if i in self.into else (self.w_slots, *x.shape), x.dtype)
+                 for i, x in enumerate(self.handed)])
 
     @staticmethod
     def _put(store: dict, leaves: list, slot: jax.Array) -> dict:
@@ -561,12 +606,13 @@ class Handover:
         """At F: the B-only residuals into the microbatch's slot (``slot``: its residuals'; apart: ``b_slot``)."""
         if self.shared:
             return self._put(store, leaves, slot)
-        return [buf.at[b_slot].set(x) for buf, x in zip(store[0], leaves)], store[1]
+        return [_set(buf, x, slot if j in self.hosts else b_slot)
+                for j, (buf, x) in enumerate(zip(store[0], leaves))], store[1]
 
     def res(self, store: Any, slot: jax.Array, b_slot: jax.Array) -> list:
         if self.shared:
             return self._get(store, self.b_only, slot)
-        return [buf[b_slot] for buf in store[0]]
+        return [_get(buf, slot if j in self.hosts else b_slot) for j, buf in enumerate(store[0])]
 
     def keep_handed(self, store: Any, leaves: list, slot: jax.Array, w_slot: jax.Array) -> Any:
         """After B: what it hands W into ``slot`` (over the microbatch's B-only residuals)
@@ -574,7 +620,14 @@ class Handover:
         (:meth:`idle`)."""
         if self.shared:
             return self._put(store, leaves, slot)
-        return store[0], [buf.at[w_slot].set(x) for buf, x in zip(store[1], leaves)]
+        b_only, handed = list(store[0]), list(store[1])
+        for i, x in enumerate(leaves):
+            if i in self.into:
+                j = self.into[i]
+                b_only[j] = _set(b_only[j], x.reshape(self.b_only[j].shape), slot)
+            else:
+                handed[i] = _set(handed[i], x, w_slot)
+        return b_only, handed
 
     def idle(self, store: Any, slot: jax.Array, w_slot: jax.Array) -> list:
         """What a tick without B writes back: the slot's own content, so nothing changes."""
@@ -583,7 +636,8 @@ class Handover:
     def handed_to_w(self, store: Any, slot: jax.Array, w_slot: jax.Array) -> list:
         if self.shared:
             return self._get(store, self.handed, slot)
-        return [buf[w_slot] for buf in store[1]]
+        return [_get(store[0][self.into[i]], slot).reshape(x.shape) if i in self.into else _get(buf, w_slot)
+                for i, (buf, x) in enumerate(zip(store[1], self.handed))]
 
 
 class _Residuals:
@@ -642,6 +696,7 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         embed: Callable[..., jax.Array], body: Callable[..., jax.Array], last: Callable[..., jax.Array],
         blocks: Any, outer: Any, inputs_MBL: jax.Array, targets_MBL: jax.Array,
         seed: jax.Array | float = 1.0, aux: Any = None, replicas: tuple[str, ...] = (),
+        sharded_params: tuple[str, ...] = (),
         train: bool = True, side: Any = None, head: Callable[..., jax.Array] | None = None
         ) -> tuple[Any, Any, Any] | jax.Array:
     """Loss sum and gradients of one step under ``schedule`` (and its ``layout``).
@@ -655,8 +710,10 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
     ``inputs_MBL``/``targets_MBL``: the step's microbatches. ``seed``: the cotangent of the loss
     sum (a loss scale). ``replicas``: batch axes (:func:`replica_axes`) the executor is manual
     over too, each device running its own rows (``inputs_MBL``'s dim 1 is split over them)
-    and the gradients summed over them once at the end. Returns the loss sum over all
-    microbatches, the stack's gradients (laid out as ``blocks``) and the outer params'.
+    and the gradients summed over them once at the end. ``sharded_params``: the axes that
+    split every param beyond the model-parallel ones (FSDP, ZeRO-3: ``ShardingRules.state_axes``).
+    Returns the loss sum over all microbatches, the stack's gradients (laid out as ``blocks``)
+    and the outer params'.
     ``train=False``: the loss sum alone, from the forward slots (evaluation: the stages run
     their own layers, nothing is kept for a backward pass and no stage gathers another's).
 
@@ -842,7 +899,7 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         until_w = list(halves.w_reads)[:len(res_shapes)] if zb else [True] * len(res_shapes)
         if zb:
             handover = Handover([r for r, w in zip(res_shapes, until_w) if not w], jax.tree.leaves(w_shapes),
-                                 schedule, flat)
+                                 schedule, flat, leafwise=not flat and not sharded_params)
 
         def keep_res(stash_res, res, slot, b_slot):
             if not zb:
@@ -889,9 +946,9 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
 
         def zero_after(tree):
             """0, made from ``tree``'s first element by a test XLA cannot fold (as attention's
-            block masks are): what is computed from it comes after ``tree``. Only where
-            nothing splits the stage's values (``flat``): an element of a split array would
-            be fetched from the device holding it."""
+            block masks are): what is computed from it comes after ``tree``. On a split array
+            the element would be fetched from the device holding it: where the stage's values
+            are split (not ``flat``), ``tree`` is a value each device holds whole."""
             return jnp.minimum(0, jnp.isnan(jax.tree.leaves(tree)[0].reshape(-1)[0]).astype(jnp.int32))
 
         def add_weights(acc, stash, k, u, res_slot, w_slot):
@@ -953,7 +1010,13 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
                 # Written after the forward slot's W has read the store, which XLA cannot see
                 # from the slot alone (nothing orders the two): the slot is made to depend on
                 # that W's result, so that XLA writes the store in place instead of copying it.
-                at = back + zero_after(d_blocks_acc) if handover.shared else back
+                # (An optimization barrier over the slot and that result does not keep the copy
+                # away.) Where the values are split, on the smallest gradient, a norm's scale,
+                # which is whole on each device where its layer's matmuls are split.
+                at = back
+                if handover.shared or handover.into:
+                    after = d_blocks_acc if flat else [min(jax.tree.leaves(d_blocks_acc), key=lambda x: x.size)]
+                    at = back + zero_after(after)
                 store = handover.keep_handed(store, jax.tree.leaves(kept_w), at, w_slot)
                 stash = (stash[0], (ws, store)) + tuple(stash[2:])
                 # W slot: the weights' gradients from the residuals and what B kept.
