@@ -422,16 +422,18 @@ def test_a_hand_over_store_gives_back_what_each_microbatch_left_in_it(cap, b_onl
     table = make_schedule("zb-h1", 2, 4, residual_cap=cap)
     dtypes = (jnp.float32, jnp.bfloat16)
     shapes = lambda dims: [jax.ShapeDtypeStruct(d, dtypes[n % 2]) for n, d in enumerate(dims)]  # noqa: E731
-    store_of = Handover(shapes(b_only), shapes(handed), table, flat)
+    store_of = Handover(shapes(b_only), shapes(handed), table, flat, leafwise=not flat)
     assert store_of.shared is shared and store_of.into == into
     values = lambda dims, seed: [jax.random.normal(jax.random.key(seed + n), d).astype(dtypes[n % 2])  # noqa: E731
                                  for n, d in enumerate(dims)]
+    w_slot = lambda i: i if shared else i % table.w_slots  # noqa: E731
     store = store_of.zeros()
     for i in range(2):  # microbatch i in slot i (its B-only slot too, apart)
         store = store_of.keep_res(store, values(b_only, 10 * i), i, i)
+    # A tick without B over microbatch 1's slot, whose B-only residuals wait for their B.
+    store = store_of.keep_handed(store, store_of.idle(store, 1, w_slot(1)), 1, w_slot(1))
     # Each B in turn, then its W: apart, the hand-over slot is microbatch i's modulo w_slots
     # (the narrow table holds one), so the second B overwrites the first's slot of its own.
-    w_slot = lambda i: i if shared else i % table.w_slots  # noqa: E731
     for i in range(2):
         for got, want in zip(store_of.res(store, i, i), values(b_only, 10 * i)):
             np.testing.assert_array_equal(got, want)

@@ -163,8 +163,8 @@ class Schedule:
     # Zero-bubble schedules: the backward slot computes the input's gradient (B) alone and
     # the weights' (W) run in their own slot, reading the forward's residuals (kept from the
     # forward to W) and what B handed on: kept from B to W over the microbatch's B-only
-    # residuals, in its residuals' slot, where :class:`Handover` shares them; else in one of
-    # ``w_slots``.
+    # residuals, in its residuals' slot, where :class:`Handover` shares them (or, leaf by
+    # leaf, the leaves it places); else in one of ``w_slots``.
     wgt: np.ndarray | None = None  # [ticks, stages]: microbatch
     wgt_chunk: np.ndarray | None = None
     wgt_slot: np.ndarray | None = None  # the residuals' slot
@@ -182,7 +182,7 @@ class Schedule:
     # input (gradient); such an arrival waits in a slot of an inbox: where it lands, where the
     # F (B) reads it (-1 in both: the F or B takes it in the tick it lands, from no slot).
     # Residuals only B reads are kept from F to B, in slots of their own (hand-over apart;
-    # shared, in the residuals' slot).
+    # shared, and a leaf a hand-over leaf is placed over, in the residuals' slot).
     fwd_bslot: np.ndarray | None = None
     bwd_bslot: np.ndarray | None = None
     b_slots: int = 0
@@ -230,7 +230,8 @@ class Schedule:
                 f"--pipeline-schedule 1f1b may be faster")
 
     def memory_note(self, remat: Any = None) -> str | None:
-        """For zero-bubble tables whose hand-over from B to W keeps a slot of its own, the line
+        """For zero-bubble tables whose hand-over from B to W keeps a slot of its own (all of it
+        or the leaves placed over no B-only residual), the line
         that says where they keep more than 1F1B would at the same P and M: more microbatches'
         values a stage (residuals plus hand-overs; 2 stages at M = P: 3 against 2), or, under
         ``--remat full``, a hand-over several activations a layer where 1F1B keeps one, or under
@@ -513,14 +514,16 @@ def _zero_bubble(Pn: int, M: int, layout: StageLayout | None, cap: int | tuple[i
 
 
 def same_layout(a: tuple[int, ...], b: tuple[int, ...], exact: bool = True) -> bool:
-    """Whether a value of shape ``a`` may take the place of one of shape ``b`` as it is laid
-    out over the devices: the same shape, or (not ``exact``) the same but for one dim other
-    than the last split in two adjacent ones (tokens into rows of a sequence, heads into
-    groups of a shared key). Such a reshape keeps each element on the device that holds it
-    where the split dim is divided over devices by its outer factor, as the partitioner
-    divides it. The last dim is a value's features, which a model's projections split
-    otherwise on either side (a whole model-width gradient into a head-split query's place
-    gathered it back: tests/test_pipeline.py's verifier test)."""
+    """Whether a value of shape ``a`` may take the place of one of shape ``b``, as far as
+    shapes tell how they are laid out over the devices: the same shape, or (not ``exact``) the
+    same but for one dim other than the last split in two adjacent ones or a dim of 1 (tokens
+    into rows of a sequence, heads into groups of a shared key). Such a reshape keeps each
+    element on the device that holds it where both are split alike and a split dim is divided
+    over devices by its outer factor. Shapes cannot tell that: a placement that moves values
+    shows as collectives in the compiled step (the verifier test checks one under
+    ``tensor=2``). The last dim is a value's features, which a model's projections split
+    otherwise on either side (a whole model-width gradient in a head-split query's place was
+    gathered back there)."""
     a, b = tuple(a), tuple(b)
     if exact or abs(len(a) - len(b)) != 1:
         return a == b
@@ -544,17 +547,18 @@ class Handover:
     microbatch from F to W -- the slot of the residuals W reads -- holding one buffer per
     dtype as wide as the larger of the two; shared when that takes fewer bytes (the hand-over
     is mostly smaller than what B alone reads: without remat and under ``dots``) and ``flat``
-    (:func:`flat_slots`). Apart, leaf by leaf (``leafwise``): a hand-over leaf laid out as a
-    B-only one (:func:`same_layout`) overwrites it, in that leaf's slot per microbatch from F
-    to W, where that holds no more slots than a hand-over slot (``into``: the leaves so
-    placed). :func:`run` asks for it where the values are split (not ``flat``), but not where
-    every param is (FSDP): writing over a leaf W may still read is ordered after W by an
-    element of a gradient, which a device would then fetch from the one holding it every
-    tick. (On a flat mesh, where the policy's hand-over does not fit the shared slot, it saved
-    1-2% of the temp under ``dots_no_batch`` and cost 1.2% under ``names`` at M = 2P.)"""
+    (:func:`flat_slots`). Apart, leaf by leaf (``leafwise``): a hand-over leaf of a B-only
+    leaf's shape (:func:`same_layout`) overwrites it, in that leaf's slot per microbatch from F
+    to W (``into``: the leaves so placed), where the pair's ``slots`` rows are no more than
+    their ``b_slots + w_slots`` apart. :func:`run` asks for it where the values are split (not
+    ``flat``), but not where the params are split beyond the model-parallel axes (FSDP, ZeRO-3):
+    a write over a leaf W may still read is ordered after W by an element of a gradient,
+    which a device would then fetch from the one holding it every tick. (On a flat mesh, where
+    the policy's hand-over does not fit the shared slot, it saved 2% of the temp under
+    ``dots_no_batch`` and cost 1.2% under ``names`` at M = 2P.)"""
 
     def __init__(self, b_only: list, handed: list, schedule: Schedule, flat: bool = True,
-                 leafwise: bool = True) -> None:
+                 leafwise: bool = False) -> None:
         self.b_only, self.handed = b_only, handed
         dtypes = sorted({jnp.dtype(x.dtype) for x in b_only + handed}, key=str)
         size = lambda xs, d: sum(x.size for x in xs if jnp.dtype(x.dtype) == d)  # noqa: E731
@@ -603,7 +607,8 @@ class Handover:
         return out
 
     def keep_res(self, store: Any, leaves: list, slot: jax.Array, b_slot: jax.Array) -> Any:
-        """At F: the B-only residuals into the microbatch's slot (``slot``: its residuals'; apart: ``b_slot``)."""
+        """At F: the B-only residuals into the microbatch's slot (``slot``: its residuals'; apart:
+        ``b_slot``, but for the leaves a hand-over leaf is placed over)."""
         if self.shared:
             return self._put(store, leaves, slot)
         return [_set(buf, x, slot if j in self.hosts else b_slot)
@@ -616,8 +621,8 @@ class Handover:
 
     def keep_handed(self, store: Any, leaves: list, slot: jax.Array, w_slot: jax.Array) -> Any:
         """After B: what it hands W into ``slot`` (over the microbatch's B-only residuals)
-        where shared, else into ``w_slot``. A tick without B hands on what the slot holds
-        (:meth:`idle`)."""
+        where shared or placed leaf by leaf, else into ``w_slot``. A tick without B hands on
+        what the slot holds (:meth:`idle`)."""
         if self.shared:
             return self._put(store, leaves, slot)
         b_only, handed = list(store[0]), list(store[1])
@@ -711,7 +716,8 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
     sum (a loss scale). ``replicas``: batch axes (:func:`replica_axes`) the executor is manual
     over too, each device running its own rows (``inputs_MBL``'s dim 1 is split over them)
     and the gradients summed over them once at the end. ``sharded_params``: the axes that
-    split every param beyond the model-parallel ones (FSDP, ZeRO-3: ``ShardingRules.state_axes``).
+    split the params beyond the model-parallel ones (FSDP, ZeRO-3: ``ShardingRules.state_axes``);
+    where there are any, :class:`Handover` does not place the hand-over leaf by leaf.
     Returns the loss sum over all microbatches, the stack's gradients (laid out as ``blocks``)
     and the outer params'.
     ``train=False``: the loss sum alone, from the forward slots (evaluation: the stages run
@@ -947,8 +953,9 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         def zero_after(tree):
             """0, made from ``tree``'s first element by a test XLA cannot fold (as attention's
             block masks are): what is computed from it comes after ``tree``. On a split array
-            the element would be fetched from the device holding it: where the stage's values
-            are split (not ``flat``), ``tree`` is a value each device holds whole."""
+            the element is fetched from the device holding it: where the stage's values are
+            split (not ``flat``), ``tree`` is the smallest gradient, a norm's scale in these
+            models, which each device holds whole where the matmuls are split."""
             return jnp.minimum(0, jnp.isnan(jax.tree.leaves(tree)[0].reshape(-1)[0]).astype(jnp.int32))
 
         def add_weights(acc, stash, k, u, res_slot, w_slot):
@@ -1011,8 +1018,8 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
                 # from the slot alone (nothing orders the two): the slot is made to depend on
                 # that W's result, so that XLA writes the store in place instead of copying it.
                 # (An optimization barrier over the slot and that result does not keep the copy
-                # away.) Where the values are split, on the smallest gradient, a norm's scale,
-                # which is whole on each device where its layer's matmuls are split.
+                # away.) Where the values are split, on the smallest gradient (a norm's scale in
+                # these models, whole on each device where its layer's matmuls are split).
                 at = back
                 if handover.shared or handover.into:
                     after = d_blocks_acc if flat else [min(jax.tree.leaves(d_blocks_acc), key=lambda x: x.size)]
