@@ -23,7 +23,8 @@ residuals alone -- what a remat policy recomputes of the forward pass, such as a
 or a region that only reshapes a saved matmul output -- runs in both, so W keeps no copy of
 it from B; any other runs in B, its outputs handed to W. A weight whose gradient takes no
 matmul beyond B's (a norm's scale, a bias) B computes whole where that hands W fewer bytes:
-the gradient is the weight's size, the cotangent W would reduce for it an activation's.
+the gradient is the weight's size, the cotangent W would reduce for it an activation's (weights
+that reduce the same cotangent, a LayerNorm's scale and bias, are weighed together).
 """
 
 from __future__ import annotations
@@ -564,16 +565,37 @@ def split(pullback: Callable, residuals: Any, cotangent: Any, n_weights: int) ->
 
     # A weight whose gradient takes no matmul beyond B's (a norm's scale, a bias) is B's to
     # compute, where that hands W less: W would need the cotangent it reduces, as large as an
-    # activation, where B hands on the gradient, as small as the weight.
+    # activation, where B hands on the gradient, as small as the weight. One at a time, then
+    # those left together (a LayerNorm's scale and bias reduce the same cotangent: either
+    # alone leaves W needing it), then each of those dropped again where that hands less.
     early: set = set()
     plan, out_b, out_w = make(early)
     matmuls, handed = _b_matmuls(plan), _stash_bytes(plan)
+
+    def trial(ks: set):
+        t = make(ks)
+        if _b_matmuls(t[0]) != matmuls:
+            return None, t
+        return _stash_bytes(t[0]) + sum(_bytes(jaxpr.outvars[k]) for k in ks), t
+
+    rest = []
     for k in range(n_weights):
-        trial = make(early | {k})
-        cost = _stash_bytes(trial[0]) + _bytes(jaxpr.outvars[k])
-        if _b_matmuls(trial[0]) == matmuls and cost < handed:
+        cost, t = trial(early | {k})
+        if cost is not None and cost < handed:
             early.add(k)
-            (plan, out_b, out_w), handed = trial, cost
+            (plan, out_b, out_w), handed = t, cost
+        elif cost is not None:
+            rest.append(k)
+    if len(rest) > 1:
+        cost, t = trial(early | set(rest))
+        if cost is not None and cost < handed:
+            early |= set(rest)
+            (plan, out_b, out_w), handed = t, cost
+            for k in rest:
+                cost, t = trial(early - {k})
+                if cost is not None and cost < handed:
+                    early.discard(k)
+                    (plan, out_b, out_w), handed = t, cost
     early_at = sorted(early)
 
     def b(res, cot):
