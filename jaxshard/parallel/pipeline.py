@@ -283,14 +283,16 @@ class Schedule:
         return 1 - 3 * self.microbatches * V * P / (P * work.max(axis=1).sum())
 
 
-# The remat policies under which what B hands W is about the size of the residuals B alone
-# reads, which it overwrites (Handover): every matmul's output is kept, so what W reads of
-# the forward pass is kept or cheap to make again, and B hands it the matmuls' output
-# gradients. Under the others B hands W matmul inputs it recomputed too (``full``, ``names``;
-# the attention core's output under ``selective`` and ``dots_no_batch``): up to many times
-# the B-only residuals (tests/test_split_backward.py). The rule goes by the policy because
-# the tables are made before the batch's shape is known (docs/pipelines.md, "Zero bubble").
-HANDOVER_FITS = ("none", "dots")
+# The remat policies under which what B hands W is no more than the residuals B alone reads,
+# which it overwrites (Handover), but for the weight gradients B makes whole (norms, biases):
+# what W reads of the forward pass is kept or cheap to make again, and B hands it the
+# matmuls' output gradients. Under ``selective`` B recomputes the attention core, whose
+# output W reads, and frees the L x L probabilities it read alone. Under the others B hands
+# W matmul inputs it recomputed (``full``, ``names``; the attention's output under
+# ``dots_no_batch``): many times the B-only residuals (tests/test_split_backward.py). The
+# rule goes by the policy because the tables are made before the batch's shape is known
+# (docs/pipelines.md, "Zero bubble").
+HANDOVER_FITS = ("none", "dots", "selective")
 
 
 def flat_slots(sizes: dict[str, int], replicas: tuple[str, ...]) -> bool:
@@ -311,8 +313,8 @@ def handover_apart(remat: Any, flat: bool) -> bool:
     it, or the leaves laid out like no B-only residual): where a stage's values cannot be
     laid out flat (not ``flat``: :func:`flat_slots`), and under the policies of
     :data:`HANDOVER_LARGE`. Elsewhere it shares the B-only residuals' place, or
-    (``selective``, ``offload``, whose tables have the narrow cap too) decides by sizes the
-    tables do not know; counted as shared."""
+    (``offload``, whose tables have the narrow cap) decides by sizes the tables do not know;
+    counted as shared."""
     return not flat or Remat.parse(remat).kind in HANDOVER_LARGE
 
 
@@ -701,7 +703,7 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         embed: Callable[..., jax.Array], body: Callable[..., jax.Array], last: Callable[..., jax.Array],
         blocks: Any, outer: Any, inputs_MBL: jax.Array, targets_MBL: jax.Array,
         seed: jax.Array | float = 1.0, aux: Any = None, replicas: tuple[str, ...] = (),
-        sharded_params: tuple[str, ...] = (),
+        params_split: bool = False,
         train: bool = True, side: Any = None, head: Callable[..., jax.Array] | None = None
         ) -> tuple[Any, Any, Any] | jax.Array:
     """Loss sum and gradients of one step under ``schedule`` (and its ``layout``).
@@ -715,9 +717,9 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
     ``inputs_MBL``/``targets_MBL``: the step's microbatches. ``seed``: the cotangent of the loss
     sum (a loss scale). ``replicas``: batch axes (:func:`replica_axes`) the executor is manual
     over too, each device running its own rows (``inputs_MBL``'s dim 1 is split over them)
-    and the gradients summed over them once at the end. ``sharded_params``: the axes that
-    split the params beyond the model-parallel ones (FSDP, ZeRO-3: ``ShardingRules.state_axes``);
-    where there are any, :class:`Handover` does not place the hand-over leaf by leaf.
+    and the gradients summed over them once at the end. ``params_split``: an axis splits the
+    params beyond the model-parallel ones (FSDP, ZeRO-3: ``ShardingRules.state_axes``); then
+    :class:`Handover` does not place the hand-over leaf by leaf.
     Returns the loss sum over all microbatches, the stack's gradients (laid out as ``blocks``)
     and the outer params'.
     ``train=False``: the loss sum alone, from the forward slots (evaluation: the stages run
@@ -905,7 +907,7 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         until_w = list(halves.w_reads)[:len(res_shapes)] if zb else [True] * len(res_shapes)
         if zb:
             handover = Handover([r for r, w in zip(res_shapes, until_w) if not w], jax.tree.leaves(w_shapes),
-                                 schedule, flat, leafwise=not flat and not sharded_params)
+                                 schedule, flat, leafwise=not flat and not params_split)
 
         def keep_res(stash_res, res, slot, b_slot):
             if not zb:
