@@ -553,11 +553,11 @@ class Handover:
     leaf's shape (:func:`same_layout`) overwrites it, in that leaf's slot per microbatch from F
     to W (``into``: the leaves so placed), where the pair's ``slots`` rows are no more than
     their ``b_slots + w_slots`` apart. :func:`run` asks for it where the values are split (not
-    ``flat``), but not where the params are split beyond the model-parallel axes (FSDP, ZeRO-3):
-    a write over a leaf W may still read is ordered after W by an element of a gradient,
-    which a device would then fetch from the one holding it every tick. (On a flat mesh, where
-    the policy's hand-over does not fit the shared slot, it saved 2% of the temp under
-    ``dots_no_batch`` and cost 1.2% under ``names`` at M = 2P.)"""
+    ``flat``); a write over a leaf W may still read is ordered after W by an element of a
+    gradient (where the params are split, FSDP or ZeRO-3, each device's own shard's, so that
+    none is fetched every tick). (On a flat mesh, where the policy's hand-over does not fit the
+    shared slot, it saved 2% of the temp under ``dots_no_batch`` and cost 1.2% under ``names``
+    at M = 2P.)"""
 
     def __init__(self, b_only: list, handed: list, schedule: Schedule, flat: bool = True,
                  leafwise: bool = False) -> None:
@@ -703,7 +703,7 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         embed: Callable[..., jax.Array], body: Callable[..., jax.Array], last: Callable[..., jax.Array],
         blocks: Any, outer: Any, inputs_MBL: jax.Array, targets_MBL: jax.Array,
         seed: jax.Array | float = 1.0, aux: Any = None, replicas: tuple[str, ...] = (),
-        params_split: bool = False,
+        params_specs: Any = None,
         train: bool = True, side: Any = None, head: Callable[..., jax.Array] | None = None
         ) -> tuple[Any, Any, Any] | jax.Array:
     """Loss sum and gradients of one step under ``schedule`` (and its ``layout``).
@@ -717,9 +717,9 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
     ``inputs_MBL``/``targets_MBL``: the step's microbatches. ``seed``: the cotangent of the loss
     sum (a loss scale). ``replicas``: batch axes (:func:`replica_axes`) the executor is manual
     over too, each device running its own rows (``inputs_MBL``'s dim 1 is split over them)
-    and the gradients summed over them once at the end. ``params_split``: an axis splits the
-    params beyond the model-parallel ones (FSDP, ZeRO-3: ``ShardingRules.state_axes``); then
-    :class:`Handover` does not place the hand-over leaf by leaf.
+    and the gradients summed over them once at the end. ``params_specs``: where an axis splits
+    the params beyond the model-parallel ones (FSDP, ZeRO-3: ``ShardingRules.state_axes``),
+    the ``blocks``' partition specs, as their gradients are laid out where W makes them.
     Returns the loss sum over all microbatches, the stack's gradients (laid out as ``blocks``)
     and the outer params'.
     ``train=False``: the loss sum alone, from the forward slots (evaluation: the stages run
@@ -907,7 +907,7 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         until_w = list(halves.w_reads)[:len(res_shapes)] if zb else [True] * len(res_shapes)
         if zb:
             handover = Handover([r for r, w in zip(res_shapes, until_w) if not w], jax.tree.leaves(w_shapes),
-                                 schedule, flat, leafwise=not flat and not params_split)
+                                 schedule, flat, leafwise=not flat)
 
         def keep_res(stash_res, res, slot, b_slot):
             if not zb:
@@ -952,13 +952,19 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
             return (jnp.zeros((), jnp.float32), no_side, zeros(outer), zeros_x,
                     jax.tree.unflatten(jax.tree.structure(w_shapes), handover.idle(stash_res[1], slot, w_slot)))
 
-        def zero_after(tree):
+        def zero_after(tree, spec=None):
             """0, made from ``tree``'s first element by a test XLA cannot fold (as attention's
-            block masks are): what is computed from it comes after ``tree``. On a split array
-            the element is fetched from the device holding it: where the stage's values are
-            split (not ``flat``), ``tree`` is the smallest gradient, a norm's scale in these
-            models, which each device holds whole where the matmuls are split."""
-            return jnp.minimum(0, jnp.isnan(jax.tree.leaves(tree)[0].reshape(-1)[0]).astype(jnp.int32))
+            block masks are): what is computed from it comes after ``tree``. Where the stage's
+            values are split (not ``flat``), ``tree`` is the smallest gradient, a norm's scale
+            in these models, which each device holds whole where the matmuls are split; where
+            the params are split beyond those (``spec``: its layout), each device takes its own
+            shard's first element, so that none is fetched from another (all are 0)."""
+            first = lambda x: jnp.minimum(0, jnp.isnan(x.reshape(-1)[0]).astype(jnp.int32))  # noqa: E731
+            if spec is None:
+                return first(jax.tree.leaves(tree)[0])
+            axes = frozenset(a for e in spec if e for a in ((e,) if isinstance(e, str) else e))
+            return jax.shard_map(first, in_specs=spec, out_specs=P(), axis_names=axes,
+                                 check_vma=False)(jax.tree.leaves(tree)[0])
 
         def add_weights(acc, stash, k, u, res_slot, w_slot):
             """W of microbatch ``k`` (-1: none) on chunk ``u``, from its residuals and what its
@@ -971,6 +977,15 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
                 return add_chunk(acc, jax.tree.unflatten(chunk_tree, grads), u)
 
             return jax.lax.cond(k >= 0, weights, lambda acc: acc, acc)
+
+        # The gradient a hand-over's write is ordered after where the values are split, and
+        # where the params are split, its layout (the stage axis dropped: the executor's own).
+        smallest = int(np.argmin([x.size for x in jax.tree.leaves(blocks)]))
+        smallest_spec = None
+        if params_specs is not None:
+            entry = lambda e: tuple(a for a in ((e,) if isinstance(e, str) else e) if a != STAGE) or None  # noqa: E731
+            smallest_spec = P(*(entry(e) if e else None
+                                for e in jax.tree.leaves(params_specs, is_leaf=lambda x: isinstance(x, P))[smallest]))
 
         def tick(carry, t):
             received_x, received_g, stash, loss_acc, extras_acc, d_blocks_acc, d_outer_acc = carry
@@ -1021,11 +1036,12 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
                 # that W's result, so that XLA writes the store in place instead of copying it.
                 # (An optimization barrier over the slot and that result does not keep the copy
                 # away.) Where the values are split, on the smallest gradient (a norm's scale in
-                # these models, whole on each device where its layer's matmuls are split).
+                # these models, whole on each device where its layer's matmuls are split; where
+                # the params are split, each device's own shard of it).
                 at = back
                 if handover.shared or handover.into:
-                    after = d_blocks_acc if flat else [min(jax.tree.leaves(d_blocks_acc), key=lambda x: x.size)]
-                    at = back + zero_after(after)
+                    after = [jax.tree.leaves(d_blocks_acc)[smallest]]
+                    at = back + (zero_after(d_blocks_acc) if flat else zero_after(after, smallest_spec))
                 store = handover.keep_handed(store, jax.tree.leaves(kept_w), at, w_slot)
                 stash = (stash[0], (ws, store)) + tuple(stash[2:])
                 # W slot: the weights' gradients from the residuals and what B kept.
