@@ -263,7 +263,8 @@ def test_zero_bubble_tables_with_one_hand_over_match_one_device(mesh, microbatch
     ("tiny-llama", "stage=4,data=2", 8, "dots"), ("tiny", "stage=2,data=4", 2, "none"),
     ("tiny", "stage=2,data=4", 4, "dots"), ("tiny-llama", "data=2,stage=2,tensor=2", 4, "dots"),
     ("tiny", "data=2,stage=2,tensor=2", 4, "dots"), ("tiny-llama", "data=2,stage=2,tensor=2", 2, "none"),
-    ("tiny", "data=2,stage=2,tensor=2", 2, "none"), ("tiny", "stage=2,fsdp=4", 4, "dots")])
+    ("tiny", "data=2,stage=2,tensor=2", 2, "none"), ("tiny", "stage=2,fsdp=4", 4, "dots"),
+    ("tiny-llama", "stage=2,fsdp=4", 2, "dots")])
 def test_zero_bubble_keeps_no_more_than_1f1b(name, mesh, microbatches, remat):
     """Compiled temp bytes per device, at M = P and 2P: ZB-H1 keeps as many microbatches'
     residuals as 1F1B, each until its W, and B's hand-over to W over the residuals B alone
@@ -280,8 +281,10 @@ def test_zero_bubble_keeps_no_more_than_1f1b(name, mesh, microbatches, remat):
     remat only where the hand-over's leaves laid out as B-only residuals take their place (the
     gradients of the queries, keys and values, and on tiny-llama two of model width) and, on
     GPT-2, where B makes each LayerNorm's scale and bias together (either alone leaves W the
-    cotangent both reduce); on ``fsdp=4`` without remat, the FSDP placement test
-    (``test_zero_bubble_under_fsdp_places_the_hand_over_and_fetches_nothing_for_it``)."""
+    cotangent both reduce); on ``fsdp=4`` under ``dots`` where the gradients of the MLP and
+    the attention output are packed into the probabilities' rows (tiny-llama; GPT-2's is
+    1.017x) and without remat, the FSDP placement test
+    (``test_zero_bubble_with_split_gradients_places_the_hand_over_and_fetches_nothing_for_it``)."""
     model = TransformerLM(get_preset(name).replace(n_layers=4), remat=remat)
     temp = {}
     for kind in ("1f1b", "zb-h1"):
@@ -307,29 +310,49 @@ def test_zero_bubble_on_4_stages_keeps_no_more_than_1f1b_at_m_equal_p(name, mesh
     assert temp["zb-h1"] <= temp["1f1b"], temp
 
 
-def test_zero_bubble_under_fsdp_places_the_hand_over_and_fetches_nothing_for_it(monkeypatch):
-    """Under FSDP, where every gradient is split, a hand-over leaf takes the place of a B-only
-    residual laid out alike as with a tensor axis (``Handover``'s leaf-by-leaf placement), its
-    write ordered after the tick's W by each device's own shard of the smallest gradient: the
-    compiled step holds the same collectives as with the hand-over apart (the weights' gathers
-    for compute; taking the gradient's first element would fetch it every tick), in less temp,
-    at M = P under 1F1B's (GPT-2's tiny on 2 stages: 0.943x; apart 1.028x)."""
+@pytest.mark.parametrize("mesh, zero, remat", [("stage=2,fsdp=4", 0, "none"), ("stage=2,fsdp=4", 0, "dots"),
+                                               ("stage=2,data=4", 2, "none")])
+def test_zero_bubble_with_split_gradients_places_the_hand_over_and_fetches_nothing_for_it(
+        monkeypatch, mesh, zero, remat):
+    """Under FSDP and ZeRO-2/3, where every gradient is split, a hand-over leaf takes the
+    place of a B-only residual laid out alike as with a tensor axis (``Handover``'s
+    leaf-by-leaf placement), its write ordered after the tick's W by each device's own shard of
+    the smallest gradient: the compiled step holds the same collectives as with the hand-over
+    apart (the weights' gathers for compute; taking the gradient's first element would fetch
+    it every tick), in less temp; at M = P without remat under 1F1B's (GPT-2's tiny on
+    ``fsdp=4``: 0.943x; apart 1.028x). The values are split by rows alone there, so the leaves
+    shaped as no B-only residual (under ``dots`` the MLP's and the attention output's
+    gradients) are packed into the rows of one (the attention's probabilities): all that stays
+    apart is the weight gradients B makes whole."""
     from jaxshard.parallel import pipeline
 
-    model = TransformerLM(get_preset("tiny").replace(n_layers=4), remat="none")
+    model = TransformerLM(get_preset("tiny").replace(n_layers=4), remat=remat)
+    made = []
 
     def compiled(kind="zb-h1"):
-        program = make_program(model, "stage=2,fsdp=4", pipeline_schedule=kind, microbatches=2)
+        program = make_program(model, mesh, zero=zero, pipeline_schedule=kind, microbatches=2)
         c = program.lower_step(8, 64).compile()
         found = inspect.compiled_collectives(c, program.rules.mesh)
         return c.memory_analysis().temp_size_in_bytes, sorted((x.kind, x.bytes, x.executions) for x in found)
 
-    (placed, sent), (one_f_one_b, _) = compiled(), compiled("1f1b")
     init = pipeline.Handover.__init__
-    monkeypatch.setattr(pipeline.Handover, "__init__", lambda self, *a, leafwise=False: init(self, *a, leafwise=False))
+
+    def record(self, *a, **k):
+        init(self, *a, **k)
+        made.append(self)
+
+    monkeypatch.setattr(pipeline.Handover, "__init__", record)
+    placed, sent = compiled()
+    handover = made[-1]
+    assert handover.into and {i for i, x in enumerate(handover.handed) if len(x.shape) >= 3} <= {
+        *handover.into, *handover.packed}, (handover.into, handover.packed)
+    assert bool(handover.packed) == (remat == "dots")
+    monkeypatch.setattr(pipeline.Handover, "__init__", lambda self, *a, **k: init(self, *a, **{**k, "leafwise": False}))
     apart, sent_apart = compiled()
     assert sent == sent_apart
-    assert placed < apart and placed <= one_f_one_b, (placed, apart, one_f_one_b)
+    assert placed < apart, (placed, apart)
+    if mesh == "stage=2,fsdp=4" and remat == "none":
+        assert placed <= compiled("1f1b")[0], placed
 
 
 def test_zero_bubbles_cap_widens_only_where_a_hand_over_can_take_its_residuals_place():
@@ -435,15 +458,21 @@ def test_a_ticks_sends_come_after_all_its_work(schedule):
         assert len(sends) == 2 and len(slots) >= 2 and max(slots) < min(sends), (slots, sends)
 
 
-@pytest.mark.parametrize("cap, b_only, handed, flat, shared, into", [
+@pytest.mark.parametrize("cap, b_only, handed, flat, shared, into, rows, packed", [
     # B-only residuals and hand-over share a slot
-    (None, [(4, 3), (2,), (5,)], [(5,), (3, 2), (2, 2)], True, True, {}),
-    ((2, 1), [], [(6,), (2, 2), (3,)], True, False, {}),  # none B-only (``full``): the hand-over's own slot
+    (None, [(4, 3), (2,), (5,)], [(5,), (3, 2), (2, 2)], True, True, {}, None, {}),
+    ((2, 1), [], [(6,), (2, 2), (3,)], True, False, {}, None, {}),  # none B-only (``full``): the hand-over's own slot
     # Split values, leaf by leaf: a hand-over leaf over the B-only leaf of its layout (rows of 4
     # split in two, the same shape), the one without in a slot of its own.
-    ((2, 1), [(4, 3), (2, 6), (5,)], [(2, 2, 3), (7,), (5,)], False, False, {0: 0, 2: 2}),
+    ((2, 1), [(4, 3), (2, 6), (5,)], [(2, 2, 3), (7,), (5,)], False, False, {0: 0, 2: 2}, None, {}),
+    # Split by rows alone (2 layers, 4 rows of 2 tokens): leaves laid out by rows packed into a
+    # B-only leaf's rows, [layers, tokens, ...] at 0 and [layers, rows, tokens, ...] at 6 of its 12
+    # a row; the rest as above.
+    ((2, 1), [(2, 4, 6, 2), (5,)], [(2, 8, 3), (5,), (2, 4, 2, 2), (2, 3, 3)], False, False, {1: 1}, (4, 2),
+     {0: (0, 0), 2: (0, 6)}),
 ])
-def test_a_hand_over_store_gives_back_what_each_microbatch_left_in_it(cap, b_only, handed, flat, shared, into):
+def test_a_hand_over_store_gives_back_what_each_microbatch_left_in_it(cap, b_only, handed, flat, shared, into,
+                                                                     rows, packed):
     """``pipeline.Handover``: in its one slot per microbatch, or apart, each microbatch's B-only
     residuals (float32 and bfloat16) come back at its B and its hand-over at its W, whatever
     the others wrote meanwhile; a tick without B writes back what the slot held."""
@@ -453,8 +482,8 @@ def test_a_hand_over_store_gives_back_what_each_microbatch_left_in_it(cap, b_onl
     table = make_schedule("zb-h1", 2, 4, residual_cap=cap)
     dtypes = (jnp.float32, jnp.bfloat16)
     shapes = lambda dims: [jax.ShapeDtypeStruct(d, dtypes[n % 2]) for n, d in enumerate(dims)]  # noqa: E731
-    store_of = Handover(shapes(b_only), shapes(handed), table, flat, leafwise=not flat)
-    assert store_of.shared is shared and store_of.into == into
+    store_of = Handover(shapes(b_only), shapes(handed), table, flat, leafwise=not flat, rows=rows)
+    assert store_of.shared is shared and store_of.into == into and store_of.packed == packed
     values = lambda dims, seed: [jax.random.normal(jax.random.key(seed + n), d).astype(dtypes[n % 2])  # noqa: E731
                                  for n, d in enumerate(dims)]
     w_slot = lambda i: i if shared else i % table.w_slots  # noqa: E731
@@ -646,6 +675,7 @@ def test_each_device_holds_its_stage_of_the_layer_stack():
     ("fsdp=2,stage=4", "gpipe", 4, "full"),  # each layer's input kept; gathered weights never
     ("stage=2,data=4", "interleaved", 2, "selective"),
     ("stage=2,data=4", "zb-h1", 4, "selective"),  # the hand-over over the B-only residuals, cap 2P - 1
+    ("stage=2,fsdp=4", "zb-h1", 2, "dots"),  # hand-over leaves packed into the B-only residuals' rows
 ])
 def test_pipeline_keeps_what_the_remat_policy_keeps_and_matches_one_device(mesh, schedule, microbatches, remat):
     """A stage keeps its pullback's residuals between a microbatch's forward and backward slots:

@@ -208,8 +208,8 @@ class StagedModel:
             schedule, rules.context_mesh, embed=embed, body=body, last=last, blocks=params[self.stack],
             outer=outer, inputs_MBL=split(inputs_BL), targets_MBL=split(targets_BL), aux=key,
             replicas=replicas, side=side, head=head, **run,
-            params_specs=(rules.param_specs(self.param_axes()[self.stack], params[self.stack])
-                          if rules.state_axes(StateKind.PARAMS) else None))
+            grad_specs=(rules.param_specs(self.param_axes()[self.stack], params[self.stack], StateKind.GRADS)
+                        if rules.state_axes(StateKind.GRADS) else None))
         if table is None or not run.get("train"):
             return out
         loss, d_stack, d_outer = out
