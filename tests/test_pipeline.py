@@ -458,6 +458,23 @@ def test_a_ticks_sends_come_after_all_its_work(schedule):
         assert len(sends) == 2 and len(slots) >= 2 and max(slots) < min(sends), (slots, sends)
 
 
+def test_a_hand_over_is_packed_into_a_residual_only_where_that_frees_what_the_residual_holds_longer():
+    """A B-only leaf that takes packed hand-over leaves is held from F to W (``slots`` rows
+    where it had ``b_slots``): ``Handover`` packs into it only where that frees at least as
+    much of the hand-over's own slots (``w_slots``)."""
+    from types import SimpleNamespace
+
+    import jax.numpy as jnp
+    from jaxshard.parallel.pipeline import Handover
+
+    table = SimpleNamespace(slots=3, b_slots=2, w_slots=1)  # a row held one slot longer
+    f32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.float32)  # noqa: E731
+    host = [f32(2, 4, 6, 2)]  # 96 elements a slot, 12 a row of 4 rows (2 tokens each)
+    assert Handover(host, [f32(2, 8, 3)], table, False, leafwise=True, rows=(4, 2)).packed == {}  # 48 < 96
+    both = Handover(host, [f32(2, 8, 3), f32(2, 4, 2, 3)], table, False, leafwise=True, rows=(4, 2))
+    assert both.packed == {0: (0, 0), 1: (0, 6)} and both.hosts == {0}
+
+
 @pytest.mark.parametrize("cap, b_only, handed, flat, shared, into, rows, packed", [
     # B-only residuals and hand-over share a slot
     (None, [(4, 3), (2,), (5,)], [(5,), (3, 2), (2, 2)], True, True, {}, None, {}),
@@ -503,9 +520,12 @@ def test_a_hand_over_store_gives_back_what_each_microbatch_left_in_it(cap, b_onl
                                     store_of.handed_to_w(idle, i, w_slot(i))):
             np.testing.assert_array_equal(got, want)
             np.testing.assert_array_equal(again, want)
-    if shared:  # both hand-overs held at once
-        for got, want in zip(store_of.handed_to_w(store, 0, 0), values(handed, 100)):
-            np.testing.assert_array_equal(got, want)
+    # Both hand-overs held at once: all of them shared, the leaves placed or packed apart (each
+    # microbatch's in its own slot; the rest share the one slot of their own).
+    held = [i for i in range(len(handed)) if shared or i in store_of.into or i in store_of.packed]
+    got = store_of.handed_to_w(store, 0, w_slot(0))
+    for i in held:
+        np.testing.assert_array_equal(got[i], values(handed, 100)[i])
 
 
 def test_a_hand_over_leaf_takes_a_b_only_leafs_place_only_laid_out_alike():

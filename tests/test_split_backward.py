@@ -168,7 +168,7 @@ def test_the_hand_over_fits_in_the_b_only_residuals_under_the_policies_zb_h1_wid
     and bias together (GPT-2's was 1.58x when W was handed the cotangent they reduce). Under
     the others it is several times more: ``full`` (which keeps none), ``dots_no_batch`` and
     ``names``, whose W is handed matmul inputs B made again."""
-    for remat in (*pipeline.HANDOVER_FITS, "selective"):
+    for remat in pipeline.HANDOVER_FITS:
         handed, b_only = _handed_and_b_only(preset, remat)
         assert handed <= b_only, (remat, handed, b_only)
     for remat in ("full", "dots_no_batch", "names:qkv,attn_proj,mlp_in"):

@@ -604,6 +604,13 @@ class Handover:
                 if j is not None:
                     self.packed[i] = (j, math.prod(b_only[j].shape[2:]) - room[j])
                     room[j] -= need
+            # A host holds its slot from F to W (``slots`` rows, not ``b_slots``): worth it only
+            # where what is packed into it frees at least that much of the hand-over's slots.
+            for j in {j for j, _ in self.packed.values()}:
+                packed = [i for i, (h, _) in self.packed.items() if h == j]
+                if self.w_slots * sum(handed[i].size for i in packed) < (self.slots - self.b_slots) * b_only[j].size:
+                    for i in packed:
+                        del self.packed[i]
         self.packs = {j for j, _ in self.packed.values()}  # kept by rows: [layers, rows, the rest]
         self.hosts = set(self.into.values()) | self.packs
 
@@ -1012,9 +1019,9 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
             the params are split beyond those (``spec``: its layout), each device takes its own
             shard's first element, so that none is fetched from another (all are 0)."""
             first = lambda x: jnp.minimum(0, jnp.isnan(x.reshape(-1)[0]).astype(jnp.int32))  # noqa: E731
-            if spec is None:
+            axes = frozenset(a for e in spec or () if e for a in ((e,) if isinstance(e, str) else e))
+            if not axes:  # (whole on every device)
                 return first(jax.tree.leaves(tree)[0])
-            axes = frozenset(a for e in spec if e for a in ((e,) if isinstance(e, str) else e))
             return jax.shard_map(first, in_specs=spec, out_specs=P(), axis_names=axes,
                                  check_vma=False)(jax.tree.leaves(tree)[0])
 
@@ -1031,10 +1038,12 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
             return jax.lax.cond(k >= 0, weights, lambda acc: acc, acc)
 
         # The gradient a hand-over's write is ordered after where the values are split, and
-        # where the params are split, its layout (the stage axis dropped: the executor's own).
+        # where the gradients are split, its layout (the stage axis dropped: the executor's own).
         smallest = int(np.argmin([x.size for x in jax.tree.leaves(blocks)]))
         smallest_spec = None
         if grad_specs is not None:
+            if jax.tree.structure(grad_specs, is_leaf=lambda x: isinstance(x, P)) != jax.tree.structure(blocks):
+                raise AssertionError("the gradients' specs are not shaped as the stack's params")
             entry = lambda e: tuple(a for a in ((e,) if isinstance(e, str) else e) if a != STAGE) or None  # noqa: E731
             smallest_spec = P(*(entry(e) if e else None
                                 for e in jax.tree.leaves(grad_specs, is_leaf=lambda x: isinstance(x, P))[smallest]))
@@ -1091,7 +1100,7 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
                 # these models, whole on each device where its layer's matmuls are split; where
                 # the params are split, each device's own shard of it).
                 at = back
-                if handover.shared or handover.into:
+                if handover.shared or handover.hosts:
                     after = [jax.tree.leaves(d_blocks_acc)[smallest]]
                     at = back + (zero_after(d_blocks_acc) if flat else zero_after(after, smallest_spec))
                 store = handover.keep_handed(store, jax.tree.leaves(kept_w), at, w_slot)
