@@ -247,12 +247,12 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
                                            jax.devices()[0], fp8=model.cfg.fp8 is not None)
     n_dev = jax.device_count()
     _log(f"model FLOPs per step {flops.model:.3e} ({flops.formula}); MFU peak: {peak_source}")
-    # The compiled step's matmuls against the useful ones (XLA:CPU's dots; a pipeline's branches
-    # and a GPU's library calls are not counted).
+    # The compiled step's matmuls against the useful ones (XLA:CPU's dots, a pipeline's tick ops
+    # as its tables run them; a GPU's library calls are not counted).
     waste = None
-    if schedule is None and jax.default_backend() == "cpu" and cfg.sync_every is None:
+    if jax.default_backend() == "cpu" and cfg.sync_every is None:
         waste = accounting.matmul_waste(flops, compiled.as_text(), model.cfg, rules, B, L,
-                                        grad_accum=cfg.step.grad_accum)
+                                        grad_accum=cfg.step.grad_accum, schedule=schedule)
         _log(f"matmul FLOPs per device: compiled {waste['compiled']:.3e} = x{waste['ratio']:.2f} the useful "
              f"{waste['useful']:.3e} (recompute {waste['recompute']:.2e}, masked attention and empty expert "
              f"slots {waste['masked_or_padding']:.2e}: x{waste['unexplained']:.2f} what they explain)")

@@ -121,7 +121,8 @@ def bench_one(model, mesh_spec: str, zero: int, sp: bool, batch: int, seq: int, 
         # The compiled step's matmuls against the useful ones (accounting.Flops.waste).
         "matmul_flops_per_device": accounting.matmul_waste(
             accounting.flops(model.cfg, rules, batch, seq, remat=model.remat), compiled.as_text(), model.cfg, rules,
-            batch, seq, computed=float(metrics["moe_computed"]) if "moe_computed" in metrics else None),
+            batch, seq, computed=float(metrics["moe_computed"]) if "moe_computed" in metrics else None,
+            schedule=program.schedule),
         "final_loss": float(metrics["loss"]),
         # MoE: the last step's busiest expert's load over the mean, less 1 (DeepSeek's MaxVio).
         "moe_max_violation": float(metrics["moe_max_violation"]) if "moe_max_violation" in metrics else None,

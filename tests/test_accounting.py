@@ -92,12 +92,14 @@ def _matmul_waste(model, mesh, batch, seq, run=False, **kw):
     compiled = program.lower_step(batch, seq).compile()
     fl = accounting.flops(model.cfg, program.rules, batch, seq, remat=model.remat)
     computed = None
+    schedule = program.schedule
     if run:
         tokens = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (batch, seq + 1), dtype=np.int32)
         batch_in = jax.device_put({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, program.batch_sharding)
         _, metrics = compiled(program.init(0), batch_in)
         computed = float(metrics["moe_computed"])
-    return accounting.matmul_waste(fl, compiled.as_text(), model.cfg, program.rules, batch, seq, computed=computed)
+    return accounting.matmul_waste(fl, compiled.as_text(), model.cfg, program.rules, batch, seq, computed=computed,
+                                   schedule=schedule)
 
 
 def test_dot_flops_count_a_rolled_layer_loop_by_its_trip_count():
@@ -126,6 +128,13 @@ WASTE = {
     "ep-dropless": ("moe-tiny:dropless", "expert=8", "none", {}, 64),
     "ep-dropless+tp": ("moe-tiny:dropless", "fsdp=2,expert=2,tensor=2", "dots", {}, 64),
     "dropless": ("moe-tiny:dropless", "data=8", "full", {}, 64),
+    # Pipelines: every stage runs one program, each tick op in a branch the tables choose.
+    "1f1b": ("tiny-llama", "stage=2,data=4", "none", dict(pipeline_schedule="1f1b", microbatches=2), 64),
+    "gpipe+full": ("tiny", "stage=2,data=4", "full", dict(pipeline_schedule="gpipe", microbatches=2), 64),
+    "interleaved": ("tiny-llama:deep", "stage=2,data=4", "none",
+                    dict(pipeline_schedule="interleaved", microbatches=2), 64),
+    "zb-h1+tp": ("tiny-llama:deep", "data=2,stage=2,tensor=2", "dots", dict(pipeline_schedule="zb-h1", microbatches=4), 64),
+    "zb-h1+ep": ("moe-tiny", "stage=2,expert=4", "none", dict(pipeline_schedule="zb-h1", microbatches=2), 64),
 }
 
 
@@ -142,8 +151,12 @@ def test_compiled_matmul_flops_are_what_useful_work_recompute_and_kernels_explai
         cfg = cfg.replace(d_model=64, n_heads=4, n_kv_heads=4, d_mlp=128)
     if variant == "dropless":
         cfg = cfg.replace(moe_capacity_factor=0.0)
+    if variant == "deep":
+        cfg = cfg.replace(n_layers=4)
     w = _matmul_waste(TransformerLM(cfg, remat=remat), mesh, 8, seq, run=variant == "dropless", **kw)
     assert abs(w["unexplained"] - 1) <= 0.10, w
+    if "pipeline_schedule" in kw:  # each stage's own count: the ends hold the embedding and the head
+        assert len(w["stages"]) == int(mesh.split("stage=")[1].split(",")[0]) and w["stages"][-1] > w["stages"][0], w
     if variant == "dropless":  # only the routed rows, in tiles, counted as they ran: k S per sequence
         sizes = dict((a, int(n)) for a, n in (part.split("=") for part in mesh.split(",")))
         tokens = 8 * seq // math.prod(n for a, n in sizes.items() if a != "tensor")

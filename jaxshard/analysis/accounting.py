@@ -34,6 +34,7 @@ from jaxshard.axes import Dim
 from jaxshard.model import LanguageModel, Stageable
 from jaxshard.parallel import attention as attention_lib
 from jaxshard.parallel import grouped
+from jaxshard.parallel.pipeline import TICK_SCOPE
 from jaxshard.parallel.staged import staged
 from jaxshard.remat import Kind, Remat
 from jaxshard.rules import ShardingRules, StateKind
@@ -427,23 +428,37 @@ class Flops:
 
 
 def matmul_waste(fl: Flops, hlo_text: str, cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
-                 grad_accum: int = 1, computed: float | None = None) -> dict[str, float]:
+                 grad_accum: int = 1, computed: float | None = None, schedule: Any = None) -> dict[str, Any]:
     """:meth:`Flops.waste` of a compiled step (its HLO text), its loops counted by trip count.
     A loop whose trip count is known only at run time -- dropless experts' grouped matmuls on
     CPU, one tile an iteration, one loop a tile size (``parallel.grouped``) -- counts per row for
     ``computed`` k rows per token of a device per MoE layer: the step's ``moe_computed``
     where it ran, else 1 (the routed choices, the tiles' padding aside).
-    ``data_dependent`` is their share of ``compiled``."""
-    per_iteration = hlo.loop_dot_flops(hlo_text)
-    loops = 0.0
-    if per_iteration:
-        tokens = batch_size * seq_len // rules.size(rules.batch_axes) // grad_accum  # a microbatch's
-        n, k = rules.size(rules.param_mesh_axes(Dim.EXPERTS)), cfg.moe_top_k
-        # (An iteration of each of the kernel's loops, one a tile size, computes their sum's rows.)
-        tiles = sum(grouped.tile_sizes(grouped.tile_rows(n * tokens * k / cfg.moe_experts)))
-        loops = per_iteration / tiles * (1.0 if computed is None else computed) * k * tokens
-    return {**fl.waste(hlo.dot_flops(hlo_text) + loops), "data_dependent": loops,
-            "rows_measured": float(computed is not None)}
+    ``data_dependent`` is their share of ``compiled``.
+    Under a pipeline ``schedule`` every stage runs the same program, each op of a tick in a
+    branch taken where the tables say: a stage's dots in an op's branch count as often as the
+    tables run that op there (:meth:`Schedule.op_runs`), and ``compiled`` is the stages' mean
+    (the useful work is the step's over all devices, stages included); ``stages`` has each."""
+    shares = [None]
+    if schedule is not None:
+        shares = [{op: n / schedule.ticks for op, n in schedule.op_runs(s).items()} for s in range(schedule.stages)]
+        grad_accum *= schedule.microbatches
+    tokens = batch_size * seq_len // rules.size(rules.batch_axes) // grad_accum  # a microbatch's
+    n, k = rules.size(rules.param_mesh_axes(Dim.EXPERTS)), cfg.moe_top_k
+    stages = []
+    loops_mean = 0.0
+    for share in shares:
+        per_iteration = hlo.loop_dot_flops(hlo_text, share, TICK_SCOPE)
+        loops = 0.0
+        if per_iteration:
+            # (An iteration of each of the kernel's loops, one a tile size, computes their sum's rows.)
+            tiles = sum(grouped.tile_sizes(grouped.tile_rows(n * tokens * k / cfg.moe_experts)))
+            loops = per_iteration / tiles * (1.0 if computed is None else computed) * k * tokens
+        stages.append(hlo.dot_flops(hlo_text, share, TICK_SCOPE) + loops)
+        loops_mean += loops / len(shares)
+    out = {**fl.waste(sum(stages) / len(stages)), "data_dependent": loops_mean,
+           "rows_measured": float(computed is not None)}
+    return out | ({"stages": stages} if schedule is not None else {})
 
 
 ADAMW_FLOPS = 20  # per parameter element per step: clip, moments, bias correction, decay, update

@@ -15,7 +15,7 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -131,6 +131,46 @@ class _Module:
     runs: dict[str, int]  # computation -> runs per run of the entry (loops by trip count)
     in_branch: set[str]  # computations run by a branch of a conditional
     data_dependent: set[str]  # computations run by a loop whose trip count is known only at run time
+    entry: str
+    edges: dict[str, list[tuple[str, int, str]]]  # computation -> (callee, trips, the calling op's op_name)
+
+    def scopes(self, scoped: re.Pattern) -> Callable[[str, str], str | None]:
+        """``scope_of(op_name, computation)``: the NAME of the outermost scope that ``scoped``
+        finds in an instruction's ``op_name``; for an instruction XLA made without one (a
+        fusion, a dot it rewrote), the one scope every named instruction of its computation
+        that names one names (None where they name several)."""
+        named: dict[str, set[str]] = {}
+        for comp, instrs in self.body.items():
+            named[comp] = {op[1] for m in instrs if (op := scoped.search(_op_name(m)))}
+
+        def scope_of(name: str, computation: str) -> str | None:
+            if name:
+                return op[1] if (op := scoped.search(name)) else None
+            only = named.get(computation, set())
+            return next(iter(only)) if len(only) == 1 else None
+
+        return scope_of
+
+    def shared_runs(self, share: Mapping[str, float], scope_of: Callable[[str, str], str | None]
+                    ) -> tuple[dict, dict]:
+        """Runs of each computation per run of the entry, as :func:`_executions`, split by
+        whether a call on the way is in a scope of ``share`` (``scope_of``: :meth:`scopes`; the
+        first such call scales the runs below it by ``share[NAME]``): (runs under such a
+        scope, runs under none)."""
+        inside: dict[str, float] = defaultdict(float)
+        outside: dict[str, float] = defaultdict(float)
+
+        def visit(comp: str, times: float, scaled: bool, depth: int = 0) -> None:
+            (inside if scaled else outside)[comp] += times
+            if depth < 64:
+                for callee, n, name in self.edges.get(comp, ()):
+                    t, below = times * n, scaled
+                    if not scaled and (op := scope_of(name, comp)) in share:
+                        t, below = t * share[op], True
+                    visit(callee, t, below, depth + 1)
+
+        visit(self.entry, 1.0, False)
+        return inside, outside
 
 
 @functools.lru_cache(maxsize=2)  # a run reads its step's module for its collectives and its FLOPs
@@ -143,6 +183,7 @@ def _read(hlo_text: str) -> _Module:
     where: dict[str, str] = {}
     branches: set[str] = set()
     unknown: set[str] = set()
+    edges: dict[str, list[tuple[str, int, str]]] = defaultdict(list)
     computation = entry = ""
     for line in hlo_text.splitlines():
         if h := _HEADER.match(line):
@@ -157,13 +198,16 @@ def _read(hlo_text: str) -> _Module:
         shapes[m["name"]] = _arrays(m["shape"])
         where[m["name"]] = computation
         trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', m["attrs"])
+        name = _op_name(m)
         for role, callee in _CALLS.findall(m["attrs"]):
             calls[computation].append((callee, int(trips[1]) if trips and role == "body" else 1))
+            edges[computation].append((callee, calls[computation][-1][1], name))
             if m["op"] == "while" and not trips:
                 unknown.add(callee)  # (its condition too: it runs once more than the body)
         for listed in _BRANCHES.findall(m["attrs"]):
             for callee in re.findall(r"%([\w.\-]+)", listed):
                 calls[computation].append((callee, 1))
+                edges[computation].append((callee, 1, name))
                 branches.add(callee)
         if m["op"] == "conditional":
             branches.update(c for role, c in _CALLS.findall(m["attrs"]) if role.endswith("_computation"))
@@ -171,7 +215,13 @@ def _read(hlo_text: str) -> _Module:
         for operand in re.findall(r"%([\w.\-]+)", m["operands"]):
             users[operand].append(m)
     return _Module(n_partitions, shapes, body, users, where, _executions(entry, calls),
-                   _reachable(branches, calls), _reachable(unknown, calls))
+                   _reachable(branches, calls), _reachable(unknown, calls), entry, edges)
+
+
+def _op_name(m: dict) -> str:
+    """An instruction's ``op_name``: the JAX name stack it was traced under ('' where XLA
+    made it without one, as some dots it rewrites)."""
+    return name[1] if (name := re.search(r'op_name="([^"]*)"', m["attrs"])) else ""
 
 
 def scan_copies(hlo_text: str) -> dict[str, Any]:
@@ -199,27 +249,33 @@ def scan_copies(hlo_text: str) -> dict[str, Any]:
             "moved_bytes": sum(2 * v["bytes_per_run"] * v["runs"] for v in loops.values())}
 
 
-def dot_flops(hlo_text: str) -> float:
+def dot_flops(hlo_text: str, share: Mapping[str, float] | None = None, scope: str = "") -> float:
     """The matmul FLOPs one run of a compiled module executes on one device: every ``dot``
     (fused ones too), 2 x its output's elements x its contracted size, times the runs of the
     computation it is in -- a loop body once per iteration (``known_trip_count``), which XLA's
     own cost analysis counts once. Every branch of a conditional counts once per run of it
-    (an upper bound where branches differ: a pipeline's ticks, which the callers leave out).
+    (an upper bound where branches differ) but a dot whose ``op_name`` names a scope
+    ``scope + NAME`` with NAME in ``share`` (the outermost such): those count ``share[NAME]``
+    times that, the fraction of the runs in which its branch is taken on this device (a
+    pipeline's tick ops: ``pipeline.TICK_SCOPE``, ``Schedule.op_runs`` over the ticks).
     Loops whose trip count is known only at run time (a grouped matmul's tiles) are left out:
     :func:`loop_dot_flops` gives their FLOPs per iteration. Counts what XLA:CPU compiles; a
     GPU's library calls (cuBLAS, cuDNN custom calls) are not ``dot``s and are not counted."""
-    return _dot_flops(hlo_text, data_dependent=False)
+    return _dot_flops(hlo_text, data_dependent=False, share=share, scope=scope)
 
 
-def loop_dot_flops(hlo_text: str) -> float:
+def loop_dot_flops(hlo_text: str, share: Mapping[str, float] | None = None, scope: str = "") -> float:
     """The matmul FLOPs of one iteration of every loop whose trip count is known only at run
-    time, summed (each times the runs of the loops around it of known trip count): times the
-    iterations a run made, what those loops executed."""
-    return _dot_flops(hlo_text, data_dependent=True)
+    time, summed (each times the runs of the loops around it of known trip count, and
+    ``share`` as in :func:`dot_flops`): times the iterations a run made, what those loops
+    executed."""
+    return _dot_flops(hlo_text, data_dependent=True, share=share, scope=scope)
 
 
-def _dot_flops(hlo_text: str, data_dependent: bool) -> float:
+def _dot_flops(hlo_text: str, data_dependent: bool, share: Mapping[str, float] | None, scope: str) -> float:
     mod = _read(hlo_text)
+    scope_of = mod.scopes(re.compile(rf"(?:^|/){re.escape(scope)}(\w+)(?:/|$)")) if share else None
+    inside, outside = mod.shared_runs(share, scope_of) if share else ({}, mod.runs)
     total = 0.0
     for computation, instrs in mod.body.items():
         if (computation in mod.data_dependent) != data_dependent:
@@ -231,7 +287,10 @@ def _dot_flops(hlo_text: str, data_dependent: bool) -> float:
             lhs_shape = mod.shapes[lhs][0][1]
             contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", m["attrs"])
             k = math.prod(lhs_shape[int(d)] for d in contracted[1].split(",") if d) if contracted else 1
-            total += 2 * math.prod(mod.shapes[m["name"]][0][1]) * k * mod.runs.get(computation, 0)
+            own = scope_of(_op_name(m), computation) if share else None
+            runs = inside.get(computation, 0) + outside.get(computation, 0) * share.get(own, 1.0) if share else \
+                outside.get(computation, 0)
+            total += 2 * math.prod(mod.shapes[m["name"]][0][1]) * k * runs
     return total
 
 

@@ -52,6 +52,15 @@ _BATCH = (str(MeshAxis.FSDP), str(MeshAxis.DATA))  # the axes that split a batch
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
 DEFAULT_SCHEDULE = "1f1b"  # with a stage axis and no --pipeline-schedule
 DEFAULT_VIRTUAL = 2  # interleaved: chunks per stage without --virtual-stages
+# Each op of a tick runs under a name scope of its own, ``TICK_SCOPE`` + its name, which the
+# compiled program's instructions carry (their ``op_name``): so a branch's matmuls are counted
+# as often as the tables run that op on a stage (``Schedule.op_runs``, ``hlo.dot_flops``), not
+# once a tick. An idle branch runs under none: what it computed would count every tick.
+TICK_SCOPE = "pipeline_tick_"
+
+
+def _op(name: str):
+    return jax.named_scope(TICK_SCOPE + name)
 
 
 @dataclass(frozen=True)
@@ -257,6 +266,28 @@ class Schedule:
             return None
         return (f"{self.kind} {held}: {why}, so it can take more memory than 1f1b here "
                 f"(docs/pipelines.md, 'Zero bubble'); --pipeline-schedule 1f1b keeps less")
+
+    def op_runs(self, stage: int) -> dict[str, int]:
+        """How often ``stage`` runs each op of a tick (the executor's scopes, ``TICK_SCOPE``) in a
+        step: ``F`` a chunk's forward (but, 1F1B-like, the last chunk's, which ``last`` runs
+        with the head, the loss and the backward pass), ``embed`` the first chunk's input,
+        ``B`` a chunk's backward (zero-bubble: the input's gradient alone, with ``head`` before
+        it on the last chunk), ``embed_grad`` the embedding's gradient, ``W`` and ``W_first``
+        the weights' gradients in the weight slot and in the forward slot."""
+        def at(name: str) -> np.ndarray:
+            return getattr(self, name)[:, stage]
+
+        def ends(chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            return (stage == 0) & (chunks == 0), (stage == self.stages - 1) & (chunks == self.virtual - 1)
+
+        fwd, bwd = at("fwd") >= 0, at("bwd") >= 0
+        (f_first, f_last), (b_first, b_last) = ends(at("fwd_chunk")), ends(at("bwd_chunk"))
+        runs = {"embed": fwd & f_first, "embed_grad": bwd & b_first}
+        if self.split:
+            runs |= {"F": fwd, "head": bwd & b_last, "B": bwd, "W": at("wgt") >= 0, "W_first": at("fwgt") >= 0}
+        else:
+            runs |= {"F": fwd & ~f_last, "last": bwd & b_last, "B": bwd & ~b_last}
+        return {name: int(ran.sum()) for name, ran in runs.items()}
 
     @property
     def keeps_inputs(self) -> bool:
@@ -880,8 +911,12 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
             chunk, the stash slot and the chunk's input (embedded on the first chunk)."""
             i, v = tables["fwd"][t, s], tables["fwd_chunk"][t, s]
             i_, v_ = jnp.maximum(i, 0), jnp.maximum(v, 0)
-            x_in = jax.lax.cond(i >= 0, lambda: jax.lax.cond(
-                is_first(v_), lambda: embed(outer, inputs[i_], i_, aux), lambda: received_x), lambda: zeros_x)
+            def embedded():
+                with _op("embed"):
+                    return embed(outer, inputs[i_], i_, aux)
+
+            x_in = jax.lax.cond(i >= 0, lambda: jax.lax.cond(is_first(v_), embedded, lambda: received_x),
+                                lambda: zeros_x)
             return i, i_, v_, tables["fwd_slot"][t, s], x_in
 
         def eval_tick(carry, t):
@@ -926,8 +961,9 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
 
             def middle():
                 # The extra loss is part of the loss sum: its cotangent is the seed.
-                d_chunk, d_x = residuals.join(kept(stash_res, slot), c)(
-                    (received_g, (seed, zeros(side))))
+                with _op("B"):
+                    d_chunk, d_x = residuals.join(kept(stash_res, slot), c)(
+                        (received_g, (seed, zeros(side))))
                 return jnp.zeros((), jnp.float32), no_side, d_chunk, zeros(outer), d_x
 
             def end():
@@ -935,16 +971,22 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
                     loss, (extra, side_out) = run_last(b, o, x, inputs[j], targets[j], j, ids, aux)
                     return loss + extra, (loss.astype(jnp.float32), (extra.astype(jnp.float32), side_out))
 
-                total_loss, vjp, (loss, extras) = jax.vjp(total, c, outer, x_in, has_aux=True)
-                d_chunk, d_outer, d_x = vjp(seed.astype(total_loss.dtype))
+                with _op("last"):
+                    total_loss, vjp, (loss, extras) = jax.vjp(total, c, outer, x_in, has_aux=True)
+                    d_chunk, d_outer, d_x = vjp(seed.astype(total_loss.dtype))
                 return loss, extras, d_chunk, d_outer, d_x
 
             loss, extras, d_chunk, d_outer, d_x = jax.lax.cond(is_last(v), end, middle)
-            # The first chunk: the gradient of its input goes into the embedding.
-            d_outer = jax.lax.cond(is_first(v), lambda: jax.tree.map(
-                jnp.add, d_outer, jax.vjp(lambda o: embed(o, inputs[j], j, aux), outer)[1](d_x)[0]),
-                lambda: d_outer)
-            return loss, extras, d_chunk, d_outer, d_x
+            return loss, extras, d_chunk, embed_grad(d_outer, d_x, j, v), d_x
+
+        def embed_grad(d_outer, d_x, j, v):
+            """The first chunk's: its input's gradient goes into the embedding."""
+            def add():
+                with _op("embed_grad"):
+                    d_embed = jax.vjp(lambda o: embed(o, inputs[j], j, aux), outer)[1](d_x)[0]
+                return jax.tree.map(jnp.add, d_outer, d_embed)
+
+            return jax.lax.cond(is_first(v), add, lambda: d_outer)
 
         def idle_backward(j, v, x_in, stash_res, slot, received_g):
             return jnp.zeros((), jnp.float32), no_side, zeros(chunk(0)), zeros(outer), zeros_x
@@ -994,18 +1036,17 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
             c = chunk(v)
 
             def head_grads():
-                loss, vjp = jax.vjp(lambda o, y: head(o, y, inputs[j], targets[j], j, aux), outer, y_kept)
-                d_outer, d_y = vjp(seed.astype(loss.dtype))
+                with _op("head"):
+                    loss, vjp = jax.vjp(lambda o, y: head(o, y, inputs[j], targets[j], j, aux), outer, y_kept)
+                    d_outer, d_y = vjp(seed.astype(loss.dtype))
                 return loss.astype(jnp.float32), d_outer, d_y
 
             loss, d_outer, d_y = jax.lax.cond(
                 is_last(v), head_grads, lambda: (jnp.zeros((), jnp.float32), zeros(outer), received_g))
-            d_in, kept_w = halves.b((kept_res(stash_res, slot, b_slot), c), (d_y, (seed, zeros(side))))
+            with _op("B"):
+                d_in, kept_w = halves.b((kept_res(stash_res, slot, b_slot), c), (d_y, (seed, zeros(side))))
             d_x = jax.tree.unflatten(jax.tree.structure(zeros_x), d_in)
-            d_outer = jax.lax.cond(is_first(v), lambda: jax.tree.map(
-                jnp.add, d_outer, jax.vjp(lambda o: embed(o, inputs[j], j, aux), outer)[1](d_x)[0]),
-                lambda: d_outer)
-            return loss, no_side, d_outer, d_x, kept_w
+            return loss, no_side, embed_grad(d_outer, d_x, j, v), d_x, kept_w
 
         def idle_b(j, v, y_kept, stash_res, slot, received_g, b_slot, w_slot):
             return (jnp.zeros((), jnp.float32), no_side, zeros(outer), zeros_x,
@@ -1025,14 +1066,15 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
             return jax.shard_map(first, in_specs=spec, out_specs=P(), axis_names=axes,
                                  check_vma=False)(jax.tree.leaves(tree)[0])
 
-        def add_weights(acc, stash, k, u, res_slot, w_slot):
+        def add_weights(acc, stash, k, u, res_slot, w_slot, op="W"):
             """W of microbatch ``k`` (-1: none) on chunk ``u``, from its residuals and what its
             B kept, added into the weights' gradients (an idle slot adds nothing)."""
             def weights(acc):
                 res_at = jnp.maximum(res_slot, 0)
                 handed = handover.handed_to_w(stash[1][1], res_at, jnp.maximum(w_slot, 0))
-                grads = halves.w((kept_res(stash[1], res_at), chunk(u)),
-                                 jax.tree.unflatten(jax.tree.structure(w_shapes), handed))
+                with _op(op):
+                    grads = halves.w((kept_res(stash[1], res_at), chunk(u)),
+                                     jax.tree.unflatten(jax.tree.structure(w_shapes), handed))
                 return add_chunk(acc, jax.tree.unflatten(chunk_tree, grads), u)
 
             return jax.lax.cond(k >= 0, weights, lambda acc: acc, acc)
@@ -1061,7 +1103,8 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
             stash_x, stash_res = stash[:2]
 
             def run_forward(stash_res):
-                y, res, extras = forward(chunk(v_), x_in, i_, layer_ids[s, v_])
+                with _op("F"):
+                    y, res, extras = forward(chunk(v_), x_in, i_, layer_ids[s, v_])
                 b_slot = jnp.maximum(tables["fwd_bslot"][t, s], 0) if zb else slot
                 return y, keep_res(stash_res, res, slot, b_slot), extras
 
@@ -1077,7 +1120,7 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
             stash = (stash_x, stash_res) + tuple(stash[2:])
             if zb:  # a W in the forward slot (the stage runs no F this tick)
                 d_blocks_acc = add_weights(d_blocks_acc, stash, tables["fwgt"][t, s], 0,
-                                           tables["fwgt_slot"][t, s], tables["fwgt_wslot"][t, s])
+                                           tables["fwgt_slot"][t, s], tables["fwgt_wslot"][t, s], op="W_first")
             # Backward slot.
             j, w = tables["bwd"][t, s], jnp.maximum(tables["bwd_chunk"][t, s], 0)
             back = jnp.maximum(tables["bwd_slot"][t, s], 0)
