@@ -7,7 +7,8 @@ an idle slot. One executor runs every table: a ``lax.scan`` over the ticks insid
 ``shard_map`` manual over ``stage`` (the other axes stay with the partitioner), with
 ``ppermute`` carrying activations to the next stage and their gradients to the previous one
 between ticks, and an explicit ``jax.vjp`` per stage and microbatch. Idle slots skip their work
-(``lax.switch``), they do not compute and mask it.
+(``lax.cond``), they do not compute and mask it; each op runs under a name scope of its own
+(``TICK_SCOPE``), by which the waste figure counts its matmuls as the tables run it.
 
 What a stage keeps between a microbatch's forward and its backward is what the backward pass
 needs: the forward slot runs the stage's layers under ``jax.vjp`` and keeps the pullback's
