@@ -137,6 +137,9 @@ def test_pipelined_run_reports_its_schedule_and_matches_its_prediction(tmp_path)
     assert set(found) == set(predicted) == {"all-reduce", "collective-permute"}, (found, predicted)
     for kind, b in predicted.items():
         assert abs(found[kind] - b) <= 0.01 * b, (kind, found[kind], b)
+    # The matmuls of its tick ops, counted as the tables run them on each stage: the useful work.
+    waste = rep["matmul_flops_per_device"]
+    assert len(waste["stages"]) == 2 and abs(waste["unexplained"] - 1) <= 0.10, waste
     # --measure-bubble: the step and each stage's work timed (the figures mean something only
     # on devices that do not share cores; here, that they were measured and are consistent).
     # A stage's work is its packed table's time less the idle table's: on cores shared with the
@@ -288,7 +291,7 @@ def test_inspect_verifies_a_pipelined_step():
                         "--compile-cache", CACHE, "--strict")
     assert result.returncode == 0, result.stdout + result.stderr
     for text in ("--stage-layers 1,1", "collective-permute stage", "all-reduce       stage,data",
-                 "No unexplained collectives"):
+                 "No unexplained collectives", "by stage, compiled / expected"):
         assert text in result.stdout, (text, result.stdout)
 
 

@@ -188,3 +188,54 @@ def test_the_fingerprint_sees_the_program_not_where_its_source_lies():
     assert hlo.fingerprint(bare) == hlo.fingerprint(text)
     other = jax.jit(lambda a: jnp.sin(a) @ a.T + 2).lower(x).compile().as_text()
     assert hlo.fingerprint(other) != hlo.fingerprint(text)
+
+
+TICKS = """HloModule jit_step, entry_computation_layout={()->f32[]}, num_partitions=2
+
+%fused_dot (p0: f32[8,8]) -> f32[8,8] {
+  %p0 = f32[8,8]{1,0} parameter(0)
+  ROOT %d2 = f32[8,8]{1,0} dot(%p0, %p0), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%run (x: f32[8,8]) -> f32[8,8] {
+  %x = f32[8,8]{1,0} parameter(0)
+  %d1 = f32[8,8]{1,0} dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/while/body/cond/branch_1_fun/pipeline_tick_F/dot_general"}
+  ROOT %f = f32[8,8]{1,0} fusion(%d1), kind=kOutput, calls=%fused_dot
+}
+
+%idle (x.1: f32[8,8]) -> f32[8,8] {
+  %x.1 = f32[8,8]{1,0} parameter(0)
+  %n = f32[8,8]{1,0} negate(%x.1), metadata={op_name="jit(step)/while/body/cond/branch_0_fun/neg"}
+  ROOT %d3 = f32[8,8]{1,0} dot(%n, %n), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%tick (q: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {
+  %q = (s32[], f32[8,8]{1,0}) parameter(0)
+  %i.3 = s32[] get-tuple-element(%q), index=0
+  %v = f32[8,8]{1,0} get-tuple-element(%q), index=1
+  %y = f32[8,8]{1,0} conditional(%i.3, %v, %v), branch_computations={%idle, %run}, metadata={op_name="jit(step)/while/body/cond"}
+  ROOT %t.3 = (s32[], f32[8,8]{1,0}) tuple(%i.3, %y)
+}
+
+%ticking (q.1: (s32[], f32[8,8])) -> pred[] {
+  %q.1 = (s32[], f32[8,8]{1,0}) parameter(0)
+  ROOT %go = pred[] constant(true)
+}
+
+ENTRY %main.3 (s: (s32[], f32[8,8])) -> f32[] {
+  %s = (s32[], f32[8,8]{1,0}) parameter(0)
+  %loop.3 = (s32[], f32[8,8]{1,0}) while(%s), condition=%ticking, body=%tick, backend_config={"known_trip_count":{"n":"4"}}
+  ROOT %r.3 = f32[] constant(0)
+}
+"""
+
+
+def test_a_scoped_branchs_dots_count_as_often_as_its_op_runs():
+    """A pipeline tick's op (``pipeline_tick_F``) taken in half the ticks: its dots count half
+    the loop's runs, the one XLA fused without a name too (the scope its computation's named
+    instructions share); the idle branch's dot, under no scope, counts every tick, as does
+    every dot without ``share``."""
+    one = 2 * 8 * 8 * 8  # a dot's FLOPs
+    assert hlo.dot_flops(TICKS) == 3 * 4 * one
+    assert hlo.dot_flops(TICKS, {"F": 0.5}, "pipeline_tick_") == (2 * 2 + 4) * one
+    assert hlo.dot_flops(TICKS, {"B": 0.5}, "pipeline_tick_") == 3 * 4 * one  # (no such op here)
