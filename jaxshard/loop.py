@@ -253,9 +253,12 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
     if jax.default_backend() == "cpu" and cfg.sync_every is None:
         waste = accounting.matmul_waste(flops, compiled.as_text(), model.cfg, rules, B, L,
                                         grad_accum=cfg.step.grad_accum, schedule=schedule)
+    if waste is not None:
         _log(f"matmul FLOPs per device: compiled {waste['compiled']:.3e} = x{waste['ratio']:.2f} the useful "
              f"{waste['useful']:.3e} (recompute {waste['recompute']:.2e}, masked attention and empty expert "
              f"slots {waste['masked_or_padding']:.2e}: x{waste['unexplained']:.2f} what they explain)")
+    elif jax.default_backend() == "cpu" and (why := accounting.uncounted(compiled.as_text(), schedule)):
+        _log(f"matmul FLOPs per device: not counted ({why})")
 
     def throughput(dt: float) -> dict[str, float]:
         out = {"tokens_per_s": B * L / dt, "tflops_per_device": flops.model / n_dev / dt / 1e12}

@@ -11,6 +11,7 @@ from harness import BATCH, SEQ, make_program
 from jaxshard.analysis import accounting, inspect
 from jaxshard.axes import Dim
 from jaxshard.mesh import build_mesh
+from jaxshard.parallel.pipeline import TICK_SCOPE
 from jaxshard.remat import SIMPLE, Remat
 from jaxshard.rules import ShardingRules, Strategy
 from models import TransformerLM, get_preset
@@ -166,6 +167,22 @@ def test_compiled_matmul_flops_are_what_useful_work_recompute_and_kernels_explai
         routed = cfg.n_moe_layers * cfg.moe_top_k * tokens * matmuls * 2 * cfg.d_model * cfg.moe_d_mlp \
             // sizes.get("tensor", 1)
         assert w["rows_measured"] and 1.0 <= w["data_dependent"] / routed <= 1.1, (w, routed)
+
+
+def test_a_pipelines_matmuls_are_not_counted_where_the_count_cannot_tell_what_ran():
+    """Empty layer slots (an uneven stage layout) are skipped in branches under no tick op's
+    scope, and a program without the tick ops' names (an executable a compilation cache kept
+    from before them) would count every branch every tick: neither is counted, and each says why."""
+    model = TransformerLM(get_preset("tiny-llama").replace(n_layers=4))
+    uneven = make_program(model, "stage=2,data=4", pipeline_schedule="1f1b", microbatches=2, stage_layers=(3, 1))
+    text = uneven.lower_step(8, 64).compile().as_text()
+    fl = accounting.flops(model.cfg, uneven.rules, 8, 64)
+    assert accounting.matmul_waste(fl, text, model.cfg, uneven.rules, 8, 64, schedule=uneven.schedule) is None
+    assert "empty layer slots" in accounting.uncounted(text, uneven.schedule)
+    even = make_program(model, "stage=2,data=4", pipeline_schedule="1f1b", microbatches=2)
+    text = even.lower_step(8, 64).compile().as_text()
+    assert accounting.uncounted(text, even.schedule) is None and accounting.uncounted(text) is None
+    assert "no tick op names" in accounting.uncounted(text.replace(TICK_SCOPE, "x_"), even.schedule)
 
 
 @pytest.mark.parametrize("mesh", ["sequence=2", "data=2,sequence=4", "sequence=8"])

@@ -427,8 +427,23 @@ class Flops:
                 "ratio": compiled / useful, "unexplained": compiled / expected}
 
 
+def uncounted(hlo_text: str, schedule: Any = None) -> str | None:
+    """Why :func:`matmul_waste` cannot count a compiled step's matmuls as they run, or None:
+    a stage layout with empty layer slots skips them in branches under no tick op's scope
+    (each would count as run); a program without the tick ops' names (``TICK_SCOPE``), as an
+    executable from a compilation cache keeps the names it was compiled under."""
+    if schedule is None:
+        return None
+    if schedule.layout is not None and schedule.layout.padded:
+        return "a stage layout with empty layer slots skips them in branches the count does not tell apart"
+    if TICK_SCOPE not in hlo_text:
+        return ("the compiled pipeline carries no tick op names (an executable from the compilation cache, "
+                "compiled before they were named?)")
+    return None
+
+
 def matmul_waste(fl: Flops, hlo_text: str, cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
-                 grad_accum: int = 1, computed: float | None = None, schedule: Any = None) -> dict[str, Any]:
+                 grad_accum: int = 1, computed: float | None = None, schedule: Any = None) -> dict[str, Any] | None:
     """:meth:`Flops.waste` of a compiled step (its HLO text), its loops counted by trip count.
     A loop whose trip count is known only at run time -- dropless experts' grouped matmuls on
     CPU, one tile an iteration, one loop a tile size (``parallel.grouped``) -- counts per row for
@@ -438,7 +453,10 @@ def matmul_waste(fl: Flops, hlo_text: str, cfg: Any, rules: ShardingRules, batch
     Under a pipeline ``schedule`` every stage runs the same program, each op of a tick in a
     branch taken where the tables say: a stage's dots in an op's branch count as often as the
     tables run that op there (:meth:`Schedule.op_runs`), and ``compiled`` is the stages' mean
-    (the useful work is the step's over all devices, stages included); ``stages`` has each."""
+    (the useful work is the step's over all devices, stages included); ``stages`` has each.
+    None where :func:`uncounted` says why not."""
+    if uncounted(hlo_text, schedule):
+        return None
     shares = [None]
     if schedule is not None:
         shares = [{op: n / schedule.ticks for op, n in schedule.op_runs(s).items()} for s in range(schedule.stages)]

@@ -183,9 +183,10 @@ class Verification:
     sizes: dict[str, int]
     allowances: list[str]
     flags: list[str] = field(default_factory=list)
-    # The compiled step's matmul FLOPs against the useful ones (accounting.Flops.waste); None
-    # where they are not counted (a pipeline's tick branches, a GPU's library calls).
-    waste: dict[str, float] | None = None
+    # The compiled step's matmul FLOPs against the useful ones (accounting.matmul_waste; a
+    # pipeline's has each stage's too); None where they are not counted (``uncounted``).
+    waste: dict[str, Any] | None = None
+    uncounted: str = "a GPU's matmuls are library calls"
     # A pipelined step's collectives inside the schedule's slots: (kind, axes, bytes if every
     # tick ran them -- an upper bound; they run as often as a stage has work), not compared.
     in_slots: list[tuple[str, tuple[str, ...], int]] = field(default_factory=list)
@@ -227,6 +228,8 @@ def verify(model: Stageable, program: Program, compiled: jax.stages.Compiled, ba
     counted = jax.default_backend() == "cpu"
     waste = accounting.matmul_waste(fl, compiled.as_text(), model.cfg, program.rules, batch_size, seq_len,
                                     grad_accum=step.grad_accum, schedule=schedule) if counted else None
+    why_not = (accounting.uncounted(compiled.as_text(), schedule) if counted else None) or \
+        "a GPU's matmuls are library calls"
     if waste and waste["unexplained"] > 1 + WASTE_TOLERANCE:
         flags.append(f"matmul FLOPs: the compiled step runs {waste['compiled']:,.0f} per device, "
                      f"{waste['unexplained']:.2f}x what the useful work, recompute and kernels explain")
@@ -276,7 +279,7 @@ def verify(model: Stageable, program: Program, compiled: jax.stages.Compiled, ba
         by_kind=by_kind,
         params=accounting.param_infos(model if schedule is None else staged(model, schedule.layout), rules),
         sizes=rules.sizes,
-        allowances=comm.allowances, flags=flags, waste=waste,
+        allowances=comm.allowances, flags=flags, waste=waste, uncounted=why_not,
         pipelined=schedule is not None, in_slots=[(k, a, b) for (k, a), b in sorted(in_slots.items())],
         buckets=buckets, slack=int(slack))
 
@@ -286,8 +289,8 @@ def format_waste(waste: dict[str, Any] | None, why_not: str = "") -> list[str]:
     pipeline's: the stages' mean, each stage's after)."""
     if waste is None:
         return [f"Matmul FLOPs per device: not counted ({why_not})"]
-    compiled = "compiled (every dot; loops by trip count" + ("; tick ops as the tables run them, stages' mean)"
-                                                          if "stages" in waste else ")")
+    compiled = "compiled (stages' mean; tick ops as run)" if "stages" in waste else \
+        "compiled (every dot; loops by trip count)"
     rows = [(compiled, waste["compiled"]),
             *([(f"  of which grouped-matmul tiles ({'as run' if waste['rows_measured'] else 'k rows a token'})",
                 waste["data_dependent"])] if waste.get("data_dependent") else []),
@@ -340,7 +343,7 @@ def format_verification(v: Verification) -> str:
         ratio = f"{m / p:.3f}" if p else "-"
         lines.append(f"  {kind:<33} {p:>14,} {m:>15,}   x{ratio}")
     lines.append("")
-    lines += format_waste(v.waste, "a GPU's matmuls are library calls")
+    lines += format_waste(v.waste, v.uncounted)
     lines.append("")
     lines.append("Parameters: logical dims -> mesh axes at rest -> bytes per device (params / grads / Adam)")
     for p in v.params:
