@@ -136,6 +136,9 @@ WASTE = {
                     dict(pipeline_schedule="interleaved", microbatches=2), 64),
     "zb-h1+tp": ("tiny-llama:deep", "data=2,stage=2,tensor=2", "dots", dict(pipeline_schedule="zb-h1", microbatches=4), 64),
     "zb-h1+ep": ("moe-tiny", "stage=2,expert=4", "none", dict(pipeline_schedule="zb-h1", microbatches=2), 64),
+    # (the stages' mean: half the layers a device, all of its expert group's tokens)
+    "1f1b+ep-dropless": ("moe-tiny:dropless", "stage=2,expert=4", "none",
+                         dict(pipeline_schedule="1f1b", microbatches=2), 64),
 }
 
 
