@@ -520,14 +520,18 @@ def flops(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
     remat = Remat.parse(remat)
     # Matmuls a policy recomputes: none under dots (every matmul output kept), the attention
     # core's under selective and dots_no_batch (scores and p v are batched), all of the layer's
-    # otherwise (names/offload keep a few outputs; counted as full).
+    # otherwise but its last, the MLP's (the experts') down projection, whose output the
+    # backward pass does not read (names/offload keep a few outputs; counted as full).
+    last = (cfg.n_layers - n_moe) * D * F
+    if n_moe:
+        last += n_moe * (expert_slots(cfg, L) + cfg.moe_shared_experts) * D * (cfg.moe_d_mlp or F)
     match remat.kind:
         case Kind.NONE | Kind.DOTS:
             recompute = 0
         case Kind.SELECTIVE | Kind.DOTS_NO_BATCH:
             recompute = cfg.n_layers * attention
         case _:
-            recompute = 2 * hw_layer_params + cfg.n_layers * attention
+            recompute = 2 * (hw_layer_params - last) + cfg.n_layers * attention
     model_flops = tokens * (3 * matmul + 3 * cfg.n_layers * square // 2)
     # (Pipeline stages split the layers: each device computes 1/P of them, the bubble aside.)
     devices = rules.size(rules.batch_axes) * rules.size(rules.activation_mesh_axes(Dim.LENGTH)) * \
