@@ -254,9 +254,10 @@ def dot_flops(hlo_text: str, share: Mapping[str, float] | None = None, scope: st
     (fused ones too), 2 x its output's elements x its contracted size, times the runs of the
     computation it is in -- a loop body once per iteration (``known_trip_count``), which XLA's
     own cost analysis counts once. Every branch of a conditional counts once per run of it
-    (an upper bound where branches differ) but a dot whose ``op_name`` names a scope
-    ``scope + NAME`` with NAME in ``share`` (the outermost such): those count ``share[NAME]``
-    times that, the fraction of the runs in which its branch is taken on this device (a
+    (an upper bound where branches differ), but where a call on the way to a dot, or the dot
+    itself, is in a scope ``scope + NAME`` with NAME in ``share`` (its ``op_name``; the first
+    such on the path; :meth:`_Module.scopes` for instructions without one): its runs below
+    count ``share[NAME]`` times, the fraction in which that branch is taken on this device (a
     pipeline's tick ops: ``pipeline.TICK_SCOPE``, ``Schedule.op_runs`` over the ticks).
     Loops whose trip count is known only at run time (a grouped matmul's tiles) are left out:
     :func:`loop_dot_flops` gives their FLOPs per iteration. Counts what XLA:CPU compiles; a
@@ -287,9 +288,9 @@ def _dot_flops(hlo_text: str, data_dependent: bool, share: Mapping[str, float] |
             lhs_shape = mod.shapes[lhs][0][1]
             contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", m["attrs"])
             k = math.prod(lhs_shape[int(d)] for d in contracted[1].split(",") if d) if contracted else 1
-            own = scope_of(_op_name(m), computation) if share else None
-            runs = inside.get(computation, 0) + outside.get(computation, 0) * share.get(own, 1.0) if share else \
-                outside.get(computation, 0)
+            runs = outside.get(computation, 0)
+            if share:  # runs under a scoped call, and the rest under the dot's own scope
+                runs = inside.get(computation, 0) + runs * share.get(scope_of(_op_name(m), computation), 1.0)
             total += 2 * math.prod(mod.shapes[m["name"]][0][1]) * k * runs
     return total
 
