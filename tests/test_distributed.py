@@ -249,6 +249,9 @@ def test_a_worker_that_dies_stops_the_job_naming_it():
     assert time.monotonic() - t < 180
 
 
+SURVIVOR = r"(ended with status 1|stopped \(SIGTERM\))"  # how a killed process's peer ends
+
+
 def test_a_killed_process_restarts_the_job_from_its_checkpoint_and_loses_nothing(tmp_path, uninterrupted):
     """Process 1 of 2 is SIGKILLed as it dispatches step 8 (after the checkpoint of step 5):
     the launcher stops the other, starts both again with --resume, and the job ends as the
@@ -262,8 +265,10 @@ def test_a_killed_process_restarts_the_job_from_its_checkpoint_and_loses_nothing
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=320, cwd=ROOT,
                        env={**os.environ, "JAXSHARD_FAULT": "kill:1:8"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert ("restart 1/2: process 1 of 2 exited with signal SIGKILL; process 0 ended with status 1; starting the job "
-            "again from its last complete checkpoint") in r.stderr
+    # The survivor fails in its next collective, or, where that takes longer than the
+    # launcher's settling second (a loaded machine), is stopped: either way, once.
+    assert re.search(rf"restart 1/2: process 1 of 2 exited with signal SIGKILL; process 0 {SURVIVOR}; starting the "
+                     r"job again from its last complete checkpoint", r.stderr), r.stderr
     assert "restart 2/2" not in r.stderr and f"resumed from {tmp_path / 'ck'}/5" in r.stdout
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps == list(range(1, 11))  # none missing, none twice
@@ -286,8 +291,9 @@ def test_an_elastic_restart_goes_on_without_the_lost_host(tmp_path, uninterrupte
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=320, cwd=ROOT,
                        env={**os.environ, "JAXSHARD_FAULT": "kill:1:8"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert ("restart 1/1: process 1 of 2 exited with signal SIGKILL; process 0 ended with status 1; starting the job "
-            "again on 1 process (process 1's host left out) from its last complete checkpoint") in r.stderr
+    assert re.search(rf"restart 1/1: process 1 of 2 exited with signal SIGKILL; process 0 {SURVIVOR}; starting the "
+                     r"job again on 1 process \(process 1's host left out\) from its last complete checkpoint",
+                     r.stderr), r.stderr
     after = r.stdout[r.stdout.index("'data': 1, 'fsdp': 2, 'tensor': 2"):]  # the restart's mesh
     assert "| 4 cpu devices\n" in after and "[p1]" not in after
     assert f"resumed from {tmp_path / 'ck'}/5 (trained on mesh {{'data': 2, 'fsdp': 2, 'tensor': 2" in after
