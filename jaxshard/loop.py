@@ -71,18 +71,21 @@ def documents_eot(cfg: RunConfig, eot: int | None, data_name: str, rules: Shardi
     return None if asked is False or (fused and asked is None) else eot
 
 
-def _fault(kind: str, step: int) -> None:
+def _fault(kind: str, step: int, ckpt: Checkpointer | None = None) -> None:
     """Fault injection for the crash tests: JAXSHARD_FAULT=kill-after-save:STEP kills this
     process (SIGKILL) while that step's checkpoint is being written; exit:PROCESS:STEP makes
     process PROCESS exit with status 17 at that step; term:STEP sends this process SIGTERM (a
     scheduler's preemption notice) as that step is dispatched; stall:PROCESS:STEP makes process
     PROCESS sleep as it dispatches that step (a hung peer, for the watchdog); kill:PROCESS:STEP
-    SIGKILLs it there. Only on a job's first attempt (``JAXSHARD_ATTEMPT``, set by a launcher
-    that restarts it)."""
+    SIGKILLs it there, once the saves started before are complete (on a loaded machine an async
+    save can take steps to finish; the restart's checkpoint is then known). Only on a job's first
+    attempt (``JAXSHARD_ATTEMPT``, set by a launcher that restarts it)."""
     if os.environ.get("JAXSHARD_ATTEMPT", "0") != "0":  # a launcher's restart: the fault has happened
         return
     spec = os.environ.get("JAXSHARD_FAULT", "").split(":")
     if kind == "step" and spec[0] == "kill" and int(spec[1]) == jax.process_index() and int(spec[2]) == step:
+        if ckpt is not None:
+            ckpt.wait()  # every process's writes and the primary's commit
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "step" and spec[0] == "stall" and int(spec[1]) == jax.process_index() and int(spec[2]) == step:
         time.sleep(10**6)
@@ -390,7 +393,7 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
     # that evaluate or checkpoint -- which need that step's state -- wait for themselves.
     def dispatch(i: int) -> tuple[dict, float]:
         nonlocal state
-        _fault("step", i + 1)
+        _fault("step", i + 1, ckpt)
         if window is not None:
             with dog.paused():  # starting a trace, and below writing it, are not the step's
                 window.before(i + 1)

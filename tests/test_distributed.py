@@ -269,7 +269,8 @@ def test_a_killed_process_restarts_the_job_from_its_checkpoint_and_loses_nothing
     # launcher's settling second (a loaded machine), is stopped: either way, once.
     assert re.search(rf"restart 1/2: process 1 of 2 exited with signal SIGKILL; process 0 {SURVIVOR}; starting the "
                      r"job again from its last complete checkpoint", r.stderr), r.stderr
-    assert "restart 2/2" not in r.stderr and f"resumed from {tmp_path / 'ck'}/5" in r.stdout
+    assert "restart 2/2" not in r.stderr and f"resumed from {tmp_path / 'ck'}/5" in r.stdout, \
+        r.stdout[-3000:] + r.stderr[-3000:]
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps == list(range(1, 11))  # none missing, none twice
     assert_close(losses(metrics), want, range(1, 11))
@@ -296,7 +297,8 @@ def test_an_elastic_restart_goes_on_without_the_lost_host(tmp_path, uninterrupte
                      r.stderr), r.stderr
     after = r.stdout[r.stdout.index("'data': 1, 'fsdp': 2, 'tensor': 2"):]  # the restart's mesh
     assert "| 4 cpu devices\n" in after and "[p1]" not in after
-    assert f"resumed from {tmp_path / 'ck'}/5 (trained on mesh {{'data': 2, 'fsdp': 2, 'tensor': 2" in after
+    assert f"resumed from {tmp_path / 'ck'}/5 (trained on mesh {{'data': 2, 'fsdp': 2, 'tensor': 2" in after, \
+        r.stdout[-3000:] + r.stderr[-3000:]
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps == list(range(1, 11))
     assert_close(losses(metrics), want, range(1, 11))
