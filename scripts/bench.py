@@ -141,6 +141,8 @@ def write_markdown(out: str, stem: str, meta: dict, what: str, md: str) -> None:
 
 
 def table(results: list[dict]) -> str:
+    from jaxshard.analysis import accounting
+
     head = ("| model | strategy | mesh | step ms (median / min / max) | tokens/s | params + opt "
             "KiB/device | XLA temp KiB | collective buffers KiB/step (compiled / predicted) | "
             "sent KiB/step (ring) | matmul FLOPs / useful |")
@@ -153,14 +155,8 @@ def table(results: list[dict]) -> str:
             f"{s['min'] * 1e3:.1f} / {s['max'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} | "
             f"{(b['params'] + b['opt_state']) / 1024:,.0f} | {(b['xla_temp'] or 0) / 1024:,.0f} | "
             f"{r['collective_bytes'] / 1024:,.0f} / {r['collective_bytes_predicted'] / 1024:,.0f} | "
-            f"{sent / 1024:,.0f} | {waste_cell(r)} |")
+            f"{sent / 1024:,.0f} | {accounting.waste_cell(r['matmul_flops_per_device'])} |")
     return "\n".join(lines)
-
-
-def waste_cell(r: dict) -> str:
-    """The waste ratio, and what the useful work, recompute and kernels leave unexplained."""
-    w = r.get("matmul_flops_per_device")
-    return "-" if w is None else f"x{w['ratio']:.2f} (x{w['unexplained']:.2f} unexplained)"
 
 
 def plots(results: list[dict], scaling: list[dict], out: str) -> list[str]:

@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         import jax
         from tqdm import tqdm
 
-        from bench import bench_one, rules_for, waste_cell, write_markdown
+        from bench import bench_one, rules_for, write_markdown
 
         from jaxshard.analysis import accounting
 
@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"| {r['run']} | `{r['mesh']}` | {r['params']:,} ({r['active_params']:,}) | "
                          f"{r['step_s_median'] * 1e3:.0f}; {rounds_ms} | {r['tokens_per_s']:,.0f} | "
                          f"{r['params_opt_bytes_per_device'] / 1024:,.0f} | {r['exchange_bytes'] / 1024:,.0f} / "
-                         f"{r['exchange_bytes_predicted'] / 1024:,.0f} | {waste_cell(r)} | "
+                         f"{r['exchange_bytes_predicted'] / 1024:,.0f} | "
+                         f"{accounting.waste_cell(r['matmul_flops_per_device'])} | "
                          f"{load_cell(r['moe_max_violation'])} |")
         if former:
             busiest = former["flops_ratio_busiest_device_estimated"]

@@ -19,7 +19,9 @@ Three parts, each in its own process (device count and threading are fixed at JA
   counts the slowdown as idle time, the second credits a stage with the speed it gains while
   the other idles.
 * **steps** -- naive vs GPipe vs 1F1B vs interleaved vs ZB-H1 on ``stage=4,data=2`` over 8 fake
-  devices (which share the 2 cores: the bubble is hidden there, the executor's overheads are not).
+  devices (which share the 2 cores: the bubble is hidden there, the executor's overheads are not),
+  each with its compiled matmul FLOPs over the useful ones (a tick op's counted as often as the
+  tables run it on each stage; x1.00 unexplained: the schedule computes nothing it need not).
 * **balance** -- a model whose last stage is heavy (a 16k vocabulary's head): the even split
   against ``--balance profile``'s, step time on the ``bubble`` part's 2 single-threaded devices.
 
@@ -49,7 +51,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", default="runs/bench-pipeline")
-    p.add_argument("--rows", type=int, default=8, help="sequences per microbatch per device")
+    p.add_argument("--rows", type=int, default=8,
+                   help="sequences per microbatch (the steps part splits them over data=2)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=5, help="timed steps per configuration (median)")
     p.add_argument("--remat", default="dots", help="the model's --remat policy (what a stage keeps per "
@@ -99,6 +102,7 @@ def part_bubble(a) -> list[dict]:
 
 
 def part_steps(a) -> list[dict]:
+    from jaxshard.analysis import accounting
     from jaxshard.analysis.bubble import step_seconds
     from jaxshard.training.step import StepConfig
     from models import TransformerLM, get_preset
@@ -107,13 +111,20 @@ def part_steps(a) -> list[dict]:
     batch = 8 * a.rows  # 8 microbatches of rows / 2 per device over data=2
     out = []
     for kind, m in STEP_RUNS:
-        program, _ = program_for(model, "stage=4,data=2", StepConfig(pipeline_schedule=kind, microbatches=m))
+        program, rules = program_for(model, "stage=4,data=2", StepConfig(pipeline_schedule=kind, microbatches=m))
         step = step_seconds(program, batch, a.seq_len, model.cfg.vocab_size, a.steps)
+        # The compiled step's matmuls against the useful ones and the policy's recompute, each
+        # tick op's counted as often as the tables run it on each stage (accounting.matmul_waste).
+        waste = accounting.matmul_waste(
+            accounting.flops(model.cfg, rules, batch, a.seq_len, remat=model.remat),
+            program.lower_step(batch, a.seq_len).compile().as_text(), model.cfg, rules, batch, a.seq_len,
+            schedule=program.schedule)
         out.append({"schedule": kind, "mesh": "stage=4,data=2", "microbatches": m, "batch_size": batch,
                     "virtual": program.schedule.virtual, "ticks": program.schedule.ticks,
                     "kept_microbatches": program.schedule.slots, "step_s": step,
-                    "bubble_theory": program.schedule.bubble()})
-        print(f"{kind:>11} M={m}: step {step * 1e3:7.1f} ms ({program.schedule.ticks} ticks)", flush=True)
+                    "bubble_theory": program.schedule.bubble(), "matmul_flops_per_device": waste})
+        print(f"{kind:>11} M={m}: step {step * 1e3:7.1f} ms ({program.schedule.ticks} ticks), matmul FLOPs / useful "
+              f"{accounting.waste_cell(waste)}", flush=True)
     return out
 
 
@@ -150,6 +161,8 @@ def run_part(part: str, a) -> None:
 
 
 def report(a) -> str:
+    from jaxshard.analysis import accounting
+
     parts = {p: json.load(open(os.path.join(a.out, f"{p}.json"))) for p in ("bubble", "steps", "balance")}
     lines = ["Bubble: `stage=2` on 2 single-threaded fake CPU devices (a core each), llama-tiny "
              f"(4 layers), {a.rows} x {a.seq_len} tokens per microbatch.", "",
@@ -163,12 +176,13 @@ def report(a) -> str:
                      + f" | {r['all_stages_s'] * 1e3:.1f} ({r['concurrency_slowdown']:.2f}x) | "
                        f"{r['bubble_measured']:.3f} | {r['bubble_vs_all_busy']:.3f} | {r['bubble_theory']:.3f} |")
     lines += ["", "Step time: `stage=4,data=2` on 8 fake CPU devices sharing 2 cores, llama-tiny with "
-              "8 layers.", "", "| schedule | M | ticks | microbatches kept per stage | step ms | theory bubble |",
-              "|---|---|---|---|---|---|"]
+              "8 layers.", "", "| schedule | M | ticks | microbatches kept per stage | step ms | theory bubble | "
+              "matmul FLOPs / useful |", "|---|---|---|---|---|---|---|"]
     for r in parts["steps"]:
         name = r["schedule"] + (f" (V={r['virtual']})" if r["virtual"] > 1 else "")
         lines.append(f"| {name} | {r['microbatches']} | {r['ticks']} | {r['kept_microbatches']} | "
-                     f"{r['step_s'] * 1e3:.1f} | {r['bubble_theory']:.3f} |")
+                     f"{r['step_s'] * 1e3:.1f} | {r['bubble_theory']:.3f} | "
+                     f"{accounting.waste_cell(r.get('matmul_flops_per_device'))} |")
     b = parts["balance"]
     lines += ["", f"Balance: {b['model']} (8 layers, a 16k vocabulary's head), `stage=2` on the 2 "
               f"single-threaded devices, 1F1B, M={b['microbatches']}, `{b['choice']}`", "",
@@ -216,6 +230,13 @@ def plot(a) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
+    from jaxshard.cli import one_line_errors
+    from jaxshard.errors import ConfigError
+
+    with one_line_errors():
+        if a.rows < 2 or a.rows % 2 or min(a.seq_len, a.steps) < 1:
+            raise ConfigError(f"--rows must be a positive even number (a microbatch is split over the steps "
+                              f"part's data=2), --seq-len and --steps >= 1; got --rows {a.rows}")
     os.makedirs(a.out, exist_ok=True)
     if a.part:
         run_part(a.part, a)

@@ -7,7 +7,9 @@
 idles, as in bench_pipeline.py's bubble part), llama-tiny's 4 layers (2 a stage) at width
 --d-model (MLP 4x), --rows x --seq-len tokens a microbatch. For each M: the fastest of --steps
 steps of 1F1B and of ZB-H1 (the backward slot split into B and W, W deferred into the idle
-ticks), the compiled step's temporary bytes, and each table's idle fraction (F, B and W one unit
+ticks), the compiled step's temporary bytes and matmul FLOPs over the useful ones (what the
+remat policy's recompute does not explain: x1.00 when B and W together compute one backward),
+and each table's idle fraction (F, B and W one unit
 each) beside the theory: (P - 1)/(M + P - 1) for 1F1B, (P - 1)/(3M + P - 1) for ZB-H1. The two
 runs alternate, each timed --rounds times, so that the machine's drift falls on both; each
 round's ratio is reported too. Writes zero_bubble.json and zero_bubble.md to --out.
@@ -70,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         runtime.configure(runtime.RuntimeConfig(cpu_devices=2, platform="cpu"))
         import jax
 
+        from jaxshard.analysis import accounting
         from jaxshard.analysis.bubble import step_seconds
         from jaxshard.mesh import build_mesh
         from jaxshard.parallel import pipeline
@@ -99,9 +102,15 @@ def main(argv: list[str] | None = None) -> int:
                    "ratio_rounds": [z / o for z, o in zip(times["zb-h1"], times["1f1b"])]}
             for k, program in programs.items():
                 s = program.schedule
-                temp = program.lower_step(batch, a.seq_len).compile().memory_analysis().temp_size_in_bytes
-                row[k] = {"step_s": min(times[k]), "step_s_rounds": times[k], "temp_bytes": temp, "ticks": s.ticks,
-                          "table_idle": s.idle(), "theory": s.bubble()}
+                compiled = program.lower_step(batch, a.seq_len).compile()
+                # The compiled step's matmuls against the useful ones and the policy's recompute
+                # (accounting.matmul_waste: each tick op's counted as often as the tables run it).
+                waste = accounting.matmul_waste(
+                    accounting.flops(model.cfg, rules, batch, a.seq_len, remat=model.remat), compiled.as_text(),
+                    model.cfg, rules, batch, a.seq_len, schedule=s)
+                row[k] = {"step_s": min(times[k]), "step_s_rounds": times[k],
+                          "temp_bytes": compiled.memory_analysis().temp_size_in_bytes, "ticks": s.ticks,
+                          "table_idle": s.idle(), "theory": s.bubble(), "matmul_flops_per_device": waste}
             rows.append(row)
             print(f"M={m}: 1f1b {row['1f1b']['step_s'] * 1e3:.1f} ms, zb-h1 {row['zb-h1']['step_s'] * 1e3:.1f} ms",
                   file=sys.stderr, flush=True)
@@ -114,14 +123,16 @@ def main(argv: list[str] | None = None) -> int:
                  f"{'P - s' if isinstance(cap, tuple) else cap}; "
                  f"the fastest of {a.rounds} x {a.steps} steps.", "",
                  "| M | 1F1B step ms | ZB-H1 step ms | ZB-H1 / 1F1B | each round | table idle 1F1B (theory) | "
-                 "table idle ZB-H1 (theory) | temp MiB 1F1B / ZB-H1 |", "|---|---|---|---|---|---|---|---|"]
+                 "table idle ZB-H1 (theory) | temp MiB 1F1B / ZB-H1 | matmul FLOPs / useful 1F1B, ZB-H1 |",
+                 "|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             o, z = r["1f1b"], r["zb-h1"]
             lines.append(f"| {r['microbatches']} | {o['step_s'] * 1e3:.1f} | {z['step_s'] * 1e3:.1f} | "
                          f"{z['step_s'] / o['step_s']:.3f} | {' '.join(f'{x:.2f}' for x in r['ratio_rounds'])} | "
                          f"{o['table_idle']:.3f} ({o['theory']:.3f}) | "
                          f"{z['table_idle']:.3f} ({z['theory']:.3f}) | {o['temp_bytes'] / 2**20:.2f} / "
-                         f"{z['temp_bytes'] / 2**20:.2f} |")
+                         f"{z['temp_bytes'] / 2**20:.2f} | {accounting.waste_cell(o['matmul_flops_per_device'])}, "
+                         f"{accounting.waste_cell(z['matmul_flops_per_device'])} |")
         md = "\n".join(lines)
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "zero_bubble.json"), "w") as f:

@@ -397,6 +397,9 @@ def test_tools_reject_bad_input_with_one_line():
                           "--residual-cap must be a number >= 1 or 'stage', got 0")
     assert_one_line_error(run_script("../scripts/bench_zero_bubble.py", "--d-model", "30"),
                           "--d-model must be a multiple of 8 (4 heads of an even width, for RoPE), got 30")
+    assert_one_line_error(run_script("../scripts/bench_pipeline.py", "--rows", "3"),
+                          "--rows must be a positive even number (a microbatch is split over the steps part's "
+                          "data=2), --seq-len and --steps >= 1; got --rows 3")
     assert_one_line_error(run_script("../scripts/bench_moe.py", "--d-model", "60"),
                           "--d-model must be a positive multiple of 16 (moe-tiny's 8 heads of an even width, for RoPE); got 60")
 

@@ -479,6 +479,13 @@ def matmul_waste(fl: Flops, hlo_text: str, cfg: Any, rules: ShardingRules, batch
     return out | ({"stages": stages} if schedule is not None else {})
 
 
+def waste_cell(waste: dict[str, Any] | None) -> str:
+    """A table's cell for :func:`matmul_waste`: the compiled matmul FLOPs over the useful ones,
+    and what the useful work, the policy's recompute and the kernels leave unexplained (x1.00:
+    nothing wasted); '-' where they are not counted."""
+    return "-" if waste is None else f"x{waste['ratio']:.2f} (x{waste['unexplained']:.2f} unexplained)"
+
+
 ADAMW_FLOPS = 20  # per parameter element per step: clip, moments, bias correction, decay, update
 
 

@@ -170,6 +170,7 @@ TOLERANCE = 0.05  # relative, per collective kind
 
 
 WASTE_TOLERANCE = 0.10  # compiled matmul FLOPs beyond what the accounting explains, flagged past this
+ON_GPU = "a GPU's matmuls are library calls"  # why the waste figure is not counted there
 
 
 @dataclass
@@ -186,7 +187,7 @@ class Verification:
     # The compiled step's matmul FLOPs against the useful ones (accounting.matmul_waste; a
     # pipeline's has each stage's too); None where they are not counted (``uncounted``).
     waste: dict[str, Any] | None = None
-    uncounted: str = "a GPU's matmuls are library calls"
+    uncounted: str = ON_GPU
     # A pipelined step's collectives inside the schedule's slots: (kind, axes, bytes if every
     # tick ran them -- an upper bound; they run as often as a stage has work), not compared.
     in_slots: list[tuple[str, tuple[str, ...], int]] = field(default_factory=list)
@@ -228,8 +229,7 @@ def verify(model: Stageable, program: Program, compiled: jax.stages.Compiled, ba
     counted = jax.default_backend() == "cpu"
     waste = accounting.matmul_waste(fl, compiled.as_text(), model.cfg, program.rules, batch_size, seq_len,
                                     grad_accum=step.grad_accum, schedule=schedule) if counted else None
-    why_not = (accounting.uncounted(compiled.as_text(), schedule) if counted else None) or \
-        "a GPU's matmuls are library calls"
+    why_not = (accounting.uncounted(compiled.as_text(), schedule) if counted else None) or ON_GPU
     if waste and waste["unexplained"] > 1 + WASTE_TOLERANCE:
         flags.append(f"matmul FLOPs: the compiled step runs {waste['compiled']:,.0f} per device, "
                      f"{waste['unexplained']:.2f}x what the useful work, recompute and kernels explain")
