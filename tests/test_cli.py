@@ -448,7 +448,16 @@ def test_bench_writes_table_json_and_plots(tmp_path):
     fsdp = data["strategies"][2]
     assert fsdp["per_device_bytes"]["params"] * 8 == data["strategies"][0]["per_device_bytes"]["params"]
     assert abs(fsdp["collective_bytes"] - fsdp["collective_bytes_predicted"]) <= 0.05 * fsdp["collective_bytes_predicted"]
-    assert "| tiny | fsdp | `fsdp=8` |" in (tmp_path / "results.md").read_text()
+    table = (tmp_path / "results.md").read_text()
+    assert "| tiny | fsdp | `fsdp=8` |" in table
+    # The waste figure: each strategy's compiled matmuls within 10% of the useful ones (no remat
+    # here), and the table's cell is that figure, not a recomputed one.
+    for r in data["strategies"]:
+        waste = r["matmul_flops_per_device"]
+        assert waste["compiled"] > 0 and abs(waste["unexplained"] - 1) <= 0.1, (r["strategy"], waste)
+        cell = f"x{waste['ratio']:.2f} (x{waste['unexplained']:.2f} unexplained)"
+        assert any(line.startswith(f"| tiny | {r['strategy']} |") and f"| {cell} |" in line
+                   for line in table.splitlines()), (r["strategy"], cell)
     assert (tmp_path / "memory_comm.png").stat().st_size > 10_000 and (tmp_path / "scaling.png").exists()
 
 
