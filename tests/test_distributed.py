@@ -249,7 +249,10 @@ def test_a_worker_that_dies_stops_the_job_naming_it():
     assert time.monotonic() - t < 180
 
 
-SURVIVOR = r"(ended with status 1|stopped \(SIGTERM\))"  # how a killed process's peer ends
+# How a killed process's peer ends: it fails in its next collective, or the launcher stops it.
+# Waiting inside a collective, it takes SIGTERM as a preemption notice only when the collective
+# returns (loop.Termination), so on a loaded machine it may still be waiting after the grace.
+SURVIVOR = r"(ended with status 1|stopped \(SIGTERM\)|killed \(still running \d+ s after SIGTERM\))"
 
 
 def test_a_killed_process_restarts_the_job_from_its_checkpoint_and_loses_nothing(tmp_path, uninterrupted):
@@ -266,7 +269,7 @@ def test_a_killed_process_restarts_the_job_from_its_checkpoint_and_loses_nothing
                        env={**os.environ, "JAXSHARD_FAULT": "kill:1:8"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     # The survivor fails in its next collective, or, where that takes longer than the
-    # launcher's settling second (a loaded machine), is stopped: either way, once.
+    # launcher's settling second (a loaded machine), is stopped or killed: either way, once.
     assert re.search(rf"restart 1/2: process 1 of 2 exited with signal SIGKILL; process 0 {SURVIVOR}; starting the "
                      r"job again from its last complete checkpoint", r.stderr), r.stderr
     assert "restart 2/2" not in r.stderr and f"resumed from {tmp_path / 'ck'}/5" in r.stdout, \
