@@ -568,6 +568,7 @@ def deep(name: str, layers: int = 4):
     ("stage=4,data=2", "zb-h1", 4, 0, 4, {}),
     ("data=2,stage=2,tensor=2", "zb-h1", 4, 0, 4, {}),  # B and W of the column projections' regions
     ("stage=2,fsdp=4", "zb-h1", 2, 0, 4, {}),  # the hand-over placed leaf by leaf, params split
+    ("stage=2,data=4", "zb-h1", 2, 3, 4, {}),  # ZeRO-3: the same placement, over data
 ])
 def test_pipeline_matches_one_device(name, mesh, schedule, microbatches, zero, layers, pipeline):
     model, ref_losses, ref_params = deep(name, layers)
