@@ -310,6 +310,20 @@ def test_zero_bubble_on_4_stages_keeps_no_more_than_1f1b_at_m_equal_p(name, mesh
     assert temp["zb-h1"] <= temp["1f1b"], temp
 
 
+def record_handovers(monkeypatch) -> list:
+    """The ``pipeline.Handover`` of every zero-bubble program made from here on, in order."""
+    from jaxshard.parallel import pipeline
+
+    made, init = [], pipeline.Handover.__init__
+
+    def record(self, *a, **k):
+        init(self, *a, **k)
+        made.append(self)
+
+    monkeypatch.setattr(pipeline.Handover, "__init__", record)
+    return made
+
+
 @pytest.mark.parametrize("mesh, zero, remat", [("stage=2,fsdp=4", 0, "none"), ("stage=2,fsdp=4", 0, "dots"),
                                                ("stage=2,data=4", 2, "none")])
 def test_zero_bubble_with_split_gradients_places_the_hand_over_and_fetches_nothing_for_it(
@@ -327,7 +341,6 @@ def test_zero_bubble_with_split_gradients_places_the_hand_over_and_fetches_nothi
     from jaxshard.parallel import pipeline
 
     model = TransformerLM(get_preset("tiny").replace(n_layers=4), remat=remat)
-    made = []
 
     def compiled(kind="zb-h1"):
         program = make_program(model, mesh, zero=zero, pipeline_schedule=kind, microbatches=2)
@@ -336,12 +349,7 @@ def test_zero_bubble_with_split_gradients_places_the_hand_over_and_fetches_nothi
         return c.memory_analysis().temp_size_in_bytes, sorted((x.kind, x.bytes, x.executions) for x in found)
 
     init = pipeline.Handover.__init__
-
-    def record(self, *a, **k):
-        init(self, *a, **k)
-        made.append(self)
-
-    monkeypatch.setattr(pipeline.Handover, "__init__", record)
+    made = record_handovers(monkeypatch)
     placed, sent = compiled()
     handover = made[-1]
     assert handover.into and {i for i, x in enumerate(handover.handed) if len(x.shape) >= 3} <= {
@@ -420,6 +428,26 @@ def test_zero_bubble_runs_that_keep_more_than_1f1b_say_so():
     assert note("stage=2,data=4", "dots", 2) == (False, None)
     assert note("stage=4,tensor=2", "dots", 4) == (True, None)  # 3 microbatches and a hand-over against 4
     assert make_schedule("1f1b", 2, 2).memory_note("full") is None
+
+
+def test_under_full_remat_zero_bubbles_excess_over_1f1b_is_its_hand_over(monkeypatch):
+    """Under ``full`` a microbatch's hand-over from B to W (every weight matmul's output
+    gradient and the matmul inputs B made again) is many times what 1F1B keeps of it, its
+    layer inputs, and nothing takes its place: ZB-H1's compiled temp exceeds 1F1B's by at least
+    that hand-over (tiny-llama on stage=2,data=4 at M = 2, as docs/pipelines.md gives it)."""
+    model = TransformerLM(get_preset("tiny-llama").replace(n_layers=4), remat="full")
+    made = record_handovers(monkeypatch)
+    temp = {}
+    for kind in ("1f1b", "zb-h1"):
+        program = make_program(model, "stage=2,data=4", pipeline_schedule=kind, microbatches=2)
+        temp[kind] = program.lower_step(8, 64).compile().memory_analysis().temp_size_in_bytes
+    handover = made[-1]
+    assert not handover.b_only and not handover.shared and not handover.into and not handover.packed
+    handed = handover.w_slots * sum(x.size * x.dtype.itemsize for x in handover.handed)  # per device
+    layers, rows, d = 2, 1, model.cfg.d_model  # a stage's layers; one row a microbatch a device
+    kept_by_1f1b = layers * rows * 64 * d * 4  # its layer inputs, float32
+    assert handed > 2 * 8 * kept_by_1f1b, (handed, kept_by_1f1b)  # 1F1B's whole store 8 times over
+    assert temp["zb-h1"] - temp["1f1b"] >= handed, (temp, handed)
 
 
 def test_the_narrow_cap_keeps_fewer_residuals_for_nothing():
