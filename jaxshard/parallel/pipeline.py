@@ -246,10 +246,11 @@ class Schedule:
         or the leaves placed over no B-only residual), the line
         that says where they keep more than 1F1B would at the same P and M: more microbatches'
         values a stage (residuals plus hand-overs; 2 stages at M = P: 3 against 2), or, under
-        ``--remat full``, a hand-over several activations a layer where 1F1B keeps one, or under
-        ``dots_no_batch`` and ``names``, a hand-over of the matmul inputs B made again
-        (1.11-1.29x 1F1B's temp on 2 stages; docs/pipelines.md); else None. Every stage's
-        buffers are as large as the fullest stage's (one program)."""
+        ``--remat full``, a hand-over several activations a layer where 1F1B keeps one (1.26-1.33x
+        1F1B's temp on 2 stages; docs/pipelines.md); else None. (Under ``dots_no_batch`` and
+        ``names`` at M = 2P the hand-over is the attention's output beyond ``dots``'s and the
+        temp 0.93-0.96x.) Every stage's buffers are as large as the fullest stage's (one
+        program)."""
         if not self.split or not self.handover_apart:
             return None
         one = make_schedule("1f1b", self.stages, self.microbatches).slots
@@ -260,9 +261,6 @@ class Schedule:
         elif Remat.parse(remat).kind == "full":
             why = ("under --remat full a hand-over holds every weight matmul's output gradient, several activations "
                    "a layer, where 1f1b keeps each layer's input")
-        elif Remat.parse(remat).kind in HANDOVER_LARGE:
-            why = (f"under --remat {remat} a hand-over holds the matmul inputs B made again besides their output "
-                   f"gradients, more than the policy keeps")
         else:
             return None
         return (f"{self.kind} {held}: {why}, so it can take more memory than 1f1b here "
@@ -337,7 +335,7 @@ def flat_slots(sizes: dict[str, int], replicas: tuple[str, ...]) -> bool:
 
 
 # The policies whose hand-over holds matmul inputs B made again besides their output
-# gradients: many times the B-only residuals (9-19x on the test stacks; all of it under
+# gradients: several times the B-only residuals (3-11x on the test stacks; all of it under
 # ``full``, where B reads no residual alone), so :class:`Handover` keeps it apart.
 HANDOVER_LARGE = ("full", "dots_no_batch", "names")
 

@@ -21,7 +21,10 @@ the matmuls of the weights a region takes run in W like any other's.
 An equation both parts need that is cheap (no matmul, no collective) and made from the
 residuals alone -- what a remat policy recomputes of the forward pass, such as a norm's output,
 or a region that only reshapes a saved matmul output -- runs in both, so W keeps no copy of
-it from B; any other runs in B, its outputs handed to W. A weight whose gradient takes no
+it from B; any other runs in B, its outputs handed to W. A matmul W alone reads that runs
+the forward pass again (made from the residuals alone: the attention's output under
+``dots_no_batch``) runs in B where its output is smaller than its inputs, so W is handed the
+output rather than the inputs (the L x L probabilities). A weight whose gradient takes no
 matmul beyond B's (a norm's scale, a bias) B computes whole where that hands W fewer bytes:
 the gradient is the weight's size, the cotangent W would reduce for it an activation's (weights
 that reduce the same cotangent, a LayerNorm's scale and bias, are weighed together).
@@ -113,6 +116,28 @@ def _derivable(jaxpr: core.Jaxpr, free: set) -> set:
     return free
 
 
+def _forward(jaxpr: core.Jaxpr, free: set) -> set:
+    """The variables made from ``free`` (the residuals) by any equations: the forward pass a
+    remat policy runs again, matmuls included (what the cotangent reaches is not in it)."""
+    made = set(free) | set(jaxpr.constvars)
+    for eqn in jaxpr.eqns:
+        if not eqn.effects and all(not _is_var(v) or v in made for v in eqn.invars):
+            made |= set(eqn.outvars)
+    return made
+
+
+def _b_runs_it(eqn, again: set, forward: set) -> bool:
+    """Whether B, not W, runs a matmul only W needs: where it is the forward pass run again
+    (made from the residuals alone: the attention's output under ``dots_no_batch``, which the
+    output projection's weight gradient reads) and its output is smaller than what W would be
+    handed to run it (the attention's probabilities: 8x its output at 8 heads of 8). It runs
+    once either way; B is handed it instead of its inputs."""
+    if eqn.primitive.name not in _COSTLY or not all(not _is_var(v) or v in forward for v in eqn.invars):
+        return False
+    handed_in = sum(_bytes(v) for v in set(eqn.invars) if _is_var(v) and v not in again)
+    return sum(_bytes(v) for v in eqn.outvars) < handed_in
+
+
 def _plan(jaxpr: core.Jaxpr, out_b: list[bool], out_w: list[bool], w_has: set, free: set = frozenset()) -> _Plan:
     """Partition ``jaxpr`` given which outputs B and W produce. ``w_has``: the invars W is
     given (others it reads are stashed). B defines whatever B needs; W what only W needs. What
@@ -124,6 +149,7 @@ def _plan(jaxpr: core.Jaxpr, out_b: list[bool], out_w: list[bool], w_has: set, f
     live_w = {v for v, w in zip(jaxpr.outvars, out_w) if w and _is_var(v)}
     w_side: set = set()  # variables W defines
     again = _derivable(jaxpr, free)
+    forward = _forward(jaxpr, free)
     for i in range(len(jaxpr.eqns) - 1, -1, -1):
         eqn = jaxpr.eqns[i]
         ob = [v in live_b for v in eqn.outvars]
@@ -149,17 +175,92 @@ def _plan(jaxpr: core.Jaxpr, out_b: list[bool], out_w: list[bool], w_has: set, f
             plan.role[i], plan.sub[i] = "scan", sub
             _mark(eqn.invars, sub.in_b, sub.in_w, live_b, live_w)
             w_side |= {v for v, d in zip(eqn.outvars, sub.w_outs) if d}
-        elif any(ob):
+        elif any(ob) or _b_runs_it(eqn, again, forward):
             plan.role[i] = "B"
             live_b |= {v for v in eqn.invars if _is_var(v)}
         else:
             plan.role[i] = "W"
             live_w |= {v for v in eqn.invars if _is_var(v)}
             w_side |= set(eqn.outvars)
+    stash = {v for v in live_w if v not in w_side and v not in w_has}
+    for i in _fewer_bytes(jaxpr, plan.role, stash, w_side | (w_has & live_w) | set(jaxpr.constvars)):
+        plan.role[i] = "BW" if plan.role[i] == "B" else "W"  # W makes it (again) from fewer bytes
+        live_w |= {v for v in jaxpr.eqns[i].invars if _is_var(v)}
+        w_side |= set(jaxpr.eqns[i].outvars)
     plan.in_b = [v in live_b for v in jaxpr.invars]
     plan.in_w = [v in live_w for v in jaxpr.invars]
     plan.stash = [v for v in _ordered(jaxpr, live_w) if v not in w_side and v not in w_has]
     return plan
+
+
+def _fewer_bytes(jaxpr: core.Jaxpr, role: list, stash: set, has: set) -> list[int]:
+    """The equations B runs that W should run too, so that B hands W the fewest bytes: a
+    minimum cut between what only B can make (a matmul's output, a collective's, a nested
+    part's, an input W is not given) and what W reads of B's work (``stash``), through cheap
+    equations W can run again, each value costing its bytes if handed over (``has``: what W
+    has without being handed it). So a SwiGLU's two gates' gradients, each made from the
+    gradient of their product and the residual gates by elementwise ops, are made again by W
+    from that one gradient: half the bytes."""
+    if not stash:
+        return []
+    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    rerun = {i for i, e in enumerate(jaxpr.eqns) if role[i] in ("B", None) and _cheap(e)}
+    # The values W reads, and what the cheap equations make them from, back to what it has.
+    need, todo = set(), list(stash)
+    while todo:
+        v = todo.pop()
+        if v in need or v in has:
+            continue
+        need.add(v)
+        if producer.get(v) in rerun:
+            todo += [u for u in jaxpr.eqns[producer[v]].invars if _is_var(u)]
+    # Each value a pair of nodes (v, 0) -> (v, 1), its bytes apart; from the source where only
+    # B makes it; each rerun equation's inputs into its outputs; what W reads into the sink.
+    inf = 1 << 62
+    cap: dict = {"s": {}, "t": {}}
+
+    def edge(a, b, c):
+        cap.setdefault(a, {})[b] = cap.get(a, {}).get(b, 0) + c
+        cap.setdefault(b, {}).setdefault(a, 0)
+
+    invars = set(jaxpr.invars)
+    for v in need:  # (ties go to what is handed now over an input W does not read yet)
+        edge((v, 0), (v, 1), 2 * _bytes(v) + (v in invars))
+        if producer.get(v) not in rerun:
+            edge("s", (v, 0), inf)
+        else:
+            for u in jaxpr.eqns[producer[v]].invars:
+                if _is_var(u) and u in need:
+                    edge((u, 1), (v, 0), inf)
+        if v in stash:
+            edge((v, 1), "t", inf)
+    # Max flow (Edmonds-Karp), then the cut nearest the sink: W makes again only what it must.
+    while True:
+        back, queue = {"s": None}, ["s"]
+        while queue and "t" not in back:
+            a = queue.pop(0)
+            for b, c in cap[a].items():
+                if c > 0 and b not in back:
+                    back[b] = a
+                    queue.append(b)
+        if "t" not in back:
+            break
+        path, b = [], "t"
+        while back[b] is not None:
+            path.append((back[b], b))
+            b = back[b]
+        flow = min(cap[a][b] for a, b in path)
+        for a, b in path:
+            cap[a][b] -= flow
+            cap[b][a] += flow
+    sink, queue = {"t"}, ["t"]
+    while queue:
+        b = queue.pop()
+        for a in cap[b]:
+            if a not in sink and cap[a][b] > 0:
+                sink.add(a)
+                queue.append(a)
+    return sorted({producer[v] for v in need if (v, 0) in sink and producer.get(v) in rerun})
 
 
 def _ordered(jaxpr: core.Jaxpr, vs: set) -> list:
@@ -570,18 +671,21 @@ def split(pullback: Callable, residuals: Any, cotangent: Any, n_weights: int) ->
     # alone leaves W needing it), then each of those dropped again where that hands less.
     early: set = set()
     plan, out_b, out_w = make(early)
-    matmuls, handed = _b_matmuls(plan), _stash_bytes(plan)
+    def kept(plan: _Plan) -> int:  # what B hands W and the residuals W reads (not B's alone)
+        return _stash_bytes(plan) + sum(_bytes(v) for v, w in zip(jaxpr.invars[:n_res], plan.in_w) if w)
+
+    matmuls, handed = _b_matmuls(plan), kept(plan)
 
     def trial(ks: set):
         t = make(ks)
         if _b_matmuls(t[0]) != matmuls:
             return None, t
-        return _stash_bytes(t[0]) + sum(_bytes(jaxpr.outvars[k]) for k in ks), t
+        return kept(t[0]) + sum(_bytes(jaxpr.outvars[k]) for k in ks), t
 
     rest = []
     for k in range(n_weights):
         cost, t = trial(early | {k})
-        if cost is not None and cost < handed:
+        if cost is not None and cost <= handed:  # (a tie: B reduces it, not W)
             early.add(k)
             (plan, out_b, out_w), handed = t, cost
         elif cost is not None:
