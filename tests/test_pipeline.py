@@ -408,7 +408,7 @@ def test_zero_bubble_runs_that_keep_more_than_1f1b_say_so():
     """Where B's hand-over surely keeps a slot of its own (a partitioned axis; full,
     dots_no_batch, names), the run's log says when the tables keep more than 1F1B would: on 2
     stages at M = P, two microbatches' residuals and a hand-over against two (the compiled temp
-    there: 0.91-1.09x 1F1B's, docs/pipelines.md); under full at any M (1.26-1.33x). Where a
+    there: 0.91-1.09x 1F1B's, docs/pipelines.md); under full at any M (1.22-1.28x). Where a
     stage keeps no more (2 stages at M = 2P under dots, selective, dots_no_batch and names --
     whose hand-over is now dots's and the attention's output, 0.93-0.96x --, 4 stages at M =
     P), where the hand-over shares the residuals' place (none, dots and selective on a flat
@@ -452,7 +452,7 @@ def test_under_full_remat_zero_bubbles_excess_over_1f1b_is_its_hand_over(monkeyp
     handed = handover.w_slots * sum(x.size * x.dtype.itemsize for x in handover.handed)  # per device
     layers, rows, d = 2, 1, model.cfg.d_model  # a stage's layers; one row a microbatch a device
     kept_by_1f1b = layers * rows * 64 * d * 4  # its layer inputs, float32
-    assert handed > 2 * 8 * kept_by_1f1b, (handed, kept_by_1f1b)  # 1F1B's whole store 8 times over
+    assert handed > 2 * 7 * kept_by_1f1b, (handed, kept_by_1f1b)  # 1F1B's whole store 7 times over (7.3x)
     assert temp["zb-h1"] - temp["1f1b"] >= handed, (temp, handed)
 
 

@@ -93,7 +93,8 @@ def _on_mesh(preset, remat, mesh=None, sp=False):
     parts) where ``parts(chunk, x, cot_y, upto)`` runs the stack's forward pass and then, under
     the rules, its pullback: whole (``upto`` None), or B then W ("w": the weights' gradients,
     then the input's), or B alone ("b": the input's gradient and what it hands W), or "handed"
-    (what B hands W, the residuals W reads, all residuals)."""
+    (what B hands W, the residuals W reads, all residuals) or "over" (what B hands W but the
+    weight gradients it makes whole)."""
     from jaxshard.mesh import build_mesh
     from jaxshard.rules import ShardingRules, Strategy, use_rules
     from tests.harness import first_devices
@@ -112,6 +113,8 @@ def _on_mesh(preset, remat, mesh=None, sp=False):
                 return jax.tree.leaves(full(res, cot))
             s = split_backward.split(full, res, cot, n_weights)
             d_x, stash = s.b(res, cot)
+            if upto == "over":  # what B hands W but the weight gradients it makes whole
+                return jax.tree.leaves(stash[0])
             if upto == "handed":
                 return jax.tree.leaves(stash), [r for r, w in zip(res, s.w_reads) if w], res
             return d_x + jax.tree.leaves(stash) if upto == "b" else s.w(res, stash) + d_x
@@ -139,6 +142,22 @@ def test_what_b_hands_w_under_dots_depends_on_the_cotangent(preset, mesh, sp):
     weights = {p.shape for p in jax.tree.leaves(chunk)} if mesh and "fsdp" in mesh else set()
     assert one and set(same) <= weights and bool(same) == bool(weights) and len(same) < len(one), (same, weights)
     assert w_reads and sum(a.size for a in one) < sum(r.size for r in res)
+
+
+@pytest.mark.parametrize("mesh", [None, "tensor=2"])
+def test_under_dots_b_hands_w_each_weight_matmuls_output_gradient_once(mesh):
+    """tiny-llama's hand-over under ``dots``: the gradient of each weight matmul's output, once
+    -- the queries', keys' and values', the attention output's and the MLP output's, and one
+    of the MLP's width, from which W makes both SwiGLU gates' gradients again (the minimum cut
+    of ``split_backward._fewer_bytes``). So too under tensor parallelism, where those gradients
+    would leave the column projections' ``shard_map`` region (each device's share, tensor-major)
+    unless B hands W their product's gradient outside it and W makes them there."""
+    chunk, x, _, parts = _on_mesh("tiny-llama", "dots", mesh)
+    over = jax.eval_shape(lambda *a: parts(*a, "over"), chunk, x, x)
+    cfg = get_preset("tiny-llama")
+    per_token = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.d_head + 2 * cfg.d_model + cfg.d_mlp
+    assert sum(a.size for a in over) == per_token * x.shape[0] * x.shape[1] * cfg.n_layers, \
+        [a.shape for a in over]
 
 
 def _handed_and_b_only(preset, remat):

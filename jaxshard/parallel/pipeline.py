@@ -246,7 +246,7 @@ class Schedule:
         or the leaves placed over no B-only residual), the line
         that says where they keep more than 1F1B would at the same P and M: more microbatches'
         values a stage (residuals plus hand-overs; 2 stages at M = P: 3 against 2), or, under
-        ``--remat full``, a hand-over several activations a layer where 1F1B keeps one (1.26-1.33x
+        ``--remat full``, a hand-over several activations a layer where 1F1B keeps one (1.22-1.28x
         1F1B's temp on 2 stages; docs/pipelines.md); else None. (Under ``dots_no_batch`` and
         ``names`` at M = 2P the hand-over is the attention's output beyond ``dots``'s and the
         temp 0.93-0.96x.) Every stage's buffers are as large as the fullest stage's (one

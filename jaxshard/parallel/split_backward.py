@@ -138,7 +138,8 @@ def _b_runs_it(eqn, again: set, forward: set) -> bool:
     return sum(_bytes(v) for v in eqn.outvars) < handed_in
 
 
-def _plan(jaxpr: core.Jaxpr, out_b: list[bool], out_w: list[bool], w_has: set, free: set = frozenset()) -> _Plan:
+def _plan(jaxpr: core.Jaxpr, out_b: list[bool], out_w: list[bool], w_has: set, free: set = frozenset(),
+          out: bool = False) -> _Plan:
     """Partition ``jaxpr`` given which outputs B and W produce. ``w_has``: the invars W is
     given (others it reads are stashed). B defines whatever B needs; W what only W needs. What
     both need, W runs again where it is cheap and made from ``free`` invars alone (the
@@ -165,13 +166,13 @@ def _plan(jaxpr: core.Jaxpr, out_b: list[bool], out_w: list[bool], w_has: set, f
         elif (name in _CALLS or name in _MANUAL) and any(ow):
             inner, _ = _inner(eqn)
             sub = _plan(inner, ob, [w and not b for b, w in zip(ob, ow)], set(inner.invars),
-                        {iv for iv, v in zip(inner.invars, eqn.invars) if not _is_var(v) or v in again})
+                        {iv for iv, v in zip(inner.invars, eqn.invars) if not _is_var(v) or v in again}, out)
             plan.role[i], plan.sub[i] = "call" if name in _CALLS else "manual", sub
             sub.out_b = ob
             _mark(eqn.invars, sub.in_b, sub.in_w, live_b, live_w)
             w_side |= {v for v, d in zip(eqn.outvars, _w_defined(sub)) if d}
         elif name == "scan" and any(ow) and not all(ob[k] or not ow[k] for k in range(len(ob))):
-            sub = _plan_scan(eqn, ob, ow, again)
+            sub = _plan_scan(eqn, ob, ow, again, out)
             plan.role[i], plan.sub[i] = "scan", sub
             _mark(eqn.invars, sub.in_b, sub.in_w, live_b, live_w)
             w_side |= {v for v, d in zip(eqn.outvars, sub.w_outs) if d}
@@ -183,8 +184,10 @@ def _plan(jaxpr: core.Jaxpr, out_b: list[bool], out_w: list[bool], w_has: set, f
             live_w |= {v for v in eqn.invars if _is_var(v)}
             w_side |= set(eqn.outvars)
     stash = {v for v in live_w if v not in w_side and v not in w_has}
-    for i in _fewer_bytes(jaxpr, plan.role, stash, w_side | (w_has & live_w) | set(jaxpr.constvars)):
-        plan.role[i] = "BW" if plan.role[i] == "B" else "W"  # W makes it (again) from fewer bytes
+    for i in _fewer_bytes(jaxpr, plan.role, stash, w_side | (w_has & live_w) | set(jaxpr.constvars), free, out):
+        # W makes it (again) from fewer bytes; a cheap call whole, not split
+        plan.role[i] = "W" if plan.role[i] is None else "BW"
+        plan.sub.pop(i, None)
         live_w |= {v for v in jaxpr.eqns[i].invars if _is_var(v)}
         w_side |= set(jaxpr.eqns[i].outvars)
     plan.in_b = [v in live_b for v in jaxpr.invars]
@@ -193,7 +196,7 @@ def _plan(jaxpr: core.Jaxpr, out_b: list[bool], out_w: list[bool], w_has: set, f
     return plan
 
 
-def _fewer_bytes(jaxpr: core.Jaxpr, role: list, stash: set, has: set) -> list[int]:
+def _fewer_bytes(jaxpr: core.Jaxpr, role: list, stash: set, has: set, free: set, out: bool) -> list[int]:
     """The equations B runs that W should run too, so that B hands W the fewest bytes: a
     minimum cut between what only B can make (a matmul's output, a collective's, a nested
     part's, an input W is not given) and what W reads of B's work (``stash``), through cheap
@@ -204,7 +207,7 @@ def _fewer_bytes(jaxpr: core.Jaxpr, role: list, stash: set, has: set) -> list[in
     if not stash:
         return []
     producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
-    rerun = {i for i, e in enumerate(jaxpr.eqns) if role[i] in ("B", None) and _cheap(e)}
+    rerun = {i for i, e in enumerate(jaxpr.eqns) if role[i] in ("B", "call", None) and _cheap(e)}
     # The values W reads, and what the cheap equations make them from, back to what it has.
     need, todo = set(), list(stash)
     while todo:
@@ -224,8 +227,11 @@ def _fewer_bytes(jaxpr: core.Jaxpr, role: list, stash: set, has: set) -> list[in
         cap.setdefault(b, {}).setdefault(a, 0)
 
     invars = set(jaxpr.invars)
-    for v in need:  # (ties go to what is handed now over an input W does not read yet)
-        edge((v, 0), (v, 1), 2 * _bytes(v) + (v in invars))
+    for v in need:
+        # A tie goes to what is handed now over a residual W does not read yet; and (``out``)
+        # to an input made by B outside over what is made of it here, so that the level
+        # outside decides how W gets it (it may make it again there, out of a region's way).
+        edge((v, 0), (v, 1), 2 * _bytes(v) + (v in invars) * (1 if v in free or not out else -1))
         if producer.get(v) not in rerun:
             edge("s", (v, 0), inf)
         else:
@@ -297,7 +303,7 @@ def _b_wants(sub: _Plan) -> list[bool]:
     return [b or not w for b, w in zip(sub.out_b, _w_defined(sub))]
 
 
-def _plan_scan(eqn, ob: list[bool], ow: list[bool], free: set = frozenset()) -> _Plan:
+def _plan_scan(eqn, ob: list[bool], ow: list[bool], free: set = frozenset(), out: bool = False) -> _Plan:
     """A scan split in two scans: B's carries are those B needs or B's part of the body reads;
     W's the rest that W needs. Per iteration B stacks what W's part of the body reads of it.
     ``free``: the outer variables W has without B (its consts and xs among them are free in
@@ -315,7 +321,7 @@ def _plan_scan(eqn, ob: list[bool], ow: list[bool], free: set = frozenset()) -> 
         # W's carries are its own (given); B's carried values W reads are stashed per iteration.
         w_carry_in = [body.invars[n_c + k] for k in range(n_k) if not b_carry[k]]
         w_has = set(body.invars[:n_c]) | set(w_carry_in) | set(body.invars[n_c + n_k:])
-        sub = _plan(body, out_b, out_w, w_has, inner_free)
+        sub = _plan(body, out_b, out_w, w_has, inner_free, out)
         grown = [b or sub.in_b[n_c + k] for k, b in enumerate(b_carry)]
         if grown == b_carry:
             break
@@ -329,7 +335,7 @@ def _plan_scan(eqn, ob: list[bool], ow: list[bool], free: set = frozenset()) -> 
         out_w = [o or w for o, w in zip(out_w[:n_k], sub.w_carry)] + out_w[n_k:]
         w_carry_in = [body.invars[n_c + k] for k in range(n_k) if not b_carry[k]]
         w_has = set(body.invars[:n_c]) | set(w_carry_in) | set(body.invars[n_c + n_k:])
-        sub2 = _plan(body, out_b, out_w, w_has, inner_free)
+        sub2 = _plan(body, out_b, out_w, w_has, inner_free, out)
         sub2.b_carry, sub2.w_carry = sub.b_carry, sub.w_carry
         sub = sub2
     sub.w_outs = out_w[:n_k] + out_w[n_k:]  # per scan output: W's scan makes it
@@ -659,47 +665,59 @@ def split(pullback: Callable, residuals: Any, cotangent: Any, n_weights: int) ->
     jaxpr, consts = closed.jaxpr, list(closed.consts)
     n_out = len(jaxpr.outvars)
 
-    def make(early: set) -> tuple[_Plan, list[bool], list[bool]]:
+    def make(early: set, out: bool) -> tuple[_Plan, list[bool], list[bool]]:
         out_b = [k >= n_weights or k in early for k in range(n_out)]
         out_w = [k < n_weights and k not in early for k in range(n_out)]
-        return _plan(jaxpr, out_b, out_w, set(jaxpr.invars[:n_res]), set(jaxpr.invars[:n_res])), out_b, out_w
+        return _plan(jaxpr, out_b, out_w, set(jaxpr.invars[:n_res]), set(jaxpr.invars[:n_res]), out), out_b, out_w
 
-    # A weight whose gradient takes no matmul beyond B's (a norm's scale, a bias) is B's to
-    # compute, where that hands W less: W would need the cotangent it reduces, as large as an
-    # activation, where B hands on the gradient, as small as the weight. One at a time, then
-    # those left together (a LayerNorm's scale and bias reduce the same cotangent: either
-    # alone leaves W needing it), then each of those dropped again where that hands less.
-    early: set = set()
-    plan, out_b, out_w = make(early)
     def kept(plan: _Plan) -> int:  # what B hands W and the residuals W reads (not B's alone)
         return _stash_bytes(plan) + sum(_bytes(v) for v, w in zip(jaxpr.invars[:n_res], plan.in_w) if w)
 
-    matmuls, handed = _b_matmuls(plan), kept(plan)
+    def choose() -> tuple[int, set, tuple]:
+        """(the bytes kept, the weights B makes whole, the plan).
 
-    def trial(ks: set):
-        t = make(ks)
-        if _b_matmuls(t[0]) != matmuls:
-            return None, t
-        return kept(t[0]) + sum(_bytes(jaxpr.outvars[k]) for k in ks), t
+        A weight whose gradient takes no matmul beyond B's (a norm's scale, a bias) is B's to
+        compute, where that hands W less: W would need the cotangent it reduces, as large as an
+        activation, where B hands on the gradient, as small as the weight. One at a time, then
+        those left together (a LayerNorm's scale and bias reduce the same cotangent: either
+        alone leaves W needing it), then each of those dropped again where that hands less."""
+        early: set = set()
+        made = make(early, False)
+        matmuls, handed = _b_matmuls(made[0]), kept(made[0])
 
-    rest = []
-    for k in range(n_weights):
-        cost, t = trial(early | {k})
-        if cost is not None and cost <= handed:  # (a tie: B reduces it, not W)
-            early.add(k)
-            (plan, out_b, out_w), handed = t, cost
-        elif cost is not None:
-            rest.append(k)
-    if len(rest) > 1:
-        cost, t = trial(early | set(rest))
-        if cost is not None and cost < handed:
-            early |= set(rest)
-            (plan, out_b, out_w), handed = t, cost
-            for k in rest:
-                cost, t = trial(early - {k})
-                if cost is not None and cost < handed:
-                    early.discard(k)
-                    (plan, out_b, out_w), handed = t, cost
+        def trial(ks: set):
+            t = make(ks, False)
+            if _b_matmuls(t[0]) != matmuls:
+                return None, t
+            return kept(t[0]) + sum(_bytes(jaxpr.outvars[k]) for k in ks), t
+
+        rest = []
+        for k in range(n_weights):
+            cost, t = trial(early | {k})
+            if cost is not None and cost <= handed:  # (a tie: B reduces it, not W)
+                early.add(k)
+                made, handed = t, cost
+            elif cost is not None:
+                rest.append(k)
+        if len(rest) > 1:
+            cost, t = trial(early | set(rest))
+            if cost is not None and cost < handed:
+                early |= set(rest)
+                made, handed = t, cost
+                for k in rest:
+                    cost, t = trial(early - {k})
+                    if cost is not None and cost < handed:
+                        early.discard(k)
+                        made, handed = t, cost
+        return handed, early, made
+
+    # An input of a call or region made outside goes out where that hands W fewer bytes, the
+    # same weights made whole (W makes a SwiGLU's gates' gradients outside tensor parallelism's
+    # column regions), not where it only moves a value out (GPT-2's pre-activation gradient,
+    # as large either way, took 1% more temp handed outside its region).
+    handed, early, (plan, out_b, out_w) = choose()
+    if kept((outside := make(early, True))[0]) < handed:
+        plan, out_b, out_w = outside
     early_at = sorted(early)
 
     def b(res, cot):
