@@ -732,6 +732,7 @@ def test_each_device_holds_its_stage_of_the_layer_stack():
     ("stage=2,data=4", "zb-h1", 4, "selective"),  # the hand-over over the B-only residuals, cap 2P - 1
     ("stage=2,fsdp=4", "zb-h1", 2, "dots"),  # hand-over leaves packed into the B-only residuals' rows
     ("stage=2,data=4", "zb-h1", 4, "dots_no_batch"),  # B runs the attention's output matmul, W the gates'
+    ("data=2,stage=2,tensor=2", "zb-h1", 2, "dots"),  # W makes the gates' gradients outside their region
 ])
 def test_pipeline_keeps_what_the_remat_policy_keeps_and_matches_one_device(mesh, schedule, microbatches, remat):
     """A stage keeps its pullback's residuals between a microbatch's forward and backward slots:

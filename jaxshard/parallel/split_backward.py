@@ -184,7 +184,11 @@ def _plan(jaxpr: core.Jaxpr, out_b: list[bool], out_w: list[bool], w_has: set, f
             live_w |= {v for v in eqn.invars if _is_var(v)}
             w_side |= set(eqn.outvars)
     stash = {v for v in live_w if v not in w_side and v not in w_has}
-    for i in _fewer_bytes(jaxpr, plan.role, stash, w_side | (w_has & live_w) | set(jaxpr.constvars), free, out):
+    # (a split call only where B reads all it takes, so that B can run it whole too)
+    whole = {i for i, sub in plan.sub.items() if plan.role[i] == "call"
+             and all(b or not _is_var(v) for v, b in zip(jaxpr.eqns[i].invars, sub.in_b))}
+    for i in _fewer_bytes(jaxpr, plan.role, stash, w_side | (w_has & live_w) | set(jaxpr.constvars), free, out,
+                          whole):
         # W makes it (again) from fewer bytes; a cheap call whole, not split
         plan.role[i] = "W" if plan.role[i] is None else "BW"
         plan.sub.pop(i, None)
@@ -196,18 +200,21 @@ def _plan(jaxpr: core.Jaxpr, out_b: list[bool], out_w: list[bool], w_has: set, f
     return plan
 
 
-def _fewer_bytes(jaxpr: core.Jaxpr, role: list, stash: set, has: set, free: set, out: bool) -> list[int]:
+def _fewer_bytes(jaxpr: core.Jaxpr, role: list, stash: set, has: set, free: set, out: bool,
+                 whole: set) -> list[int]:
     """The equations B runs that W should run too, so that B hands W the fewest bytes: a
     minimum cut between what only B can make (a matmul's output, a collective's, a nested
     part's, an input W is not given) and what W reads of B's work (``stash``), through cheap
     equations W can run again, each value costing its bytes if handed over (``has``: what W
-    has without being handed it). So a SwiGLU's two gates' gradients, each made from the
-    gradient of their product and the residual gates by elementwise ops, are made again by W
-    from that one gradient: half the bytes."""
+    has without being handed it; ``free``: the inputs made of residuals alone; ``out``: an
+    input made by B outside wins a tie; ``whole``: the split calls B can run whole). So a
+    SwiGLU's two gates' gradients, each made from the gradient of their product and the
+    residual gates by elementwise ops, are made again by W from that one gradient: half the
+    bytes."""
     if not stash:
         return []
     producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
-    rerun = {i for i, e in enumerate(jaxpr.eqns) if role[i] in ("B", "call", None) and _cheap(e)}
+    rerun = {i for i, e in enumerate(jaxpr.eqns) if (role[i] in ("B", None) or i in whole) and _cheap(e)}
     # The values W reads, and what the cheap equations make them from, back to what it has.
     need, todo = set(), list(stash)
     while todo:
