@@ -4,6 +4,7 @@ and W's compiled matmul FLOPs sum to the pullback's, W's are the weight gradient
 matmul per weight use), B's no more than the rest."""
 
 import contextlib
+import functools
 import math
 from collections import Counter
 
@@ -237,6 +238,30 @@ def test_a_scan_carrying_what_both_parts_need_splits_and_stays_exact():
     want_ws, want_x = full(res, cot)
     np.testing.assert_allclose(d_ws, want_ws, rtol=1e-6)
     np.testing.assert_allclose(d_x[0], want_x, rtol=1e-6)
+
+
+def test_b_runs_a_forward_matmul_for_w_only_where_it_makes_its_inputs_anyway():
+    """Under full remat W makes again the forward matmuls whose outputs the weights' gradients
+    read. A chain ``y = (x @ a) @ b`` whose outputs B does not read stays W's, though ``y`` is
+    smaller than ``x @ a``: B running it would make ``x @ a`` too and hand W both (the
+    attention's output under ``dots_no_batch`` is B's to run because B makes the
+    probabilities it is made from anyway). W is handed the three output gradients alone."""
+    ws = [jax.random.normal(jax.random.key(k), shape) for k, shape in enumerate([(16, 64), (64, 8), (8, 4)])]
+    x = jax.random.normal(jax.random.key(3), (32, 16))
+
+    @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
+    def f(ws, x):
+        return x @ ws[0] @ ws[1] @ ws[2]
+
+    out, pullback = jax.vjp(f, ws, x)
+    res, treedef = jax.tree.flatten(pullback)
+    cot = jax.random.normal(jax.random.key(4), out.shape)
+    full = lambda res, cot: jax.tree.unflatten(treedef, res)(cot)  # noqa: E731
+    s = split_backward.split(full, res, cot, 3)
+    d_x, stash = s.b(res, cot)
+    assert sum(a.size for a in jax.tree.leaves(stash)) == 32 * (4 + 8 + 64)
+    for got, want in zip(s.w(res, stash) + d_x, jax.tree.leaves(full(res, cot))):
+        np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
 @pytest.mark.parametrize("preset, mesh, sp, remat", [("tiny-llama", "tensor=2", False, "none"),

@@ -32,6 +32,7 @@ that reduce the same cotangent, a LayerNorm's scale and bias, are weighed togeth
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -126,16 +127,27 @@ def _forward(jaxpr: core.Jaxpr, free: set) -> set:
     return made
 
 
-def _b_runs_it(eqn, again: set, forward: set) -> bool:
+def _b_needs(jaxpr: core.Jaxpr, out_b: list[bool]) -> set:
+    """What B's outputs are made from (a nested equation taken whole): what B makes anyway."""
+    live = {v for v, b in zip(jaxpr.outvars, out_b) if b and _is_var(v)}
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in live for v in eqn.outvars):
+            live |= {v for v in eqn.invars if _is_var(v)}
+    return live
+
+
+def _b_runs_it(eqn, again: set, forward: set, b_needs: set) -> bool:
     """Whether B, not W, runs a matmul only W needs: where it is the forward pass run again
     (made from the residuals alone: the attention's output under ``dots_no_batch``, which the
-    output projection's weight gradient reads) and its output is smaller than what W would be
-    handed to run it (the attention's probabilities: 8x its output at 8 heads of 8). It runs
-    once either way; B is handed it instead of its inputs."""
-    if eqn.primitive.name not in _COSTLY or not all(not _is_var(v) or v in forward for v in eqn.invars):
+    output projection's weight gradient reads), B makes its inputs anyway (or W makes them
+    from the residuals cheaply), and its output is smaller than those W would be handed to run
+    it (the attention's probabilities: 8x its output at 8 heads of 8). It runs once either
+    way; W is handed it instead of its inputs. (An input W would make with a matmul of its
+    own, handing nothing, keeps the matmul in W: B would make that input too.)"""
+    ins = {v for v in eqn.invars if _is_var(v)}
+    if eqn.primitive.name not in _COSTLY or not ins <= forward or not ins <= again | b_needs:
         return False
-    handed_in = sum(_bytes(v) for v in set(eqn.invars) if _is_var(v) and v not in again)
-    return sum(_bytes(v) for v in eqn.outvars) < handed_in
+    return sum(_bytes(v) for v in eqn.outvars) < sum(_bytes(v) for v in ins - again)
 
 
 def _plan(jaxpr: core.Jaxpr, out_b: list[bool], out_w: list[bool], w_has: set, free: set = frozenset(),
@@ -150,7 +162,7 @@ def _plan(jaxpr: core.Jaxpr, out_b: list[bool], out_w: list[bool], w_has: set, f
     live_w = {v for v, w in zip(jaxpr.outvars, out_w) if w and _is_var(v)}
     w_side: set = set()  # variables W defines
     again = _derivable(jaxpr, free)
-    forward = _forward(jaxpr, free)
+    forward, b_needs = _forward(jaxpr, free), _b_needs(jaxpr, out_b)
     for i in range(len(jaxpr.eqns) - 1, -1, -1):
         eqn = jaxpr.eqns[i]
         ob = [v in live_b for v in eqn.outvars]
@@ -176,7 +188,7 @@ def _plan(jaxpr: core.Jaxpr, out_b: list[bool], out_w: list[bool], w_has: set, f
             plan.role[i], plan.sub[i] = "scan", sub
             _mark(eqn.invars, sub.in_b, sub.in_w, live_b, live_w)
             w_side |= {v for v, d in zip(eqn.outvars, sub.w_outs) if d}
-        elif any(ob) or _b_runs_it(eqn, again, forward):
+        elif any(ob) or _b_runs_it(eqn, again, forward, b_needs):
             plan.role[i] = "B"
             live_b |= {v for v in eqn.invars if _is_var(v)}
         else:
@@ -189,8 +201,7 @@ def _plan(jaxpr: core.Jaxpr, out_b: list[bool], out_w: list[bool], w_has: set, f
              and all(b or not _is_var(v) for v, b in zip(jaxpr.eqns[i].invars, sub.in_b))}
     for i in _fewer_bytes(jaxpr, plan.role, stash, w_side | (w_has & live_w) | set(jaxpr.constvars), free, out,
                           whole):
-        # W makes it (again) from fewer bytes; a cheap call whole, not split
-        plan.role[i] = "W" if plan.role[i] is None else "BW"
+        plan.role[i] = "BW"  # W makes it again from fewer bytes (a cheap call whole, not split)
         plan.sub.pop(i, None)
         live_w |= {v for v in jaxpr.eqns[i].invars if _is_var(v)}
         w_side |= set(jaxpr.eqns[i].outvars)
@@ -214,7 +225,7 @@ def _fewer_bytes(jaxpr: core.Jaxpr, role: list, stash: set, has: set, free: set,
     if not stash:
         return []
     producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
-    rerun = {i for i, e in enumerate(jaxpr.eqns) if (role[i] in ("B", None) or i in whole) and _cheap(e)}
+    rerun = {i for i, e in enumerate(jaxpr.eqns) if (role[i] == "B" or i in whole) and _cheap(e)}
     # The values W reads, and what the cheap equations make them from, back to what it has.
     need, todo = set(), list(stash)
     while todo:
@@ -249,9 +260,9 @@ def _fewer_bytes(jaxpr: core.Jaxpr, role: list, stash: set, has: set, free: set,
             edge((v, 1), "t", inf)
     # Max flow (Edmonds-Karp), then the cut nearest the sink: W makes again only what it must.
     while True:
-        back, queue = {"s": None}, ["s"]
+        back, queue = {"s": None}, collections.deque(["s"])
         while queue and "t" not in back:
-            a = queue.pop(0)
+            a = queue.popleft()
             for b, c in cap[a].items():
                 if c > 0 and b not in back:
                     back[b] = a
@@ -722,8 +733,8 @@ def split(pullback: Callable, residuals: Any, cotangent: Any, n_weights: int) ->
     # same weights made whole (W makes a SwiGLU's gates' gradients outside tensor parallelism's
     # column regions), not where it only moves a value out (GPT-2's pre-activation gradient,
     # as large either way, took 1% more temp handed outside its region).
-    handed, early, (plan, out_b, out_w) = choose()
-    if kept((outside := make(early, True))[0]) < handed:
+    _, early, (plan, out_b, out_w) = choose()
+    if kept((outside := make(early, True))[0]) < kept(plan):
         plan, out_b, out_w = outside
     early_at = sorted(early)
 
