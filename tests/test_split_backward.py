@@ -240,6 +240,20 @@ def test_a_scan_carrying_what_both_parts_need_splits_and_stays_exact():
     np.testing.assert_allclose(d_x[0], want_x, rtol=1e-6)
 
 
+def test_a_cotangent_only_w_reads_is_handed_to_it():
+    """Where the input's gradient does not depend on the cotangent (here it is zero), B
+    reads none of it and hands it to W as it is: W's weight gradient reads it."""
+    w, x = jax.random.normal(jax.random.key(0), (4, 3)), jax.random.normal(jax.random.key(1), (2, 4))
+    out, pullback = jax.vjp(lambda w, x: jax.lax.stop_gradient(x) @ w, w, x)
+    res, treedef = jax.tree.flatten(pullback)
+    cot = jax.random.normal(jax.random.key(2), out.shape)
+    full = lambda res, cot: jax.tree.unflatten(treedef, res)(cot)  # noqa: E731
+    s = split_backward.split(full, res, cot, 1)
+    d_x, stash = s.b(res, cot)
+    for got, want in zip(s.w(res, stash) + d_x, jax.tree.leaves(full(res, cot))):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
 def test_b_runs_a_forward_matmul_for_w_only_where_it_makes_its_inputs_anyway():
     """Under full remat W makes again the forward matmuls whose outputs the weights' gradients
     read. A chain ``y = (x @ a) @ b`` whose outputs B does not read stays W's, though ``y`` is

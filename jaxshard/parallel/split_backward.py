@@ -740,7 +740,10 @@ def split(pullback: Callable, residuals: Any, cotangent: Any, n_weights: int) ->
 
     def b(res, cot):
         args = jax.tree.leaves(res) + jax.tree.leaves(cot)
-        outs, stash = _run_b(plan, consts, [a if r else None for a, r in zip(args, plan.in_b)], out_b)
+        # (what B reads, and what it hands W as it is: the cotangent where W alone reads it)
+        handed = set(plan.stash)
+        outs, stash = _run_b(plan, consts, [a if r or v in handed else None
+                                            for a, r, v in zip(args, plan.in_b, jaxpr.invars)], out_b)
         if any(outs[k] is None for k in range(len(outs)) if out_b[k]):
             raise AssertionError("B's part of the split backward pass left an output it owns unmade")
         return outs[n_weights:], [stash, [outs[k] for k in early_at]]
