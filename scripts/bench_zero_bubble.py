@@ -133,15 +133,20 @@ def main(argv: list[str] | None = None) -> int:
                          f"{z['table_idle']:.3f} ({z['theory']:.3f}) | {o['temp_bytes'] / 2**20:.2f} / "
                          f"{z['temp_bytes'] / 2**20:.2f} | {accounting.waste_cell(o['matmul_flops_per_device'])}, "
                          f"{accounting.waste_cell(z['matmul_flops_per_device'])} |")
-        md = "\n".join(lines)
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "zero_bubble.json"), "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-        with open(os.path.join(a.out, "zero_bubble.md"), "w") as f:
-            f.write(md + "\n")
-        print(md)
-        print(f"\nwrote {a.out}/zero_bubble.json, zero_bubble.md in {meta['wall_s']:.0f}s")
+        write_report(a.out, "zero_bubble", meta, rows, "\n".join(lines))
     return 0
+
+
+def write_report(out: str, stem: str, meta: dict, rows: list, md: str) -> None:
+    """``stem``.json (``meta`` and ``rows``) and ``stem``.md (the table ``md``) into ``out``; the
+    table printed."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{stem}.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    with open(os.path.join(out, f"{stem}.md"), "w") as f:
+        f.write(md + "\n")
+    print(md)
+    print(f"\nwrote {out}/{stem}.json, {stem}.md in {meta['wall_s']:.0f}s")
 
 
 if __name__ == "__main__":

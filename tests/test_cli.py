@@ -397,6 +397,10 @@ def test_tools_reject_bad_input_with_one_line():
                           "--residual-cap must be a number >= 1 or 'stage', got 0")
     assert_one_line_error(run_script("../scripts/bench_zero_bubble.py", "--d-model", "30"),
                           "--d-model must be a multiple of 8 (4 heads of an even width, for RoPE), got 30")
+    assert_one_line_error(run_script("../scripts/bench_zero_bubble_memory.py", "--meshes", "data=8"),
+                          "--meshes: 'data=8' has no stage axis of size > 1")
+    assert_one_line_error(run_script("../scripts/bench_zero_bubble_memory.py", "--remats", "dots,bogus"),
+                          "--remat must be one of none, full, dots")
     assert_one_line_error(run_script("../scripts/bench_pipeline.py", "--rows", "3"),
                           "--rows must be a positive even number (a microbatch is split over the steps part's "
                           "data=2), --seq-len and --steps >= 1; got --rows 3")
@@ -576,3 +580,24 @@ def test_the_save_timer_of_several_processes_decides_every_tenth_step_together(m
     t = SaveTimer(1.0, clock=lambda: now[0])
     assert not t.due(9) and gathered == []  # not a deciding step: no all-gather
     assert t.due(10) and gathered == [0]  # this one is not late, its peer is
+
+
+def test_the_zero_bubble_memory_benchmark_reports_the_compiled_temps_the_memory_tests_read(tmp_path):
+    """bench_zero_bubble_memory.py's ratio is ZB-H1's compiled temp over 1F1B's as the memory
+    tests of test_pipeline.py compile them (the same figure from the harness's program), and
+    its table's cell is the JSON's figure."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from harness import make_program
+    from models import TransformerLM, get_preset
+
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_zero_bubble_memory.py"), "--models", "tiny",
+                           "--meshes", "stage=2,data=4", "--remats", "dots", "--microbatches", "4",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    (row,) = json.loads((tmp_path / "zero_bubble_memory.json").read_text())["rows"]
+    model = TransformerLM(get_preset("tiny").replace(n_layers=4), remat="dots")
+    for kind in ("1f1b", "zb-h1"):
+        program = make_program(model, "stage=2,data=4", pipeline_schedule=kind, microbatches=4)
+        assert row[kind]["temp_bytes"] == program.lower_step(16, 64).compile().memory_analysis().temp_size_in_bytes
+    assert row["ratio"] == row["zb-h1"]["temp_bytes"] / row["1f1b"]["temp_bytes"]
+    assert f"| `stage=2,data=4` | `dots` | {row['ratio']:.3f} |" in (tmp_path / "zero_bubble_memory.md").read_text()

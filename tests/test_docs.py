@@ -201,6 +201,9 @@ KINDS = {
     "scripts/bench_data.py": Kind("scripts/bench_data.py", ("--size-mb", "1", "--vocab", "300", "--steps", "2"),
                                   runtime=()),
     "scripts/bench_moe.py": Kind("scripts/bench_moe.py", (*BENCH, "--rounds", "1"), runtime=()),
+    "scripts/bench_zero_bubble_memory.py": Kind("scripts/bench_zero_bubble_memory.py",
+                                                ("--models", "tiny", "--meshes", "stage=2,data=4", "--remats",
+                                                 "dots", "--microbatches", "2"), runtime=()),
     "scripts/bench_plan.py": Kind("scripts/bench_plan.py", process=True, process_runtime=()),  # analysis only
     "scripts/bench_reducer.py": Kind("scripts/bench_reducer.py", ("--buckets", "1", *BENCH,
                                                                   "--rounds", "1"), runtime=()),

@@ -1,0 +1,112 @@
+"""Zero-bubble pipelining's memory: ZB-H1's compiled temp against 1F1B's, per device.
+
+    python scripts/bench_zero_bubble_memory.py            # ~8 minutes on 2 CPU cores (60 pairs)
+    python scripts/bench_zero_bubble_memory.py --models tiny --meshes stage=2,data=4 --remats dots --out /tmp/zm
+
+For each model, mesh, remat policy and M: the compiled training step of 1F1B and of ZB-H1 on 8
+fake CPU devices, the models' 4 layers (--layers) on 2 stages, --rows x --seq-len tokens a
+microbatch, and XLA's temporary bytes per device (``memory_analysis().temp_size_in_bytes``),
+the figure the memory tests of tests/test_pipeline.py compare. Nothing runs: the figures are
+the compiler's, the same on any machine with this jax and XLA. Writes zero_bubble_memory.json
+and zero_bubble_memory.md to --out; a ratio above 1 is where ZB-H1 keeps more than 1F1B
+(docs/pipelines.md says why, case by case).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[0] = ROOT
+
+from scripts.bench_zero_bubble import KINDS, write_report  # noqa: E402
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", default="docs/bench")
+    p.add_argument("--models", default="tiny-llama,tiny", help="comma-separated presets")
+    p.add_argument("--meshes", default="stage=2,data=4;data=2,stage=2,tensor=2;stage=2,fsdp=4",
+                   help="semicolon-separated --mesh values of 8 devices, each with a stage axis")
+    p.add_argument("--remats", default="none,dots,selective,dots_no_batch,full",
+                   help="comma-separated --remat policies")
+    p.add_argument("--microbatches", default="2,4", help="comma-separated values of M (>= the stages)")
+    p.add_argument("--layers", type=int, default=4, help="the models' layers")
+    p.add_argument("--rows", type=int, default=4, help="sequences per microbatch")
+    p.add_argument("--seq-len", type=int, default=64)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    from jaxshard.cli import int_list, one_line_errors
+    from jaxshard.errors import ConfigError
+
+    with one_line_errors():
+        ms = int_list(a.microbatches, "--microbatches")
+        models = [m for m in a.models.split(",") if m]
+        meshes = [m for m in a.meshes.split(";") if m]
+        remats = [r for r in a.remats.split(",") if r]
+        if not (ms and models and meshes and remats) or min(a.layers, a.rows, a.seq_len) < 1:
+            raise ConfigError("--models, --meshes, --remats and --microbatches must name at least one each; "
+                              "--layers, --rows and --seq-len must be >= 1")
+        from jaxshard import remat, runtime
+
+        for r in remats:
+            remat.Remat.parse(r)  # a one-line error for an unknown policy, before anything compiles
+        runtime.configure(runtime.RuntimeConfig(cpu_devices=8, platform="cpu"))
+        import jax
+
+        from jaxshard.mesh import MeshSpec, build_mesh
+        from jaxshard.rules import ShardingRules
+        from jaxshard.training.optim import OptimConfig
+        from jaxshard.training.step import StepConfig, build_program
+        from models import TransformerLM, get_preset
+
+        for mesh in meshes:
+            if MeshSpec.parse(mesh).resolve(len(jax.devices())).get("stage", 1) < 2:
+                raise ConfigError(f"--meshes: {mesh!r} has no stage axis of size > 1")
+        t0 = time.perf_counter()
+        rows = []
+        for mesh in meshes:
+            rules = ShardingRules(build_mesh(mesh, jax.devices()))
+            for policy in remats:
+                for name in models:
+                    model = TransformerLM(get_preset(name).replace(n_layers=a.layers), remat=policy)
+                    for m in ms:
+                        row = {"model": name, "mesh": mesh, "remat": policy, "microbatches": m}
+                        for kind in KINDS:
+                            program = build_program(model, rules, OptimConfig(),
+                                                    StepConfig(pipeline_schedule=kind, microbatches=m))
+                            compiled = program.lower_step(m * a.rows, a.seq_len).compile()
+                            row[kind] = {"temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+                                         "slots": program.schedule.slots}
+                            if kind == "zb-h1":
+                                row[kind]["handover_slots"] = program.schedule.w_slots
+                        row["ratio"] = row["zb-h1"]["temp_bytes"] / row["1f1b"]["temp_bytes"]
+                        rows.append(row)
+                        print(f"{name} {mesh} --remat {policy} M={m}: {row['ratio']:.3f}", file=sys.stderr,
+                              flush=True)
+        meta = {"backend": jax.default_backend(), "devices": 8, "jax": jax.__version__, "layers": a.layers,
+                "rows": a.rows, "seq_len": a.seq_len, "wall_s": time.perf_counter() - t0}
+        columns = [(name, m) for name in models for m in ms]
+        lines = [f"ZB-H1's compiled temp bytes per device over 1F1B's: {a.layers} layers on 2 stages, "
+                 f"{a.rows} x {a.seq_len} tokens a microbatch, 8 fake CPU devices, jax {jax.__version__}.", "",
+                 "| mesh | `--remat` | " + " | ".join(f"{name}, M = {m}" for name, m in columns) + " |",
+                 "|---|---|" + "---|" * len(columns)]
+        for mesh in meshes:
+            for policy in remats:
+                cells = {(r["model"], r["microbatches"]): r["ratio"] for r in rows
+                         if r["mesh"] == mesh and r["remat"] == policy}
+                lines.append(f"| `{mesh}` | `{policy}` | " + " | ".join(
+                    f"{cells[c]:.3f}" + (" **over**" if cells[c] > 1 else "") for c in columns) + " |")
+        write_report(a.out, "zero_bubble_memory", meta, rows, "\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
