@@ -729,12 +729,13 @@ def split(pullback: Callable, residuals: Any, cotangent: Any, n_weights: int) ->
                         made, handed = t, cost
         return handed, early, made
 
-    # An input of a call or region made outside goes out where that hands W fewer bytes, the
-    # same weights made whole (W makes a SwiGLU's gates' gradients outside tensor parallelism's
-    # column regions), not where it only moves a value out (GPT-2's pre-activation gradient,
-    # as large either way, took 1% more temp handed outside its region).
+    # An input of a call or region made outside goes out where that hands W no more bytes, the
+    # same weights made whole: W makes a SwiGLU's gates' gradients outside tensor parallelism's
+    # column regions from their product's, and where it does not (``selective``, whose gates
+    # are B's alone) it is handed them outside the region, laid out as the gates B read, whose
+    # place they then take (``pipeline.Handover``), not as each device's share out of the region.
     _, early, (plan, out_b, out_w) = choose()
-    if kept((outside := make(early, True))[0]) < kept(plan):
+    if kept((outside := make(early, True))[0]) <= kept(plan):
         plan, out_b, out_w = outside
     early_at = sorted(early)
 
