@@ -2,11 +2,15 @@
 
     python scripts/bench_zero_bubble_memory.py            # ~8 minutes on 2 CPU cores (60 pairs)
     python scripts/bench_zero_bubble_memory.py --models tiny --meshes stage=2,data=4 --remats dots --out /tmp/zm
+    python scripts/bench_zero_bubble_memory.py --residual-cap stage --out /tmp/zm-narrow   # every run at P - s
 
 For each model, mesh, remat policy and M: the compiled training step of 1F1B and of ZB-H1 on 8
 fake CPU devices, the models' 4 layers (--layers) on 2 stages, --rows x --seq-len tokens a
 microbatch, and XLA's temporary bytes per device (``memory_analysis().temp_size_in_bytes``),
-the figure the memory tests of tests/test_pipeline.py compare. Nothing runs: the figures are
+the figure the memory tests of tests/test_pipeline.py compare, beside each table's idle
+fraction (``Schedule.idle``). ZB-H1's cap is the training step's (``pipeline.residual_cap``)
+unless --residual-cap sets it: ``wide`` 1F1B's 2P - 1, ``stage`` P - s on stage s (lowered as
+the step lowers it), or a number for every stage. Nothing runs: the figures are
 the compiler's, the same on any machine with this jax and XLA. Writes zero_bubble_memory.json
 and zero_bubble_memory.md to --out; a ratio above 1 is where ZB-H1 keeps more than 1F1B
 (docs/pipelines.md says why, case by case).
@@ -38,6 +42,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=4, help="the models' layers")
     p.add_argument("--rows", type=int, default=4, help="sequences per microbatch")
     p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--residual-cap", default=None,
+                   help="ZB-H1's cap on microbatches whose residuals a stage holds: 'wide' (2P - 1), 'stage' (P - s "
+                        "on stage s) or a number (default: the training step's, pipeline.residual_cap)")
     return p
 
 
@@ -54,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         if not (ms and models and meshes and remats) or min(a.layers, a.rows, a.seq_len) < 1:
             raise ConfigError("--models, --meshes, --remats and --microbatches must name at least one each; "
                               "--layers, --rows and --seq-len must be >= 1")
+        if a.residual_cap not in (None, "wide", "stage") and not (a.residual_cap.isdigit() and int(a.residual_cap) >= 1):
+            raise ConfigError(f"--residual-cap must be 'wide', 'stage' or a number >= 1, got {a.residual_cap}")
         from jaxshard import remat, runtime
 
         for r in remats:
@@ -62,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         import jax
 
         from jaxshard.mesh import MeshSpec, build_mesh
+        from jaxshard.parallel import pipeline
         from jaxshard.rules import ShardingRules
         from jaxshard.training.optim import OptimConfig
         from jaxshard.training.step import StepConfig, build_program
@@ -80,11 +90,13 @@ def main(argv: list[str] | None = None) -> int:
                     for m in ms:
                         row = {"model": name, "mesh": mesh, "remat": policy, "microbatches": m}
                         for kind in KINDS:
-                            program = build_program(model, rules, OptimConfig(),
-                                                    StepConfig(pipeline_schedule=kind, microbatches=m))
+                            step = StepConfig(pipeline_schedule=kind, microbatches=m)
+                            tables = None if kind != "zb-h1" or a.residual_cap is None else \
+                                own_tables(pipeline, rules, model, step, a.residual_cap)
+                            program = build_program(model, rules, OptimConfig(), step, schedule=tables)
                             compiled = program.lower_step(m * a.rows, a.seq_len).compile()
                             row[kind] = {"temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
-                                         "slots": program.schedule.slots}
+                                         "slots": program.schedule.slots, "idle": program.schedule.idle()}
                             if kind == "zb-h1":
                                 row[kind]["handover_slots"] = program.schedule.w_slots
                         row["ratio"] = row["zb-h1"]["temp_bytes"] / row["1f1b"]["temp_bytes"]
@@ -92,10 +104,14 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"{name} {mesh} --remat {policy} M={m}: {row['ratio']:.3f}", file=sys.stderr,
                               flush=True)
         meta = {"backend": jax.default_backend(), "devices": 8, "jax": jax.__version__, "layers": a.layers,
-                "rows": a.rows, "seq_len": a.seq_len, "wall_s": time.perf_counter() - t0}
+                "rows": a.rows, "seq_len": a.seq_len, "residual_cap": a.residual_cap or "step",
+                "wall_s": time.perf_counter() - t0}
         columns = [(name, m) for name in models for m in ms]
-        lines = [f"ZB-H1's compiled temp bytes per device over 1F1B's: {a.layers} layers on 2 stages, "
-                 f"{a.rows} x {a.seq_len} tokens a microbatch, 8 fake CPU devices, jax {jax.__version__}.", "",
+        cap = {None: "the training step's", "wide": "2P - 1", "stage": "P - s on stage s"}.get(
+            a.residual_cap, a.residual_cap)
+        lines = [f"ZB-H1's compiled temp bytes per device over 1F1B's: {a.layers} layers, "
+                 f"{a.rows} x {a.seq_len} tokens a microbatch, 8 fake CPU devices, jax {jax.__version__}; "
+                 f"ZB-H1's residual cap {cap}.", "",
                  "| mesh | `--remat` | " + " | ".join(f"{name}, M = {m}" for name, m in columns) + " |",
                  "|---|---|" + "---|" * len(columns)]
         for mesh in meshes:
@@ -104,8 +120,26 @@ def main(argv: list[str] | None = None) -> int:
                          if r["mesh"] == mesh and r["remat"] == policy}
                 lines.append(f"| `{mesh}` | `{policy}` | " + " | ".join(
                     f"{cells[c]:.3f}" + (" **over**" if cells[c] > 1 else "") for c in columns) + " |")
+        lines += ["", "The tables' idle fraction (F, B and W one unit each), ZB-H1 (1F1B):", "",
+                  "| mesh | `--remat` | " + " | ".join(f"M = {m}" for m in ms) + " |", "|---|---|" + "---|" * len(ms)]
+        for mesh in meshes:
+            for policy in remats:
+                idle = {r["microbatches"]: (r["zb-h1"]["idle"], r["1f1b"]["idle"]) for r in rows
+                        if r["mesh"] == mesh and r["remat"] == policy and r["model"] == models[0]}
+                lines.append(f"| `{mesh}` | `{policy}` | " + " | ".join(
+                    f"{idle[m][0]:.3f} ({idle[m][1]:.3f})" for m in ms) + " |")
         write_report(a.out, "zero_bubble_memory", meta, rows, "\n".join(lines))
     return 0
+
+
+def own_tables(pipeline, rules, model, step, cap: str):
+    """ZB-H1's tables for ``step`` with the cap --residual-cap names, in place of the step's."""
+    stages, m = rules.sizes["stage"], step.microbatches
+    flat = pipeline.flat_slots(dict(rules.sizes), pipeline.replica_axes(rules))
+    cap = (2 * stages - 1 if cap == "wide" else pipeline.residual_cap(stages, "full", flat, m) if cap == "stage"
+           else int(cap))
+    return pipeline.make_schedule("zb-h1", stages, m, layout=pipeline.StageLayout.make(model.cfg.n_layers, stages),
+                                  residual_cap=cap)
 
 
 if __name__ == "__main__":

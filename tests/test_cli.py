@@ -401,6 +401,8 @@ def test_tools_reject_bad_input_with_one_line():
                           "--meshes: 'data=8' has no stage axis of size > 1")
     assert_one_line_error(run_script("../scripts/bench_zero_bubble_memory.py", "--remats", "dots,bogus"),
                           "--remat must be one of none, full, dots")
+    assert_one_line_error(run_script("../scripts/bench_zero_bubble_memory.py", "--residual-cap", "tight"),
+                          "--residual-cap must be 'wide', 'stage' or a number >= 1, got tight")
     assert_one_line_error(run_script("../scripts/bench_pipeline.py", "--rows", "3"),
                           "--rows must be a positive even number (a microbatch is split over the steps part's "
                           "data=2), --seq-len and --steps >= 1; got --rows 3")
@@ -584,11 +586,14 @@ def test_the_save_timer_of_several_processes_decides_every_tenth_step_together(m
 
 def test_the_zero_bubble_memory_benchmark_reports_the_compiled_temps_the_memory_tests_read(tmp_path):
     """bench_zero_bubble_memory.py's ratio is ZB-H1's compiled temp over 1F1B's as the memory
-    tests of test_pipeline.py compile them (the same figure from the harness's program), and
-    its table's cell is the JSON's figure."""
+    tests of test_pipeline.py compile them (the same figure from the harness's program), the
+    idle its tables' and its table's cells the JSON's figures; with --residual-cap stage, the
+    narrow tables' temp as the harness compiles them."""
     sys.path.insert(0, str(ROOT / "tests"))
     from harness import make_program
     from models import TransformerLM, get_preset
+
+    from jaxshard.parallel.pipeline import StageLayout, make_schedule
 
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_zero_bubble_memory.py"), "--models", "tiny",
                            "--meshes", "stage=2,data=4", "--remats", "dots", "--microbatches", "4",
@@ -599,5 +604,20 @@ def test_the_zero_bubble_memory_benchmark_reports_the_compiled_temps_the_memory_
     for kind in ("1f1b", "zb-h1"):
         program = make_program(model, "stage=2,data=4", pipeline_schedule=kind, microbatches=4)
         assert row[kind]["temp_bytes"] == program.lower_step(16, 64).compile().memory_analysis().temp_size_in_bytes
+        assert row[kind]["idle"] == program.schedule.idle()
     assert row["ratio"] == row["zb-h1"]["temp_bytes"] / row["1f1b"]["temp_bytes"]
-    assert f"| `stage=2,data=4` | `dots` | {row['ratio']:.3f} |" in (tmp_path / "zero_bubble_memory.md").read_text()
+    md = (tmp_path / "zero_bubble_memory.md").read_text()
+    assert f"| `stage=2,data=4` | `dots` | {row['ratio']:.3f} |" in md
+    assert f"| `stage=2,data=4` | `dots` | {row['zb-h1']['idle']:.3f} ({row['1f1b']['idle']:.3f}) |" in md
+    # --residual-cap stage: the tables with P - s on stage s in place of the step's 2P - 1.
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_zero_bubble_memory.py"), "--models", "tiny",
+                           "--meshes", "stage=2,data=4", "--remats", "dots", "--microbatches", "4",
+                           "--residual-cap", "stage", "--out", str(tmp_path / "narrow")],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    (narrow,) = json.loads((tmp_path / "narrow" / "zero_bubble_memory.json").read_text())["rows"]
+    tables = make_schedule("zb-h1", 2, 4, layout=StageLayout.make(4, 2), residual_cap=(2, 1))
+    program = make_program(model, "stage=2,data=4", pipeline_schedule="zb-h1", microbatches=4, schedule=tables)
+    assert narrow["zb-h1"]["temp_bytes"] == program.lower_step(16, 64).compile().memory_analysis().temp_size_in_bytes
+    assert (narrow["zb-h1"]["slots"], narrow["zb-h1"]["idle"]) == (2, tables.idle()) != (row["zb-h1"]["slots"],
+                                                                                       row["zb-h1"]["idle"])

@@ -266,7 +266,7 @@ def test_zero_bubble_tables_with_one_hand_over_match_one_device(mesh, microbatch
     ("tiny", "data=2,stage=2,tensor=2", 2, "none"), ("tiny", "stage=2,fsdp=4", 4, "dots"),
     ("tiny-llama", "stage=2,fsdp=4", 2, "dots"), ("tiny", "stage=2,fsdp=4", 2, "dots"),
     ("tiny-llama", "stage=2,data=4", 4, "dots_no_batch"), ("tiny", "stage=2,data=4", 4, "names:qkv,attn_proj,mlp_in"),
-    ("tiny-llama", "data=2,stage=2,tensor=2", 2, "selective")])
+    ("tiny-llama", "data=2,stage=2,tensor=2", 2, "selective"), ("moe-tiny", "stage=2,fsdp=4", 2, "none")])
 def test_zero_bubble_keeps_no_more_than_1f1b(name, mesh, microbatches, remat):
     """Compiled temp bytes per device, at M = P and 2P: ZB-H1 keeps as many microbatches'
     residuals as 1F1B, each until its W, and B's hand-over to W over the residuals B alone
@@ -274,13 +274,14 @@ def test_zero_bubble_keeps_no_more_than_1f1b(name, mesh, microbatches, remat):
     rather than keep, its norms' gradients B makes whole): no more than 1F1B's (under
     ``selective`` GPT-2's tiny was 1.04x at M = 2P before B made a LayerNorm's scale and bias
     together). (Under ``full``, whose W must be handed the matmul inputs B recomputed, it is
-    more: docs/pipelines.md.) With a tensor or fsdp axis the hand-over has a slot of its own
-    (but for leaves laid out as B-only residuals, placed over them) and the cap is P - s: at
-    M = 2P, P microbatches and one hand-over against 1F1B's 2P - 1, no more under ``dots`` only
-    where W makes again what the column projections' regions recompute (tensor) and what the
-    gathered biases and norm scales make (fsdp; B hands W those weights).
-    At M = P, two microbatches and a hand-over against two: no more with ``tensor=2`` without
-    remat only where the hand-over's leaves laid out as B-only residuals take their place (the
+    more: docs/pipelines.md.) With a tensor or fsdp axis the hand-over is placed leaf by leaf
+    over B-only residuals laid out alike, the rest in a slot of its own; under ``dots`` (and
+    for MoE layers) the cap is P - s: at M = 2P, P microbatches and one hand-over against
+    1F1B's 2P - 1, no more under ``dots`` only where W makes again what the column
+    projections' regions recompute (tensor) and what the gathered biases and norm scales make
+    (fsdp; B hands W those weights). Without remat and under ``selective`` the cap is 2P - 1
+    there too: at M = P, two microbatches and their hand-overs against two, no more with
+    ``tensor=2`` only where the hand-over's leaves laid out as B-only residuals take their place (the
     gradients of the queries, keys and values, and on tiny-llama two of model width) and, on
     GPT-2, where B makes each LayerNorm's scale and bias together (either alone leaves W the
     cotangent both reduce); on ``fsdp=4`` under ``dots`` where the gradients of the MLP and
@@ -303,14 +304,36 @@ def test_zero_bubble_keeps_no_more_than_1f1b(name, mesh, microbatches, remat):
     assert temp["zb-h1"] <= temp["1f1b"], temp
 
 
+@pytest.mark.parametrize("name, mesh, remat, layers", [
+    ("tiny", "data=2,stage=2,tensor=2", "none", 4), ("tiny-llama", "stage=2,fsdp=4", "selective", 4),
+    ("tiny-llama", "stage=4,tensor=2", "none", 8)])
+def test_zero_bubble_with_a_partitioned_axis_idles_less_than_1f1b_in_no_more_memory(name, mesh, remat, layers):
+    """Without remat and under ``selective``, a dense model's hand-over takes the B-only
+    residuals' place leaf by leaf on a partitioned mesh (``Handover``), so the tables take
+    1F1B's cap of 2P - 1 and idle less than 1F1B at M = 2P (P = 2: 0.077 against 0.200; the
+    cap P - s idled 0.250, more than 1F1B) in no more compiled temp per device (0.95-0.99x
+    1F1B's; P - s kept 0.66-0.80x)."""
+    model = TransformerLM(get_preset(name).replace(n_layers=layers), remat=remat)
+    stages = int(dict(a.split("=") for a in mesh.split(","))["stage"])
+    temp, tables = {}, {}
+    for kind in ("1f1b", "zb-h1"):
+        program = make_program(model, mesh, pipeline_schedule=kind, microbatches=2 * stages)
+        temp[kind] = program.lower_step(8 * stages, 64).compile().memory_analysis().temp_size_in_bytes
+        tables[kind] = program.schedule
+    assert tables["zb-h1"].slots == tables["1f1b"].slots == 2 * stages - 1
+    assert tables["zb-h1"].idle() < tables["1f1b"].idle(), (tables["zb-h1"].idle(), tables["1f1b"].idle())
+    assert temp["zb-h1"] <= temp["1f1b"], temp
+
+
 @pytest.mark.parametrize("name, mesh, remat", [
     ("tiny-llama", "stage=4,tensor=2", "dots"), ("tiny", "stage=4,fsdp=2", "dots"),
-    ("tiny-llama", "stage=4,fsdp=2", "selective"), ("tiny", "stage=4,tensor=2", "dots")])
+    ("tiny-llama", "stage=4,fsdp=2", "dots"), ("tiny", "stage=4,tensor=2", "dots")])
 def test_zero_bubble_on_4_stages_keeps_no_more_than_1f1b_at_m_equal_p(name, mesh, remat):
-    """With a partitioned axis (or a policy whose hand-over is large) on 4 stages, the cap
-    holds 3 microbatches on stage 0, not 4, for the same tables' idle: 3 microbatches'
-    residuals and one hand-over in a slot of its own, against 1F1B's 4 at M = P. Compiled
-    temp per device, two layers a stage: no more than 1F1B's (1.06-1.14x with 4 on stage 0)."""
+    """Where the hand-over keeps a slot of its own (``dots`` with a partitioned axis) on 4
+    stages, the cap holds 3 microbatches on stage 0, not 4, for the same tables' idle: 3
+    microbatches' residuals and one hand-over in a slot of its own, against 1F1B's 4 at M = P.
+    Compiled temp per device, two layers a stage: no more than 1F1B's (1.06-1.17x with 4 on
+    stage 0)."""
     model = TransformerLM(get_preset(name).replace(n_layers=8), remat=remat)
     temp = {}
     for kind in ("1f1b", "zb-h1"):
@@ -375,21 +398,30 @@ def test_zero_bubble_with_split_gradients_places_the_hand_over_and_fetches_nothi
 
 def test_zero_bubbles_cap_widens_only_where_a_hand_over_can_take_its_residuals_place():
     """1F1B's 2P - 1 where the policy's hand-over fits in the B-only residuals and no axis but
-    stage and the executor's replicas splits a stage's values (a flat slot would gather them);
-    else P - s on stage s."""
+    stage and the executor's replicas splits a stage's values (a flat slot would gather them),
+    and without remat or under ``selective`` on any mesh (placed leaf by leaf) where the model
+    has no MoE layers; else P - s on stage s. The step's tables are the rule's: the narrow ones under ``dots`` with a tensor
+    axis (an F waits in the inbox), the wide ones without remat there."""
     from jaxshard.parallel.pipeline import flat_slots
 
     assert flat_slots({"stage": 2, "data": 4, "tensor": 1}, ("data",))
     for sizes, replicas in (({"stage": 2, "data": 2, "tensor": 2}, ("data",)), ({"stage": 2, "data": 4}, ())):
         assert not flat_slots(sizes, replicas)
     assert residual_cap(4, "none") == residual_cap(4, "dots") == residual_cap(4, "dots", True, 4) == 7
-    assert residual_cap(4, "selective") == 7
-    for remat, flat in (("full", True), ("selective", False), ("dots_no_batch", True), ("none", False)):
+    assert residual_cap(4, "selective") == residual_cap(4, "selective", False, 4) == 7
+    assert residual_cap(4, "none", False) == residual_cap(4, "none", False, 16) == 7
+    assert residual_cap(4, "none", True, 4, experts=True) == 7  # MoE layers: a flat slot only
+    assert residual_cap(4, "selective", False, 4, experts=True) == (3, 3, 2, 1)
+    for remat, flat in (("full", True), ("dots", False), ("dots_no_batch", True), ("full", False),
+                        ("names:qkv", True), ("offload:qkv", True)):
         assert residual_cap(4, remat, flat) == (4, 3, 2, 1)
         assert residual_cap(4, remat, flat, 4) == (3, 3, 2, 1)
         assert residual_cap(4, remat, flat, 5) == residual_cap(4, remat, flat, 16) == (4, 3, 2, 1)
-    program = make_program(deep("tiny")[0], "data=2,stage=2,tensor=2", pipeline_schedule="zb-h1", microbatches=4)
-    assert program.schedule.in_slots == 1  # (the P - s tables: an F waits)
+    for remat, narrow in (("dots", True), ("none", False)):
+        model = TransformerLM(get_preset("tiny").replace(n_layers=4), remat=remat)
+        schedule = make_program(model, "data=2,stage=2,tensor=2", pipeline_schedule="zb-h1", microbatches=4).schedule
+        assert (schedule.slots, schedule.in_slots) == ((2, 1) if narrow else (3, 0)), remat
+        assert schedule.handover_apart == narrow
 
 
 def test_zero_bubble_tables_that_idle_more_than_1f1b_say_so():
@@ -409,8 +441,9 @@ def test_zero_bubble_tables_that_idle_more_than_1f1b_say_so():
 
 
 def test_zero_bubble_runs_that_keep_more_than_1f1b_say_so():
-    """Where B's hand-over surely keeps a slot of its own (a partitioned axis; full,
-    dots_no_batch, names), the run's log says when the tables keep more than 1F1B would: on 2
+    """Where B's hand-over surely keeps a slot of its own (full, dots_no_batch, names; a
+    partitioned axis but without remat and under selective for a dense model), the run's log
+    says when the tables keep more than 1F1B would: on 2
     stages at M = P, two microbatches' residuals and a hand-over against two (the compiled temp
     there: 0.91-1.09x 1F1B's, docs/pipelines.md); under full at any M (1.22-1.28x). Where a
     stage keeps no more (2 stages at M = 2P under dots, selective, dots_no_batch and names --
@@ -433,6 +466,7 @@ def test_zero_bubble_runs_that_keep_more_than_1f1b_say_so():
         assert note("stage=2,data=4", remat, 4) == (True, None)
         assert "1f1b would keep 2" in note("stage=2,data=4", remat, 2)[1]
     assert note("data=2,stage=2,tensor=2", "dots", 4) == (True, None)
+    assert note("data=2,stage=2,tensor=2", "none", 2) == (False, None)  # placed leaf by leaf, 1F1B's cap
     assert note("stage=2,data=4", "selective", 4) == (False, None)
     assert note("stage=2,data=4", "selective", 2) == (False, None)
     assert note("stage=2,data=4", "dots", 2) == (False, None)

@@ -236,8 +236,9 @@ class Schedule:
         if tables <= one + 1e-9:
             return None
         return (f"{self.kind}'s tables idle {tables:.0%} here (F, B and W one unit each), 1f1b's would {one:.0%}: "
-                f"B's hand-over to W needs a slot of its own (an axis that splits a stage's values: tensor, fsdp, "
-                f"sequence, expert, or data under ZeRO-2/3; or --remat other than none and dots), so a stage "
+                f"B's hand-over to W needs a slot of its own (--remat dots with an axis that splits a stage's "
+                f"values: tensor, fsdp, sequence, expert, or data under ZeRO-2/3; or --remat full, dots_no_batch, "
+                f"names or offload), so a stage "
                 f"holds at most {self.slots} microbatches; "
                 f"--pipeline-schedule 1f1b may be faster")
 
@@ -323,7 +324,7 @@ class Schedule:
 # W matmul inputs it recomputed (``full``, ``names``; the attention's output under
 # ``dots_no_batch``): many times the B-only residuals (tests/test_split_backward.py). The
 # rule goes by the policy because the tables are made before the batch's shape is known
-# (docs/pipelines.md, "Zero bubble").
+# (docs/pipelines.md, "Zero bubble"); on a partitioned mesh, :data:`HANDOVER_PLACED`.
 HANDOVER_FITS = ("none", "dots", "selective")
 
 
@@ -339,26 +340,49 @@ def flat_slots(sizes: dict[str, int], replicas: tuple[str, ...]) -> bool:
 # ``full``, where B reads no residual alone), so :class:`Handover` keeps it apart.
 HANDOVER_LARGE = ("full", "dots_no_batch", "names")
 
+# The policies whose hand-over takes the B-only residuals' place on any mesh, where a
+# partitioned axis (tensor, fsdp, sequence, expert; data under ZeRO-2/3) keeps it from a flat
+# slot: placed leaf by leaf (:class:`Handover`), what finds no B-only leaf of its layout is
+# small beside what does (without remat the B-only residuals hold every activation B reads;
+# under ``selective`` the probabilities). With 1F1B's cap the compiled temp is 0.92-0.99x
+# 1F1B's at M = P and 2P on the 2- and 4-stage meshes of docs/pipelines.md, "Zero bubble".
+# Under ``dots`` a tensor axis leaves the gradients of model width, whole on every device,
+# with no B-only leaf of their layout (1.22-1.59x with 1F1B's cap), and under FSDP GPT-2's
+# tiny went 1.002-1.018x; with MoE layers (``experts``) the experts' buffers find none either
+# (1.02-1.25x on fsdp, tensor and expert axes); those keep the narrow cap.
+HANDOVER_PLACED = ("none", "selective")
 
-def handover_apart(remat: Any, flat: bool) -> bool:
+
+def widens(remat: Any, flat: bool, experts: bool = False) -> bool:
+    """Whether ZB-H1's tables take 1F1B's cap of 2P - 1 microbatches for ``remat`` (else P - s,
+    :func:`residual_cap`): where B's hand-over to W takes the place of the residuals B alone
+    read, in a flat slot (:data:`HANDOVER_FITS` on a ``flat`` mesh, :func:`flat_slots`) or leaf
+    by leaf (:data:`HANDOVER_PLACED` on any mesh, for a model without MoE layers: not
+    ``experts``). The rule goes by the policy, the mesh and the model because the tables are
+    made before the batch's shape is known."""
+    return (str(remat) in HANDOVER_PLACED and not experts) or (flat and str(remat) in HANDOVER_FITS)
+
+
+def handover_apart(remat: Any, flat: bool, experts: bool = False) -> bool:
     """Whether :class:`Handover` surely keeps B's hand-over to W in slots of its own (all of
-    it, or the leaves laid out like no B-only residual): where a stage's values cannot be
-    laid out flat (not ``flat``: :func:`flat_slots`), and under the policies of
-    :data:`HANDOVER_LARGE`. Elsewhere it shares the B-only residuals' place, or
-    (``offload``, whose tables have the narrow cap) decides by sizes the tables do not know;
-    counted as shared."""
-    return not flat or Remat.parse(remat).kind in HANDOVER_LARGE
+    it, or the leaves laid out like no B-only residual) beside tables with the narrow cap:
+    under the policies of :data:`HANDOVER_LARGE`, and where a stage's values cannot be laid
+    out flat (not ``flat``: :func:`flat_slots`) but where :func:`widens`. Elsewhere it takes
+    the B-only residuals' place, or (``offload``, whose tables have the narrow cap) decides by
+    sizes the tables do not know; counted as placed."""
+    return Remat.parse(remat).kind in HANDOVER_LARGE or not (flat or widens(remat, flat, experts))
 
 
-def residual_cap(stages: int, remat: Any, flat: bool = True, microbatches: int | None = None
-                 ) -> int | tuple[int, ...]:
-    """ZB-H1's cap for ``remat``: 1F1B's 2P - 1 microbatches where B's hand-over to W fits in
-    the residuals it overwrites (:data:`HANDOVER_FITS`, and ``flat``: :func:`flat_slots`);
-    else P - s on stage s, which holds one hand-over beside the residuals (docs/pipelines.md),
-    lowered to the fewest microbatches whose tables for ``microbatches`` idle no more, keep no
-    more hand-overs and no more arrivals waiting, and take at most one tick more (each tick
-    sends an activation and a gradient): P - 1 on stages 0 and 1 at M = P from 3 stages."""
-    if flat and str(remat) in HANDOVER_FITS:
+def residual_cap(stages: int, remat: Any, flat: bool = True, microbatches: int | None = None,
+                 experts: bool = False) -> int | tuple[int, ...]:
+    """ZB-H1's cap for ``remat``: 1F1B's 2P - 1 microbatches where B's hand-over to W takes
+    the place of the residuals it overwrites (:func:`widens`, ``experts``: a model with MoE
+    layers); else P - s on stage s, which
+    holds one hand-over beside the residuals (docs/pipelines.md), lowered to the fewest
+    microbatches whose tables for ``microbatches`` idle no more, keep no more hand-overs and no
+    more arrivals waiting, and take at most one tick more (each tick sends an activation and a
+    gradient): P - 1 on stages 0 and 1 at M = P from 3 stages."""
+    if widens(remat, flat, experts):
         return 2 * stages - 1
     narrow = tuple(stages - s for s in range(stages))
     if microbatches is None or microbatches < stages:  # (make_schedule says what is wrong)

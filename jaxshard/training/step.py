@@ -208,10 +208,10 @@ def pipeline_schedule(rules: ShardingRules, model: Stageable, cfg: StepConfig) -
     flat = pipeline.flat_slots(dict(rules.sizes), pipeline.replica_axes(rules))
     if kind != "zb-h1":
         return pipeline.make_schedule(kind, stages, microbatches, virtual, layout)
-    remat = Remat.parse(model.remat)
-    cap = pipeline.residual_cap(stages, remat, flat, microbatches)
+    remat, experts = Remat.parse(model.remat), model.cfg.moe_experts > 0
+    cap = pipeline.residual_cap(stages, remat, flat, microbatches, experts)
     return dataclasses.replace(pipeline.make_schedule(kind, stages, microbatches, virtual, layout, residual_cap=cap),
-                               handover_apart=pipeline.handover_apart(remat, flat))
+                               handover_apart=pipeline.handover_apart(remat, flat, experts))
 
 
 def balance_stages(model: Stageable, rules: ShardingRules, cfg: StepConfig, batch_size: int,
