@@ -247,21 +247,25 @@ class Schedule:
         or the leaves placed over no B-only residual), the line
         that says where they keep more than 1F1B would at the same P and M: more microbatches'
         values a stage (residuals plus hand-overs; 2 stages at M = P: 3 against 2), or, under
-        ``--remat full``, a hand-over several activations a layer where 1F1B keeps one (1.22-1.28x
-        1F1B's temp on 2 stages; docs/pipelines.md); else None. (Under ``dots_no_batch`` and
-        ``names`` at M = 2P the hand-over is the attention's output beyond ``dots``'s and the
-        temp 0.93-0.96x.) Every stage's buffers are as large as the fullest stage's (one
-        program)."""
+        ``--remat full``, a hand-over several activations a layer where 1F1B keeps one (1.22-1.61x
+        1F1B's temp on 2 stages; docs/pipelines.md), or under ``dots_no_batch`` and ``names`` a
+        hand-over several times the residuals it replaces (at M = 2P 0.93-0.96x 1F1B's temp on
+        a flat mesh but 1.000-1.003x with a partitioned axis, 1.03x on 4 stages at M = P);
+        else None. Every stage's buffers are as large as the fullest stage's (one program)."""
         if not self.split or not self.handover_apart:
             return None
         one = make_schedule("1f1b", self.stages, self.microbatches).slots
         held = f"keeps up to {self.slots} microbatches' residuals and {self.w_slots} B-to-W hand-over" + \
             ("s" if self.w_slots > 1 else "") + " a stage"
+        kind = Remat.parse(remat).kind
         if self.slots + self.w_slots > one:
             why = f"1f1b would keep {one} microbatches' residuals"
-        elif Remat.parse(remat).kind == "full":
+        elif kind == "full":
             why = ("under --remat full a hand-over holds every weight matmul's output gradient, several activations "
                    "a layer, where 1f1b keeps each layer's input")
+        elif kind in HANDOVER_LARGE:
+            why = (f"under --remat {kind} a hand-over holds matmul inputs B made again beside their output "
+                   f"gradients, several times the residuals it takes the place of")
         else:
             return None
         return (f"{self.kind} {held}: {why}, so it can take more memory than 1f1b here "
