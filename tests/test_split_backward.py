@@ -457,3 +457,34 @@ def test_a_region_returning_a_literal_and_its_own_input_splits(check_vma):
 
     res = (jax.random.normal(jax.random.key(0), (6, 8)), jax.random.normal(jax.random.key(1), (5, 6)))
     _split_matches(pullback, res, jax.random.normal(jax.random.key(2), (5, 8)), 1)
+
+
+def test_the_minimum_cut_is_the_one_nearest_the_sink():
+    """``split_backward._sink_side``: the sink's side of a minimum cut, checked against every
+    cut of small graphs by brute force -- of the minimum cuts, the one whose sink side is
+    smallest (contained in every other's), so that W makes again only what it must."""
+    import itertools
+
+    def residual(edges):
+        cap: dict = {"s": {}, "t": {}}
+        for a, b, c in edges:
+            cap.setdefault(a, {})[b] = cap.get(a, {}).get(b, 0) + c
+            cap.setdefault(b, {}).setdefault(a, 0)
+        return cap
+
+    graphs = [
+        [("s", "a", 2), ("a", "t", 2)],  # two cuts of 2: the one at the sink
+        [("s", "a", 3), ("s", "b", 1), ("a", "b", 1), ("a", "t", 1), ("b", "t", 3)],  # one cut of 3
+        [("s", "a", 1), ("a", "b", 5), ("b", "t", 1), ("s", "c", 4), ("c", "t", 2), ("c", "b", 1)],
+    ]
+    for edges in graphs:
+        inner = sorted({n for a, b, _ in edges for n in (a, b)} - {"s", "t"})
+        cuts = {}
+        for k in range(len(inner) + 1):
+            for side in itertools.combinations(inner, k):  # the sink's side, but t
+                sink = {*side, "t"}
+                cuts[frozenset(sink)] = sum(c for a, b, c in edges if a not in sink and b in sink)
+        least = min(cuts.values())
+        nearest = min((s for s, c in cuts.items() if c == least), key=len)
+        assert all(nearest <= s for s, c in cuts.items() if c == least)
+        assert split_backward._sink_side(residual(edges)) == set(nearest), edges

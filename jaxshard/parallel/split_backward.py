@@ -258,7 +258,16 @@ def _fewer_bytes(jaxpr: core.Jaxpr, role: list, stash: set, has: set, free: set,
                     edge((u, 1), (v, 0), inf)
         if v in stash:
             edge((v, 1), "t", inf)
-    # Max flow (Edmonds-Karp), then the cut nearest the sink: W makes again only what it must.
+    # The cut nearest the sink: W makes again only what it must.
+    sink = _sink_side(cap)
+    return sorted({producer[v] for v in need if (v, 0) in sink and producer.get(v) in rerun})
+
+
+def _sink_side(cap: dict) -> set:
+    """The nodes on the sink's side of the minimum cut from ``"s"`` to ``"t"`` nearest the
+    sink, for residual capacities ``cap[a][b]`` (every edge's reverse present, at 0): a
+    maximum flow by shortest augmenting paths (Edmonds-Karp), then what still reaches ``"t"``
+    in the residual graph. ``cap`` is used up."""
     while True:
         back, queue = {"s": None}, collections.deque(["s"])
         while queue and "t" not in back:
@@ -284,7 +293,7 @@ def _fewer_bytes(jaxpr: core.Jaxpr, role: list, stash: set, has: set, free: set,
             if a not in sink and cap[a][b] > 0:
                 sink.add(a)
                 queue.append(a)
-    return sorted({producer[v] for v in need if (v, 0) in sink and producer.get(v) in rerun})
+    return sink
 
 
 def _ordered(jaxpr: core.Jaxpr, vs: set) -> list:
