@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
 def own_tables(pipeline, rules, model, step, cap: str):
     """ZB-H1's tables for ``step`` with the cap --residual-cap names, in place of the step's."""
     stages, m = rules.sizes["stage"], step.microbatches
-    flat = pipeline.flat_slots(dict(rules.sizes), pipeline.replica_axes(rules))
-    cap = (2 * stages - 1 if cap == "wide" else pipeline.residual_cap(stages, "full", flat, m) if cap == "stage"
+    layout = pipeline.slot_layout(dict(rules.sizes), pipeline.replica_axes(rules))
+    cap = (2 * stages - 1 if cap == "wide" else pipeline.residual_cap(stages, "full", layout, m) if cap == "stage"
            else int(cap))
     return pipeline.make_schedule("zb-h1", stages, m, layout=pipeline.StageLayout.make(model.cfg.n_layers, stages),
                                   residual_cap=cap)

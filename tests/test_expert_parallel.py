@@ -257,6 +257,7 @@ def _run_with_metrics(model, mesh, seed=0, **step):
     ("data=2,stage=2", dict(microbatches=4, pipeline_schedule="interleaved")),
     ("stage=2,expert=4", dict(microbatches=4, stage_layers=(3, 1), pipeline_schedule="gpipe")),
     ("stage=2,expert=4", dict(microbatches=4, pipeline_schedule="zb-h1")),
+    ("stage=2,fsdp=4", dict(microbatches=4, pipeline_schedule="zb-h1")),  # expert buffers packed into rows
 ])
 def test_moe_pipelines_match_one_device(mesh, step):
     """A 4-layer moe-tiny (capacity 1: choices drop) pipelined over 4 microbatches equals one

@@ -328,7 +328,7 @@ class Schedule:
 # W matmul inputs it recomputed (``full``, ``names``; the attention's output under
 # ``dots_no_batch``): many times the B-only residuals (tests/test_split_backward.py). The
 # rule goes by the policy because the tables are made before the batch's shape is known
-# (docs/pipelines.md, "Zero bubble"); on a partitioned mesh, :data:`HANDOVER_PLACED`.
+# (docs/pipelines.md, "Zero bubble"); on a partitioned mesh, :data:`WIDE_CAP`.
 HANDOVER_FITS = ("none", "dots", "selective")
 
 
@@ -339,54 +339,66 @@ def flat_slots(sizes: dict[str, int], replicas: tuple[str, ...]) -> bool:
     return all(n == 1 for axis, n in sizes.items() if axis != STAGE and axis not in replicas)
 
 
+def slot_layout(sizes: dict[str, int], replicas: tuple[str, ...]) -> str:
+    """How :class:`Handover` can lay a stage's values out on this mesh: ``flat`` in a shared
+    slot (:func:`flat_slots`); ``rows`` leaf by leaf, packing what finds no B-only leaf of its
+    layout into a B-only leaf's rows, where only batch axes split the values (FSDP, ZeRO-2/3:
+    each value split on a microbatch's rows alone); else ``split``, leaf by leaf."""
+    if flat_slots(sizes, replicas):
+        return "flat"
+    return "rows" if all(n == 1 for a, n in sizes.items() if a not in (STAGE, *replicas, *_BATCH)) else "split"
+
+
 # The policies whose hand-over holds matmul inputs B made again besides their output
 # gradients: several times the B-only residuals (3-11x on the test stacks; all of it under
 # ``full``, where B reads no residual alone), so :class:`Handover` keeps it apart.
 HANDOVER_LARGE = ("full", "dots_no_batch", "names")
 
-# The policies whose hand-over takes the B-only residuals' place on any mesh, where a
-# partitioned axis (tensor, fsdp, sequence, expert; data under ZeRO-2/3) keeps it from a flat
-# slot: placed leaf by leaf (:class:`Handover`), what finds no B-only leaf of its layout is
-# small beside what does (without remat the B-only residuals hold every activation B reads;
-# under ``selective`` the probabilities). With 1F1B's cap the compiled temp is 0.92-0.99x
-# 1F1B's at M = P and 2P on the 2- and 4-stage meshes of docs/pipelines.md, "Zero bubble".
-# Under ``dots`` a tensor axis leaves the gradients of model width, whole on every device,
-# with no B-only leaf of their layout (1.22-1.59x with 1F1B's cap), and under FSDP GPT-2's
-# tiny went 1.002-1.018x; with MoE layers (``experts``) the experts' buffers find none either
-# (1.02-1.25x on fsdp, tensor and expert axes); those keep the narrow cap.
-HANDOVER_PLACED = ("none", "selective")
+# Where ZB-H1 takes 1F1B's cap of 2P - 1: per slot layout (:func:`slot_layout`) and model (a
+# dense one, one with MoE layers), the policies whose hand-over, placed as that layout lets
+# it, kept no more compiled temp than 1F1B's at M = P and 2P in every case measured
+# (docs/pipelines.md, "Which cap"): in a flat slot, :data:`HANDOVER_FITS`; leaf by leaf
+# without remat and under ``selective`` for a dense model, whose B-only residuals hold every
+# activation B reads or the attention's probabilities (0.92-0.99x on tensor, fsdp and ZeRO
+# axes, 2 and 4 stages). Under ``dots`` a tensor axis leaves the gradients of model width,
+# whole on every device, with no B-only leaf of their layout (1.22-1.59x), and on rows GPT-2's
+# tiny went 1.002-1.018x. MoE layers' expert buffers find a place only packed into rows
+# (without remat and under ``dots``: 0.92-0.98x; ``selective`` 1.02-1.03x at M = 2P; on tensor
+# and expert axes 1.07-1.25x).
+WIDE_CAP = {("flat", False): HANDOVER_FITS, ("flat", True): HANDOVER_FITS,
+            ("rows", False): ("none", "selective"), ("rows", True): ("none", "dots"),
+            ("split", False): ("none", "selective"), ("split", True): ()}
 
 
-def widens(remat: Any, flat: bool, experts: bool = False) -> bool:
-    """Whether ZB-H1's tables take 1F1B's cap of 2P - 1 microbatches for ``remat`` (else P - s,
-    :func:`residual_cap`): where B's hand-over to W takes the place of the residuals B alone
-    read, in a flat slot (:data:`HANDOVER_FITS` on a ``flat`` mesh, :func:`flat_slots`) or leaf
-    by leaf (:data:`HANDOVER_PLACED` on any mesh, for a model without MoE layers: not
-    ``experts``). The rule goes by the policy, the mesh and the model because the tables are
-    made before the batch's shape is known."""
-    return (str(remat) in HANDOVER_PLACED and not experts) or (flat and str(remat) in HANDOVER_FITS)
+def widens(remat: Any, layout: str, experts: bool = False) -> bool:
+    """Whether ZB-H1's tables take 1F1B's cap of 2P - 1 microbatches for ``remat`` on a mesh
+    whose values :class:`Handover` lays out as ``layout`` (:func:`slot_layout`), for a model
+    with MoE layers or not (``experts``): :data:`WIDE_CAP`; else P - s (:func:`residual_cap`).
+    The rule goes by the policy, the mesh and the model because the tables are made before
+    the batch's shape is known."""
+    return str(remat) in WIDE_CAP[layout, experts]
 
 
-def handover_apart(remat: Any, flat: bool, experts: bool = False) -> bool:
+def handover_apart(remat: Any, layout: str, experts: bool = False) -> bool:
     """Whether :class:`Handover` surely keeps B's hand-over to W in slots of its own (all of
     it, or the leaves laid out like no B-only residual) beside tables with the narrow cap:
-    under the policies of :data:`HANDOVER_LARGE`, and where a stage's values cannot be laid
-    out flat (not ``flat``: :func:`flat_slots`) but where :func:`widens`. Elsewhere it takes
-    the B-only residuals' place, or (``offload``, whose tables have the narrow cap) decides by
-    sizes the tables do not know; counted as placed."""
-    return Remat.parse(remat).kind in HANDOVER_LARGE or not (flat or widens(remat, flat, experts))
+    under the policies of :data:`HANDOVER_LARGE`, and on a mesh whose values are not laid
+    out flat (:func:`slot_layout`) but where :func:`widens`. Elsewhere it takes the B-only
+    residuals' place, or (``offload``, whose tables have the narrow cap) decides by sizes the
+    tables do not know; counted as placed."""
+    return Remat.parse(remat).kind in HANDOVER_LARGE or not (layout == "flat" or widens(remat, layout, experts))
 
 
-def residual_cap(stages: int, remat: Any, flat: bool = True, microbatches: int | None = None,
+def residual_cap(stages: int, remat: Any, layout: str = "flat", microbatches: int | None = None,
                  experts: bool = False) -> int | tuple[int, ...]:
     """ZB-H1's cap for ``remat``: 1F1B's 2P - 1 microbatches where B's hand-over to W takes
-    the place of the residuals it overwrites (:func:`widens`, ``experts``: a model with MoE
-    layers); else P - s on stage s, which
+    the place of the residuals it overwrites on a mesh whose values are laid out as
+    ``layout`` (:func:`widens`; ``experts``: a model with MoE layers); else P - s on stage s, which
     holds one hand-over beside the residuals (docs/pipelines.md), lowered to the fewest
     microbatches whose tables for ``microbatches`` idle no more, keep no more hand-overs and no
     more arrivals waiting, and take at most one tick more (each tick sends an activation and a
     gradient): P - 1 on stages 0 and 1 at M = P from 3 stages."""
-    if widens(remat, flat, experts):
+    if widens(remat, layout, experts):
         return 2 * stages - 1
     narrow = tuple(stages - s for s in range(stages))
     if microbatches is None or microbatches < stages:  # (make_schedule says what is wrong)
@@ -596,8 +608,10 @@ def same_layout(a: tuple[int, ...], b: tuple[int, ...], exact: bool = True) -> b
 
 def _by_rows(shape: tuple[int, ...], rows: int, per_row: int) -> bool:
     """Whether a stacked value of ``shape`` is laid out by a microbatch's ``rows`` first:
-    ``[layers, rows, per_row, ...]`` or ``[layers, rows * per_row, ...]`` (its tokens)."""
-    return len(shape) >= 3 and (shape[1] == rows * per_row or shape[1] == rows and shape[2] == per_row)
+    ``[layers, rows * per_row, ...]`` (its tokens), or ``[layers, rows, ...]`` with a dim of
+    ``per_row`` among the rest (``[layers, rows, per_row, ...]``; an MoE layer's
+    ``[layers, rows, experts, per_row, capacity]``)."""
+    return len(shape) >= 3 and (shape[1] == rows * per_row or shape[1] == rows and per_row in shape[2:])
 
 
 def _set(buf: jax.Array, x: jax.Array, slot: jax.Array) -> jax.Array:
@@ -1033,7 +1047,7 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         if zb:
             # Where only batch axes split the values (FSDP, ZeRO), each is split on its rows
             # alone, and a hand-over leaf may be packed into a B-only leaf's rows.
-            by_rows = all(n == 1 for a, n in mesh.shape.items() if a not in (STAGE, *replicas, *_BATCH))
+            by_rows = slot_layout(dict(mesh.shape), replicas) == "rows"
             handover = Handover([r for r, w in zip(res_shapes, until_w) if not w], jax.tree.leaves(w_shapes),
                                  schedule, flat, leafwise=not flat, rows=x_shape.shape[:2] if by_rows else None)
 

@@ -205,13 +205,13 @@ def pipeline_schedule(rules: ShardingRules, model: Stageable, cfg: StepConfig) -
         raise ConfigError("--balance needs the batch shape: resolve it with balance_stages() first")
     kind, stages, virtual, microbatches = plan
     layout = pipeline.StageLayout.make(model.cfg.n_layers, stages, virtual, cfg.stage_layers)
-    flat = pipeline.flat_slots(dict(rules.sizes), pipeline.replica_axes(rules))
+    slots = pipeline.slot_layout(dict(rules.sizes), pipeline.replica_axes(rules))
     if kind != "zb-h1":
         return pipeline.make_schedule(kind, stages, microbatches, virtual, layout)
     remat, experts = Remat.parse(model.remat), model.cfg.moe_experts > 0
-    cap = pipeline.residual_cap(stages, remat, flat, microbatches, experts)
+    cap = pipeline.residual_cap(stages, remat, slots, microbatches, experts)
     return dataclasses.replace(pipeline.make_schedule(kind, stages, microbatches, virtual, layout, residual_cap=cap),
-                               handover_apart=pipeline.handover_apart(remat, flat, experts))
+                               handover_apart=pipeline.handover_apart(remat, slots, experts))
 
 
 def balance_stages(model: Stageable, rules: ShardingRules, cfg: StepConfig, batch_size: int,
