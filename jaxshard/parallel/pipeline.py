@@ -236,10 +236,8 @@ class Schedule:
         if tables <= one + 1e-9:
             return None
         return (f"{self.kind}'s tables idle {tables:.0%} here (F, B and W one unit each), 1f1b's would {one:.0%}: "
-                f"B's hand-over to W needs a slot of its own (--remat dots with an axis that splits a stage's "
-                f"values: tensor, fsdp, sequence, expert, or data under ZeRO-2/3; or --remat full, dots_no_batch, "
-                f"names or offload), so a stage "
-                f"holds at most {self.slots} microbatches; "
+                f"B's hand-over to W needs a slot of its own with this mesh, model and --remat (docs/pipelines.md, "
+                f"'Which cap'), so a stage holds at most {self.slots} microbatches; "
                 f"--pipeline-schedule 1f1b may be faster")
 
     def memory_note(self, remat: Any = None) -> str | None:
