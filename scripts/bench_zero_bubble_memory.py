@@ -1,12 +1,13 @@
 """Zero-bubble pipelining's memory: ZB-H1's compiled temp against 1F1B's, per device.
 
     python scripts/bench_zero_bubble_memory.py            # ~8 minutes on 2 CPU cores (60 pairs)
-    python scripts/bench_zero_bubble_memory.py --models tiny --meshes stage=2,data=4 --remats dots --out /tmp/zm
-    python scripts/bench_zero_bubble_memory.py --residual-cap stage --out /tmp/zm-narrow   # every run at P - s
+    python scripts/bench_zero_bubble_memory.py --models tiny --meshes stage=2,data=4 --remats dots --out zm
+    python scripts/bench_zero_bubble_memory.py --residual-cap stage --out zm-narrow   # every run at P - s
+    python scripts/bench_zero_bubble_memory.py --meshes "stage=4,tensor=2" --layers 8 --microbatches 4,8
 
 For each model, mesh, remat policy and M: the compiled training step of 1F1B and of ZB-H1 on 8
-fake CPU devices, the models' 4 layers (--layers) on 2 stages, --rows x --seq-len tokens a
-microbatch, and XLA's temporary bytes per device (``memory_analysis().temp_size_in_bytes``),
+fake CPU devices, the models' --layers layers (4) on the mesh's stages, --rows x --seq-len
+tokens a microbatch, and XLA's temporary bytes per device (``memory_analysis().temp_size_in_bytes``),
 the figure the memory tests of tests/test_pipeline.py compare, beside each table's idle
 fraction (``Schedule.idle``). ZB-H1's cap is the training step's (``pipeline.residual_cap``)
 unless --residual-cap sets it: ``wide`` 1F1B's 2P - 1, ``stage`` P - s on stage s (lowered as
@@ -121,13 +122,14 @@ def main(argv: list[str] | None = None) -> int:
                 lines.append(f"| `{mesh}` | `{policy}` | " + " | ".join(
                     f"{cells[c]:.3f}" + (" **over**" if cells[c] > 1 else "") for c in columns) + " |")
         lines += ["", "The tables' idle fraction (F, B and W one unit each), ZB-H1 (1F1B):", "",
-                  "| mesh | `--remat` | " + " | ".join(f"M = {m}" for m in ms) + " |", "|---|---|" + "---|" * len(ms)]
+                  "| mesh | `--remat` | " + " | ".join(f"{name}, M = {m}" for name, m in columns) + " |",
+                  "|---|---|" + "---|" * len(columns)]
         for mesh in meshes:
             for policy in remats:
-                idle = {r["microbatches"]: (r["zb-h1"]["idle"], r["1f1b"]["idle"]) for r in rows
-                        if r["mesh"] == mesh and r["remat"] == policy and r["model"] == models[0]}
+                idle = {(r["model"], r["microbatches"]): (r["zb-h1"]["idle"], r["1f1b"]["idle"]) for r in rows
+                        if r["mesh"] == mesh and r["remat"] == policy}
                 lines.append(f"| `{mesh}` | `{policy}` | " + " | ".join(
-                    f"{idle[m][0]:.3f} ({idle[m][1]:.3f})" for m in ms) + " |")
+                    f"{idle[c][0]:.3f} ({idle[c][1]:.3f})" for c in columns) + " |")
         write_report(a.out, "zero_bubble_memory", meta, rows, "\n".join(lines))
     return 0
 

@@ -190,6 +190,8 @@ class Schedule:
     # Zero-bubble: whether B's hand-over surely keeps slots of its own rather than the B-only
     # residuals' place (:func:`handover_apart`; the tables then have residual_cap's narrow cap).
     handover_apart: bool = False
+    # Zero-bubble: how the executor can lay a stage's values out (:func:`slot_layout`).
+    slot_layout: str = "flat"
     # Zero-bubble: a stage's F (B) may come ticks after the previous (next) stage sent its
     # input (gradient); such an arrival waits in a slot of an inbox: where it lands, where the
     # F (B) reads it (-1 in both: the F or B takes it in the tick it lands, from no slot).
@@ -246,10 +248,10 @@ class Schedule:
         that says where they keep more than 1F1B would at the same P and M: more microbatches'
         values a stage (residuals plus hand-overs; 2 stages at M = P: 3 against 2), or, under
         ``--remat full``, a hand-over several activations a layer where 1F1B keeps one (1.22-1.61x
-        1F1B's temp on 2 stages; docs/pipelines.md), or under ``dots_no_batch`` and ``names`` a
-        hand-over several times the residuals it replaces (at M = 2P 0.93-0.96x 1F1B's temp on
-        a flat mesh but 1.000-1.003x with a partitioned axis, 1.03x on 4 stages at M = P);
-        else None. Every stage's buffers are as large as the fullest stage's (one program)."""
+        1F1B's temp on 2 stages; docs/pipelines.md), or under ``dots_no_batch`` and ``names``
+        with a partitioned axis (``slot_layout`` not flat) a hand-over several times the
+        residuals it replaces in a slot of its own (0.95-1.003x 1F1B's temp at M = 2P, 1.03x on
+        4 stages at M = P; on a flat mesh at M = 2P 0.93-0.96x, and nothing said); else None. Every stage's buffers are as large as the fullest stage's (one program)."""
         if not self.split or not self.handover_apart:
             return None
         one = make_schedule("1f1b", self.stages, self.microbatches).slots
@@ -261,13 +263,14 @@ class Schedule:
         elif kind == "full":
             why = ("under --remat full a hand-over holds every weight matmul's output gradient, several activations "
                    "a layer, where 1f1b keeps each layer's input")
-        elif kind in HANDOVER_LARGE:
+        elif kind in HANDOVER_LARGE and self.slot_layout != "flat":
             why = (f"under --remat {kind} a hand-over holds matmul inputs B made again beside their output "
-                   f"gradients, several times the residuals it takes the place of")
+                   f"gradients, several times the residuals it takes the place of, and with an axis that splits "
+                   f"a stage's values it has a slot of its own")
         else:
             return None
         return (f"{self.kind} {held}: {why}, so it can take more memory than 1f1b here "
-                f"(docs/pipelines.md, 'Zero bubble'); --pipeline-schedule 1f1b keeps less")
+                f"(docs/pipelines.md, 'Zero bubble'); --pipeline-schedule 1f1b may keep less")
 
     def op_runs(self, stage: int) -> dict[str, int]:
         """How often ``stage`` runs each op of a tick (the executor's scopes, ``TICK_SCOPE``) in a
@@ -357,12 +360,14 @@ HANDOVER_LARGE = ("full", "dots_no_batch", "names")
 # it, kept no more compiled temp than 1F1B's at M = P and 2P in every case measured
 # (docs/pipelines.md, "Which cap"): in a flat slot, :data:`HANDOVER_FITS`; leaf by leaf
 # without remat and under ``selective`` for a dense model, whose B-only residuals hold every
-# activation B reads or the attention's probabilities (0.92-0.99x on tensor, fsdp and ZeRO
-# axes, 2 and 4 stages). Under ``dots`` a tensor axis leaves the gradients of model width,
-# whole on every device, with no B-only leaf of their layout (1.22-1.59x), and on rows GPT-2's
-# tiny went 1.002-1.018x. MoE layers' expert buffers find a place only packed into rows
-# (without remat and under ``dots``: 0.92-0.98x; ``selective`` 1.02-1.03x at M = 2P; on tensor
-# and expert axes 1.07-1.25x).
+# activation B reads or the attention's probabilities (0.92-0.99x on tensor axes with and
+# without SP, fsdp and ZeRO-2/3, 2 and 4 stages; a dense model on an expert axis was not
+# measured, and a stage axis does not go with a sequence one). Under ``dots`` a tensor axis
+# leaves the gradients of model width, whole on every device, with no B-only leaf of their
+# layout (1.22-1.40x on 2 stages, to 1.59x on 4), and on rows GPT-2's tiny went 1.002-1.018x.
+# MoE layers' expert buffers find a place only packed into rows (without remat and under
+# ``dots``: 0.92-0.98x; ``selective`` 1.02-1.03x at M = 2P; on tensor and expert axes
+# 1.07-1.25x).
 WIDE_CAP = {("flat", False): HANDOVER_FITS, ("flat", True): HANDOVER_FITS,
             ("rows", False): ("none", "selective"), ("rows", True): ("none", "dots"),
             ("split", False): ("none", "selective"), ("split", True): ()}
@@ -381,7 +386,7 @@ def handover_apart(remat: Any, layout: str, experts: bool = False) -> bool:
     """Whether :class:`Handover` surely keeps B's hand-over to W in slots of its own (all of
     it, or the leaves laid out like no B-only residual) beside tables with the narrow cap:
     under the policies of :data:`HANDOVER_LARGE`, and on a mesh whose values are not laid
-    out flat (:func:`slot_layout`) but where :func:`widens`. Elsewhere it takes the B-only
+    out flat (:func:`slot_layout`) where the cap does not widen (:func:`widens`). Elsewhere it takes the B-only
     residuals' place, or (``offload``, whose tables have the narrow cap) decides by sizes the
     tables do not know; counted as placed."""
     return Remat.parse(remat).kind in HANDOVER_LARGE or not (layout == "flat" or widens(remat, layout, experts))
