@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         if not (ms and models and meshes and remats) or min(a.layers, a.rows, a.seq_len) < 1:
             raise ConfigError("--models, --meshes, --remats and --microbatches must name at least one each; "
                               "--layers, --rows and --seq-len must be >= 1")
-        if a.residual_cap not in (None, "wide", "stage") and not (a.residual_cap.isdigit() and int(a.residual_cap) >= 1):
+        cap_ok = a.residual_cap in (None, "wide", "stage") or a.residual_cap.isdigit() and int(a.residual_cap) >= 1
+        if not cap_ok:
             raise ConfigError(f"--residual-cap must be 'wide', 'stage' or a number >= 1, got {a.residual_cap}")
         from jaxshard import remat, runtime
 
@@ -72,15 +73,16 @@ def main(argv: list[str] | None = None) -> int:
         import jax
 
         from jaxshard.mesh import MeshSpec, build_mesh
-        from jaxshard.parallel import pipeline
         from jaxshard.rules import ShardingRules
         from jaxshard.training.optim import OptimConfig
-        from jaxshard.training.step import StepConfig, build_program
+        from jaxshard.training.step import StepConfig, build_program, check_batch
         from models import TransformerLM, get_preset
 
         for mesh in meshes:
             if MeshSpec.parse(mesh).resolve(len(jax.devices())).get("stage", 1) < 2:
                 raise ConfigError(f"--meshes: {mesh!r} has no stage axis of size > 1")
+            for m in ms:  # a microbatch the batch axes split, as training asks
+                check_batch(ShardingRules(build_mesh(mesh, jax.devices())), m * a.rows, a.seq_len, 1, m)
         t0 = time.perf_counter()
         rows = []
         for mesh in meshes:
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                         for kind in KINDS:
                             step = StepConfig(pipeline_schedule=kind, microbatches=m)
                             tables = None if kind != "zb-h1" or a.residual_cap is None else \
-                                own_tables(pipeline, rules, model, step, a.residual_cap)
+                                own_tables(rules, model, step, a.residual_cap)
                             program = build_program(model, rules, OptimConfig(), step, schedule=tables)
                             compiled = program.lower_step(m * a.rows, a.seq_len).compile()
                             row[kind] = {"temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
@@ -134,8 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def own_tables(pipeline, rules, model, step, cap: str):
+def own_tables(rules, model, step, cap: str):
     """ZB-H1's tables for ``step`` with the cap --residual-cap names, in place of the step's."""
+    from jaxshard.parallel import pipeline
+
     stages, m = rules.sizes["stage"], step.microbatches
     layout = pipeline.slot_layout(dict(rules.sizes), pipeline.replica_axes(rules))
     cap = (2 * stages - 1 if cap == "wide" else pipeline.residual_cap(stages, "full", layout, m) if cap == "stage"

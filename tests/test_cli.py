@@ -403,6 +403,10 @@ def test_tools_reject_bad_input_with_one_line():
                           "--remat must be one of none, full, dots")
     assert_one_line_error(run_script("../scripts/bench_zero_bubble_memory.py", "--residual-cap", "tight"),
                           "--residual-cap must be 'wide', 'stage' or a number >= 1, got tight")
+    assert_one_line_error(run_script("../scripts/bench_zero_bubble_memory.py", "--meshes", "stage=2,fsdp=4",
+                                     "--rows", "2"),
+                          "the microbatch of 2 (--batch-size 4 / --microbatches 2) is not divisible by the "
+                          "batch-sharding axes")
     assert_one_line_error(run_script("../scripts/bench_pipeline.py", "--rows", "3"),
                           "--rows must be a positive even number (a microbatch is split over the steps part's "
                           "data=2), --seq-len and --steps >= 1; got --rows 3")

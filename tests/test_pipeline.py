@@ -276,8 +276,9 @@ def test_zero_bubble_keeps_no_more_than_1f1b(name, mesh, microbatches, remat):
     together). (Under ``full``, whose W must be handed the matmul inputs B recomputed, it is
     more: docs/pipelines.md.) With a tensor or fsdp axis the hand-over is placed leaf by leaf
     over B-only residuals laid out alike, the rest in a slot of its own; under ``dots`` for a
-    dense model (and for MoE layers with a tensor or expert axis) the cap is P - s: at M = 2P, P microbatches and one hand-over against
-    1F1B's 2P - 1, no more under ``dots`` only where W makes again what the column
+    dense model (and for MoE layers under every policy) the cap is P - s: at M =
+    2P, P microbatches and one hand-over against 1F1B's 2P - 1, no more under ``dots`` only
+    where W makes again what the column
     projections' regions recompute (tensor) and what the gathered biases and norm scales make
     (fsdp; B hands W those weights). Without remat and under ``selective`` the cap is 2P - 1
     there too: at M = P, two microbatches and their hand-overs against two, no more with
@@ -306,17 +307,13 @@ def test_zero_bubble_keeps_no_more_than_1f1b(name, mesh, microbatches, remat):
 
 @pytest.mark.parametrize("name, mesh, remat, layers", [
     ("tiny", "data=2,stage=2,tensor=2", "none", 4), ("tiny-llama", "stage=2,fsdp=4", "selective", 4),
-    ("tiny-llama", "stage=4,tensor=2", "none", 8), ("moe-tiny", "stage=2,fsdp=4", "none", 4),
-    ("moe-tiny", "stage=2,fsdp=4", "dots", 4)])
+    ("tiny-llama", "stage=4,tensor=2", "none", 8)])
 def test_zero_bubble_with_a_partitioned_axis_idles_less_than_1f1b_in_no_more_memory(name, mesh, remat, layers):
     """Without remat and under ``selective``, a dense model's hand-over takes the B-only
     residuals' place leaf by leaf on a partitioned mesh (``Handover``), so the tables take
     1F1B's cap of 2P - 1 and idle less than 1F1B at M = 2P (P = 2: 0.077 against 0.200; the
     cap P - s idled 0.250, more than 1F1B) in no more compiled temp per device (0.95-0.99x
-    1F1B's; P - s kept 0.66-0.80x). So do MoE layers' without remat and under ``dots`` where
-    only batch axes split the values, their expert buffers packed into the rows of a B-only
-    leaf (``[layers, rows, experts, tokens, capacity]``; 0.94x and 0.96x, 1.05x without the
-    packing)."""
+    1F1B's; P - s kept 0.66-0.80x)."""
     model = TransformerLM(get_preset(name).replace(n_layers=layers), remat=remat)
     stages = int(dict(a.split("=") for a in mesh.split(","))["stage"])
     temp, tables = {}, {}
@@ -406,8 +403,7 @@ def test_zero_bubbles_cap_widens_only_where_a_hand_over_can_take_its_residuals_p
     """1F1B's 2P - 1 where the policy's hand-over fits in the B-only residuals and no axis but
     stage and the executor's replicas splits a stage's values (a flat slot would gather them),
     and without remat or under ``selective`` on any mesh (placed leaf by leaf) where the model
-    has no MoE layers, without remat or under ``dots`` where it has and only batch axes split
-    the values (packed into rows); else P - s on stage s. The step's tables are the rule's:
+    has no MoE layers; else P - s on stage s. The step's tables are the rule's:
     the narrow ones under ``dots`` with a tensor axis (an F waits in the inbox), the wide ones
     without remat there."""
     from jaxshard.parallel.pipeline import flat_slots, slot_layout
@@ -423,10 +419,10 @@ def test_zero_bubbles_cap_widens_only_where_a_hand_over_can_take_its_residuals_p
     assert residual_cap(4, "selective") == residual_cap(4, "selective", "split", 4) == 7
     for layout in ("rows", "split"):
         assert residual_cap(4, "none", layout) == residual_cap(4, "none", layout, 16) == 7
-    # MoE layers: a flat slot, or packed into rows without remat and under dots.
+    # MoE layers: a flat slot only.
     assert residual_cap(4, "selective", "flat", 4, experts=True) == 7
-    assert residual_cap(4, "none", "rows", 4, experts=True) == residual_cap(4, "dots", "rows", 4, experts=True) == 7
-    for remat, layout in (("selective", "rows"), ("none", "split"), ("selective", "split")):
+    for remat, layout in (("none", "rows"), ("dots", "rows"), ("selective", "rows"), ("none", "split"),
+                          ("selective", "split")):
         assert residual_cap(4, remat, layout, 4, experts=True) == (3, 3, 2, 1)
     for remat, layout in (("full", "flat"), ("dots", "split"), ("dots", "rows"), ("dots_no_batch", "flat"),
                           ("full", "rows"), ("names:qkv", "flat"), ("offload:qkv", "flat")):

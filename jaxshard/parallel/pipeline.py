@@ -251,7 +251,8 @@ class Schedule:
         1F1B's temp on 2 stages; docs/pipelines.md), or under ``dots_no_batch`` and ``names``
         with a partitioned axis (``slot_layout`` not flat) a hand-over several times the
         residuals it replaces in a slot of its own (0.95-1.003x 1F1B's temp at M = 2P, 1.03x on
-        4 stages at M = P; on a flat mesh at M = 2P 0.93-0.96x, and nothing said); else None. Every stage's buffers are as large as the fullest stage's (one program)."""
+        4 stages at M = P; on a flat mesh at M = 2P 0.93-0.96x, and nothing said); else None.
+        Every stage's buffers are as large as the fullest stage's (one program)."""
         if not self.split or not self.handover_apart:
             return None
         one = make_schedule("1f1b", self.stages, self.microbatches).slots
@@ -365,11 +366,12 @@ HANDOVER_LARGE = ("full", "dots_no_batch", "names")
 # measured, and a stage axis does not go with a sequence one). Under ``dots`` a tensor axis
 # leaves the gradients of model width, whole on every device, with no B-only leaf of their
 # layout (1.22-1.40x on 2 stages, to 1.59x on 4), and on rows GPT-2's tiny went 1.002-1.018x.
-# MoE layers' expert buffers find a place only packed into rows (without remat and under
-# ``dots``: 0.92-0.98x; ``selective`` 1.02-1.03x at M = 2P; on tensor and expert axes
-# 1.07-1.25x).
+# MoE layers' expert buffers are packed into rows where only batch axes split the values,
+# which fit at 64 tokens (moe-tiny on fsdp=4 without remat and under ``dots``: 0.92-0.98x)
+# but not at 128 (1.07-1.19x), and on tensor and expert axes find no place (1.07-1.25x): an
+# MoE model keeps P - s wherever the values are split.
 WIDE_CAP = {("flat", False): HANDOVER_FITS, ("flat", True): HANDOVER_FITS,
-            ("rows", False): ("none", "selective"), ("rows", True): ("none", "dots"),
+            ("rows", False): ("none", "selective"), ("rows", True): (),
             ("split", False): ("none", "selective"), ("split", True): ()}
 
 
@@ -386,9 +388,9 @@ def handover_apart(remat: Any, layout: str, experts: bool = False) -> bool:
     """Whether :class:`Handover` surely keeps B's hand-over to W in slots of its own (all of
     it, or the leaves laid out like no B-only residual) beside tables with the narrow cap:
     under the policies of :data:`HANDOVER_LARGE`, and on a mesh whose values are not laid
-    out flat (:func:`slot_layout`) where the cap does not widen (:func:`widens`). Elsewhere it takes the B-only
-    residuals' place, or (``offload``, whose tables have the narrow cap) decides by sizes the
-    tables do not know; counted as placed."""
+    out flat (:func:`slot_layout`) where the cap does not widen (:func:`widens`). Elsewhere
+    it takes the B-only residuals' place, or (``offload``, whose tables have the narrow cap)
+    decides by sizes the tables do not know; counted as placed."""
     return Remat.parse(remat).kind in HANDOVER_LARGE or not (layout == "flat" or widens(remat, layout, experts))
 
 
@@ -396,8 +398,8 @@ def residual_cap(stages: int, remat: Any, layout: str = "flat", microbatches: in
                  experts: bool = False) -> int | tuple[int, ...]:
     """ZB-H1's cap for ``remat``: 1F1B's 2P - 1 microbatches where B's hand-over to W takes
     the place of the residuals it overwrites on a mesh whose values are laid out as
-    ``layout`` (:func:`widens`; ``experts``: a model with MoE layers); else P - s on stage s, which
-    holds one hand-over beside the residuals (docs/pipelines.md), lowered to the fewest
+    ``layout`` (:func:`widens`; ``experts``: a model with MoE layers); else P - s on stage s,
+    which holds one hand-over beside the residuals (docs/pipelines.md), lowered to the fewest
     microbatches whose tables for ``microbatches`` idle no more, keep no more hand-overs and no
     more arrivals waiting, and take at most one tick more (each tick sends an activation and a
     gradient): P - 1 on stages 0 and 1 at M = P from 3 stages."""
@@ -873,7 +875,8 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         raise ConfigError(f"the pipeline's schedule needs a layout of {Pn} stages x {V} chunks")
     S = layout.depth
     zb = schedule.split
-    flat = flat_slots(dict(mesh.shape), replicas)
+    slots_as = slot_layout(dict(mesh.shape), replicas)
+    flat = slots_as == "flat"
     if zb and head is None:
         raise ConfigError(f"--pipeline-schedule {schedule.kind} needs the model's head apart from its last chunk")
     tables = {name: jnp.asarray(getattr(schedule, name)) for name in
@@ -1050,9 +1053,9 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         if zb:
             # Where only batch axes split the values (FSDP, ZeRO), each is split on its rows
             # alone, and a hand-over leaf may be packed into a B-only leaf's rows.
-            by_rows = slot_layout(dict(mesh.shape), replicas) == "rows"
             handover = Handover([r for r, w in zip(res_shapes, until_w) if not w], jax.tree.leaves(w_shapes),
-                                 schedule, flat, leafwise=not flat, rows=x_shape.shape[:2] if by_rows else None)
+                                 schedule, flat, leafwise=not flat,
+                                 rows=x_shape.shape[:2] if slots_as == "rows" else None)
 
         def keep_res(stash_res, res, slot, b_slot):
             if not zb:
