@@ -14,6 +14,7 @@ import contextlib
 from typing import Any, Callable
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 
 from jaxshard import remat as remat_lib
@@ -23,7 +24,7 @@ from jaxshard.model import MOE_METRICS, Loss, Params, Stageable
 from jaxshard.parallel import attention, pipeline
 from jaxshard.parallel.vocab import cross_entropy
 from jaxshard.rows import microbatch_rows
-from jaxshard.rules import StateKind, active, constrain
+from jaxshard.rules import StateKind, active, constrain, for_compute
 
 
 class StagedModel:
@@ -186,10 +187,36 @@ class StagedModel:
                 return self._moe_chunk(cast(chunk), x_BLD, layer_keys, present, self._counted_tokens(tokens_BL))
 
         def last(chunk, outer, x_BLD, tokens_BL, targets_BL, i, layers, key):
+            if jax.default_backend() == "cpu" and rules.state_axes(StateKind.PARAMS):
+                outer, x_BLD = gathered_first(outer, x_BLD, tokens_BL, targets_BL, i, key)
             y = body(chunk, x_BLD, tokens_BL, i, layers, key)
             y_BLD, side = y if self.moe_layers else (y, None)
             nll = head(outer, y_BLD, tokens_BL, targets_BL, i, key)
             return nll if side is None else (nll, side)
+
+        def gathered_first(outer, x_BLD, tokens_BL, targets_BL, i, key):
+            """XLA:CPU runs a computation's independent ops in the order they become ready,
+            and its fake devices may take a collective and a loop holding collectives in
+            different orders: one device gathering the head's params (FSDP, ZeRO-3) while the
+            other entered the layers' loop, each waiting in its collective for the other. The
+            MoE pipeline on ``fsdp=2,stage=2,expert=2`` hung so in every run of a few hundred
+            steps under load, and in none of 1,500 steps with this; an optimization barrier
+            does not help (XLA:CPU's runtime orders by data alone). So on CPU the params the
+            head reads are gathered first and the layers' input made to depend on them (+ 0,
+            from a test XLA cannot fold): the same gathers, ordered. Elsewhere the runtime
+            keeps the program's order and nothing changes."""
+            leaves, tree = jax.tree.flatten(outer)
+            reads = jax.make_jaxpr(lambda *o: head(jax.tree.unflatten(tree, o), x_BLD, tokens_BL, targets_BL, i,
+                                                   key))(*leaves)
+            live = {v for v in reads.jaxpr.outvars if not isinstance(v, jax.extend.core.Literal)}
+            for e in reversed(reads.jaxpr.eqns):  # what the loss is computed from
+                if any(v in live for v in e.outvars):
+                    live |= {v for v in e.invars if not isinstance(v, jax.extend.core.Literal)}
+            used = {n for n, v in enumerate(reads.jaxpr.invars) if v in live}
+            axes = jax.tree.leaves({k: self.param_axes()[k] for k in outer}, is_leaf=lambda a: isinstance(a, tuple))
+            got = [for_compute(x, ax) if n in used else x for n, (x, ax) in enumerate(zip(leaves, axes))]
+            first = [jnp.isnan(got[n].reshape(-1)[0]).astype(x_BLD.dtype) for n in sorted(used)]
+            return jax.tree.unflatten(tree, got), x_BLD + jnp.minimum(0, sum(first))
 
         def head(outer, y_BLD, tokens_BL, targets_BL, i, key):  # the head and the loss (zero-bubble: apart)
             nll_BL = cross_entropy(model.head(cast(outer), y_BLD), targets_BL, model.cfg.vocab_size)
