@@ -930,10 +930,11 @@ def test_balance_gives_a_heavy_head_fewer_layers(how):
 _COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
 
-def _unordered_gathers(hlo: str) -> list[tuple[str, str]]:
-    """(all-gather, loop) for each all-gather that shares a computation with a loop holding
-    collectives (in its body, or in what its body calls) and is neither an operand of the
-    loop, transitively, nor made from its result: nothing but the runtime orders the two."""
+def _unordered(hlo: str) -> list[tuple[str, str]]:
+    """(collective, region) for each collective that shares a computation with a loop or a
+    conditional holding collectives (in its body or branches, or what they call) and is
+    neither an operand of it, transitively, nor made from its result: nothing but XLA:CPU's
+    runtime orders the two."""
     comps, calls, where = {}, {}, None
     for line in hlo.splitlines():
         head = re.match(r"(?:ENTRY )?%([\w.\-]+) \(.*\{$", line)
@@ -965,25 +966,34 @@ def _unordered_gathers(hlo: str) -> list[tuple[str, str]]:
                         todo.append(a)
             return seen
 
-        loops = [n for n, (op, _, called) in instrs.items() if op == "while" and any(map(communicates, called))]
-        gathers = [n for n, (op, _, _) in instrs.items() if op == "all-gather"]
-        found += [(g, loop) for loop in loops for g in gathers
-                  if g not in ancestors(loop) and loop not in ancestors(g)]
+        regions = [n for n, (op, _, called) in instrs.items()
+                   if op in ("while", "conditional") and any(map(communicates, called))]
+        collectives = [n for n, (op, _, _) in instrs.items() if op in _COLLECTIVES]
+        found += [(c, r) for r in regions for c in collectives if c not in ancestors(r) and r not in ancestors(c)]
     return found
 
 
-@pytest.mark.parametrize("name, mesh", [("tiny-llama", "stage=2,fsdp=4"), ("moe-tiny", "fsdp=2,stage=2,expert=2")])
-def test_the_last_stage_gathers_the_heads_params_before_its_layers_loop(name, mesh):
+@pytest.mark.parametrize("name, mesh, schedule, left", [
+    ("tiny-llama", "stage=2,fsdp=4", "1f1b", []), ("moe-tiny", "fsdp=2,stage=2,expert=2", "1f1b", ["loss"]),
+    ("tiny-llama", "data=2,stage=2,tensor=2", "1f1b", []), ("tiny-llama", "stage=2,fsdp=4", "zb-h1", [])])
+def test_every_collective_is_ordered_by_data_against_the_ticks_branches_and_loops(name, mesh, schedule, left):
     """XLA:CPU runs a computation's independent ops in whatever order they become ready, so
-    the fake devices may take a collective and a loop holding collectives in different orders
-    and wait in each for the other (the MoE pipeline test hung so under load: one device
-    gathering the head's params, the other in the layers' loop). On CPU the last stage gathers
-    the params its head reads (FSDP) before its layers and makes their input depend on them:
-    no all-gather beside a loop that holds collectives is left unordered by data. (The head's
-    gradients are still reduced beside the layers' backward loop, unordered; that was not seen
-    to hang.)"""
+    the fake devices may take a collective and a loop or branch holding collectives in
+    different orders and wait in each for the other. The MoE pipeline test hung so under load:
+    one device gathering the head's params (FSDP) beside the last stage's layers' loop, the
+    other in the loop. On CPU the last stage gathers what its head reads before its layers and
+    reduces the head's gradients before its backward loop, each made an input of the loop
+    (``StagedModel``'s ``gathered_first``), and a tick's sends wait for its last op on every
+    mesh: in the compiled step no collective beside such a region is left unordered by data
+    (each case failed before: the head's gathers, its gradients' reductions, or a send beside
+    the backward slot's branch) but, with MoE layers on fsdp, the loss's sum over the stage's
+    rows beside the backward loop (``left``; ordering it would add that all-reduce where the
+    sum is otherwise left to the step's end; it has not hung)."""
     model = TransformerLM(get_preset(name).replace(n_layers=4))
-    program = make_program(model, mesh, microbatches=2)
+    program = make_program(model, mesh, microbatches=2, pipeline_schedule=schedule)
     hlo = program.lower_step(8, 64).compile().as_text()
-    assert "all-gather(" in hlo and "while(" in hlo
-    assert _unordered_gathers(hlo) == []
+    assert "while(" in hlo and "conditional(" in hlo
+    lines = {m.group(1): m.group(0) for m in re.finditer(r"%([\w.\-]+) = [^\n]*", hlo)}
+    found = ["loss" if "pipeline_tick_last/jvp()/reduce_sum" in lines[c] and " f32[] all-reduce(" in lines[c]
+             else lines[c][:200] for c, _ in _unordered(hlo)]
+    assert found == left

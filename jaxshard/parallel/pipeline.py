@@ -341,6 +341,18 @@ def flat_slots(sizes: dict[str, int], replicas: tuple[str, ...]) -> bool:
     return all(n == 1 for axis, n in sizes.items() if axis != STAGE and axis not in replicas)
 
 
+def zero_from(x: jax.Array, spec: P | None = None) -> jax.Array:
+    """0 (int32), made from ``x``'s first element by a test XLA cannot fold: what is computed
+    from it comes after ``x`` (XLA:CPU's runtime orders ops by data alone). ``spec``: where
+    ``x`` is split, its layout; each device then reads its own shard's first element, so
+    that none is fetched from another."""
+    first = lambda v: jnp.minimum(0, jnp.isnan(v.reshape(-1)[0]).astype(jnp.int32))  # noqa: E731
+    axes = frozenset(a for e in spec or () if e for a in ((e,) if isinstance(e, str) else e))
+    if not axes:  # (whole on every device)
+        return first(x)
+    return jax.shard_map(first, in_specs=spec, out_specs=P(), axis_names=axes, check_vma=False)(x)
+
+
 def slot_layout(sizes: dict[str, int], replicas: tuple[str, ...]) -> str:
     """How :class:`Handover` can lay a stage's values out on this mesh: ``flat`` in a shared
     slot (:func:`flat_slots`); ``rows`` leaf by leaf, packing what finds no B-only leaf of its
@@ -1106,12 +1118,7 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
             in these models, which each device holds whole where the matmuls are split; where
             the params are split beyond those (``spec``: its layout), each device takes its own
             shard's first element, so that none is fetched from another (all are 0)."""
-            first = lambda x: jnp.minimum(0, jnp.isnan(x.reshape(-1)[0]).astype(jnp.int32))  # noqa: E731
-            axes = frozenset(a for e in spec or () if e for a in ((e,) if isinstance(e, str) else e))
-            if not axes:  # (whole on every device)
-                return first(jax.tree.leaves(tree)[0])
-            return jax.shard_map(first, in_specs=spec, out_specs=P(), axis_names=axes,
-                                 check_vma=False)(jax.tree.leaves(tree)[0])
+            return zero_from(jax.tree.leaves(tree)[0], spec)
 
         def add_weights(acc, stash, k, u, res_slot, w_slot, op="W"):
             """W of microbatch ``k`` (-1: none) on chunk ``u``, from its residuals and what its
@@ -1203,10 +1210,14 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
             # XLA would issue each as soon as its value is made (after the F, after the B), so
             # that a tick lasted as long as the slower stage's ops before it plus the slower
             # stage's after it, where the tables count the slower stage's whole tick (ZB-H1's
-            # Ws, after both sends, then ran while the other stage waited).
-            if flat:
-                zero = zero_after(d_blocks_acc)
-                y, d_x = y + zero.astype(y.dtype), d_x + zero.astype(d_x.dtype)
+            # Ws, after both sends, then ran while the other stage waited). On fake CPU devices
+            # a send left beside the backward slot's branch, which holds collectives where an
+            # axis splits the stage's values, could also be taken before it on one device and
+            # after it on another (``StagedModel``'s ``gathered_first`` says why): the smallest
+            # gradient orders the sends there, each device reading its own shard of it.
+            zero = zero_after(d_blocks_acc) if flat else zero_after([jax.tree.leaves(d_blocks_acc)[smallest]],
+                                                                       smallest_spec)
+            y, d_x = y + zero.astype(y.dtype), d_x + zero.astype(d_x.dtype)
             received_x = jax.lax.ppermute(y, STAGE, to_next)
             received_g = jax.lax.ppermute(d_x, STAGE, to_prev)
             extras_acc = jax.tree.map(lambda a, f, b: a + f + b, extras_acc, fwd_extras, bwd_extras)

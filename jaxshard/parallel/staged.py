@@ -187,10 +187,13 @@ class StagedModel:
                 return self._moe_chunk(cast(chunk), x_BLD, layer_keys, present, self._counted_tokens(tokens_BL))
 
         def last(chunk, outer, x_BLD, tokens_BL, targets_BL, i, layers, key):
-            if jax.default_backend() == "cpu" and rules.state_axes(StateKind.PARAMS):
-                outer, x_BLD = gathered_first(outer, x_BLD, tokens_BL, targets_BL, i, key)
+            ordered = jax.default_backend() == "cpu" and rules.state_axes(StateKind.PARAMS)
+            if ordered:
+                outer, x_BLD, used = gathered_first(outer, x_BLD, tokens_BL, targets_BL, i, key)
             y = body(chunk, x_BLD, tokens_BL, i, layers, key)
             y_BLD, side = y if self.moe_layers else (y, None)
+            if ordered:
+                y_BLD, outer = reduced_first(y_BLD, outer, used)
             nll = head(outer, y_BLD, tokens_BL, targets_BL, i, key)
             return nll if side is None else (nll, side)
 
@@ -203,8 +206,9 @@ class StagedModel:
             steps under load, and in none of 1,500 steps with this; an optimization barrier
             does not help (XLA:CPU's runtime orders by data alone). So on CPU the params the
             head reads are gathered first and the layers' input made to depend on them (+ 0,
-            from a test XLA cannot fold): the same gathers, ordered. Elsewhere the runtime
-            keeps the program's order and nothing changes."""
+            from a test XLA cannot fold): the same gathers, ordered (:func:`reduced_first`
+            orders their gradients' reductions). Elsewhere the runtime keeps the program's
+            order and nothing changes. Also returns ``used``: the head's leaves."""
             leaves, tree = jax.tree.flatten(outer)
             reads = jax.make_jaxpr(lambda *o: head(jax.tree.unflatten(tree, o), x_BLD, tokens_BL, targets_BL, i,
                                                    key))(*leaves)
@@ -215,8 +219,32 @@ class StagedModel:
             used = {n for n, v in enumerate(reads.jaxpr.invars) if v in live}
             axes = jax.tree.leaves({k: self.param_axes()[k] for k in outer}, is_leaf=lambda a: isinstance(a, tuple))
             got = [for_compute(x, ax) if n in used else x for n, (x, ax) in enumerate(zip(leaves, axes))]
-            first = [jnp.isnan(got[n].reshape(-1)[0]).astype(x_BLD.dtype) for n in sorted(used)]
-            return jax.tree.unflatten(tree, got), x_BLD + jnp.minimum(0, sum(first))
+            zero = sum(pipeline.zero_from(got[n]) for n in sorted(used))
+            return jax.tree.unflatten(tree, got), x_BLD + zero.astype(x_BLD.dtype), sorted(used)
+
+        def reduced_first(y_BLD, outer, used):
+            """The backward pass's side of :func:`gathered_first`: the layers' backward loop
+            takes the head's output gradient plus 0 made from each of the head's params'
+            gradients, reduced into their layout (each device reading its own shard), so the
+            reductions come before it on every device."""
+            leaves, tree = jax.tree.flatten(outer)
+            axes = jax.tree.leaves({k: self.param_axes()[k] for k in outer}, is_leaf=lambda a: isinstance(a, tuple))
+            specs = [rules.param_spec(axes[n], tuple(leaves[n].shape), StateKind.GRADS) for n in used]
+
+            @jax.custom_vjp
+            def tie(y, picked):
+                return y, picked
+
+            def tie_bwd(_, grads):
+                d_y, d_picked = grads
+                zero = sum(pipeline.zero_from(d, spec) for d, spec in zip(d_picked, specs))
+                return d_y + zero.astype(d_y.dtype), d_picked
+
+            tie.defvjp(lambda y, picked: (tie(y, picked), None), tie_bwd)
+            y_BLD, picked = tie(y_BLD, [leaves[n] for n in used])
+            for n, x in zip(used, picked):
+                leaves[n] = x
+            return y_BLD, jax.tree.unflatten(tree, leaves)
 
         def head(outer, y_BLD, tokens_BL, targets_BL, i, key):  # the head and the loss (zero-bubble: apart)
             nll_BL = cross_entropy(model.head(cast(outer), y_BLD), targets_BL, model.cfg.vocab_size)
