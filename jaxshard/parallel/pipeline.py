@@ -341,6 +341,14 @@ def flat_slots(sizes: dict[str, int], replicas: tuple[str, ...]) -> bool:
     return all(n == 1 for axis, n in sizes.items() if axis != STAGE and axis not in replicas)
 
 
+def orders_by_data() -> bool:
+    """Whether the backend's runtime runs a computation's independent ops in whatever order
+    they become ready (XLA:CPU), so that collectives must be ordered by data to be taken in
+    the same order on every device (``StagedModel``'s ``gathered_first``); elsewhere the
+    runtime keeps the program's order."""
+    return jax.default_backend() == "cpu"
+
+
 def zero_from(x: jax.Array, spec: P | None = None) -> jax.Array:
     """0 (int32), made from ``x``'s first element by a test XLA cannot fold: what is computed
     from it comes after ``x`` (XLA:CPU's runtime orders ops by data alone). ``spec``: where

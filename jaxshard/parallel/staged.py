@@ -187,17 +187,31 @@ class StagedModel:
                 return self._moe_chunk(cast(chunk), x_BLD, layer_keys, present, self._counted_tokens(tokens_BL))
 
         def last(chunk, outer, x_BLD, tokens_BL, targets_BL, i, layers, key):
-            ordered = jax.default_backend() == "cpu" and rules.state_axes(StateKind.PARAMS)
+            ordered = pipeline.orders_by_data() and rules.state_axes(StateKind.PARAMS)
             if ordered:
-                outer, x_BLD, used = gathered_first(outer, x_BLD, tokens_BL, targets_BL, i, key)
+                reads = head_reads(outer, x_BLD, tokens_BL, targets_BL, i, key)
+                outer, x_BLD = gathered_first(outer, x_BLD, reads)
             y = body(chunk, x_BLD, tokens_BL, i, layers, key)
             y_BLD, side = y if self.moe_layers else (y, None)
             if ordered:
-                y_BLD, outer = reduced_first(y_BLD, outer, used)
+                y_BLD, outer = reduced_first(y_BLD, outer, reads)
             nll = head(outer, y_BLD, tokens_BL, targets_BL, i, key)
             return nll if side is None else (nll, side)
 
-        def gathered_first(outer, x_BLD, tokens_BL, targets_BL, i, key):
+        def head_reads(outer, y_BLD, tokens_BL, targets_BL, i, key):
+            """{index among ``outer``'s leaves: logical axes} of the leaves the head's loss is
+            computed from (from its jaxpr)."""
+            leaves, tree = jax.tree.flatten(outer)
+            jaxpr = jax.make_jaxpr(lambda *o: head(jax.tree.unflatten(tree, o), y_BLD, tokens_BL, targets_BL, i,
+                                                   key))(*leaves).jaxpr
+            live = {v for v in jaxpr.outvars if not isinstance(v, jax.extend.core.Literal)}
+            for e in reversed(jaxpr.eqns):
+                if any(v in live for v in e.outvars):
+                    live |= {v for v in e.invars if not isinstance(v, jax.extend.core.Literal)}
+            axes = jax.tree.leaves({k: self.param_axes()[k] for k in outer}, is_leaf=lambda a: isinstance(a, tuple))
+            return {n: axes[n] for n, v in enumerate(jaxpr.invars) if v in live}
+
+        def gathered_first(outer, x_BLD, reads):
             """XLA:CPU runs a computation's independent ops in the order they become ready,
             and its fake devices may take a collective and a loop holding collectives in
             different orders: one device gathering the head's params (FSDP, ZeRO-3) while the
@@ -205,31 +219,24 @@ class StagedModel:
             MoE pipeline on ``fsdp=2,stage=2,expert=2`` hung so in every run of a few hundred
             steps under load, and in none of 1,500 steps with this; an optimization barrier
             does not help (XLA:CPU's runtime orders by data alone). So on CPU the params the
-            head reads are gathered first and the layers' input made to depend on them (+ 0,
-            from a test XLA cannot fold): the same gathers, ordered (:func:`reduced_first`
-            orders their gradients' reductions). Elsewhere the runtime keeps the program's
-            order and nothing changes. Also returns ``used``: the head's leaves."""
+            head reads (``reads``) are gathered first and the layers' input made to depend on
+            them (+ 0 from each, read on each device's own shard of its layout in compute):
+            the same gathers, ordered (:func:`reduced_first` orders their gradients'
+            reductions). Elsewhere the runtime keeps the program's order and nothing changes."""
             leaves, tree = jax.tree.flatten(outer)
-            reads = jax.make_jaxpr(lambda *o: head(jax.tree.unflatten(tree, o), x_BLD, tokens_BL, targets_BL, i,
-                                                   key))(*leaves)
-            live = {v for v in reads.jaxpr.outvars if not isinstance(v, jax.extend.core.Literal)}
-            for e in reversed(reads.jaxpr.eqns):  # what the loss is computed from
-                if any(v in live for v in e.outvars):
-                    live |= {v for v in e.invars if not isinstance(v, jax.extend.core.Literal)}
-            used = {n for n, v in enumerate(reads.jaxpr.invars) if v in live}
-            axes = jax.tree.leaves({k: self.param_axes()[k] for k in outer}, is_leaf=lambda a: isinstance(a, tuple))
-            got = [for_compute(x, ax) if n in used else x for n, (x, ax) in enumerate(zip(leaves, axes))]
-            zero = sum(pipeline.zero_from(got[n]) for n in sorted(used))
-            return jax.tree.unflatten(tree, got), x_BLD + zero.astype(x_BLD.dtype), sorted(used)
+            zero = 0
+            for n, ax in reads.items():
+                leaves[n] = for_compute(leaves[n], ax)
+                zero += pipeline.zero_from(leaves[n], rules.compute_param_spec(ax, tuple(leaves[n].shape)))
+            return jax.tree.unflatten(tree, leaves), x_BLD + jnp.asarray(zero).astype(x_BLD.dtype)
 
-        def reduced_first(y_BLD, outer, used):
+        def reduced_first(y_BLD, outer, reads):
             """The backward pass's side of :func:`gathered_first`: the layers' backward loop
             takes the head's output gradient plus 0 made from each of the head's params'
             gradients, reduced into their layout (each device reading its own shard), so the
             reductions come before it on every device."""
             leaves, tree = jax.tree.flatten(outer)
-            axes = jax.tree.leaves({k: self.param_axes()[k] for k in outer}, is_leaf=lambda a: isinstance(a, tuple))
-            specs = [rules.param_spec(axes[n], tuple(leaves[n].shape), StateKind.GRADS) for n in used]
+            specs = [rules.param_spec(ax, tuple(leaves[n].shape), StateKind.GRADS) for n, ax in reads.items()]
 
             @jax.custom_vjp
             def tie(y, picked):
@@ -241,8 +248,8 @@ class StagedModel:
                 return d_y + zero.astype(d_y.dtype), d_picked
 
             tie.defvjp(lambda y, picked: (tie(y, picked), None), tie_bwd)
-            y_BLD, picked = tie(y_BLD, [leaves[n] for n in used])
-            for n, x in zip(used, picked):
+            y_BLD, picked = tie(y_BLD, [leaves[n] for n in reads])
+            for n, x in zip(reads, picked):
                 leaves[n] = x
             return y_BLD, jax.tree.unflatten(tree, leaves)
 
