@@ -12,7 +12,11 @@ remat policy's recompute does not explain: x1.00 when B and W together compute o
 and each table's idle fraction (F, B and W one unit
 each) beside the theory: (P - 1)/(M + P - 1) for 1F1B, (P - 1)/(3M + P - 1) for ZB-H1. The two
 runs alternate, each timed --rounds times, so that the machine's drift falls on both; each
-round's ratio is reported too. Writes zero_bubble.json and zero_bubble.md to --out.
+round's ratio is reported too. Then one more step of each, traced with jax.profiler: each
+device's time by the part of the step its ops are in (F, B, W, the ends' embedding, head and
+loss, the tick loop's own work, the sends with their waiting, the step around the loop), read
+from the trace's thunks (jaxshard.analysis.profile.tick_parts). Writes zero_bubble.json and
+zero_bubble.md to --out.
 
 The default width is 1024, a real model's order (GPT-2 medium's): ZB-H1 keeps and re-reads more
 bytes than 1F1B per microbatch (what B hands W), and on a CPU's memory bandwidth those bytes
@@ -33,6 +37,9 @@ sys.path[0] = ROOT
 
 SINGLE_THREAD = "--xla_cpu_multi_thread_eigen=false"
 KINDS = ("1f1b", "zb-h1")
+# The traced table's columns: the parts of jaxshard.analysis.profile.tick_part each sums.
+COLUMNS = {"F": ("F",), "B": ("B",), "W": ("W", "W_first"), "last": ("last",), "ends": ("head", "embed", "embed_grad"),
+           "tick": ("tick",), "sends": ("send",), "outside": ("outside", "xla")}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -73,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         import jax
 
         from jaxshard.analysis import accounting
-        from jaxshard.analysis.bubble import step_seconds
+        from jaxshard.analysis.bubble import priced_step, step_seconds, traced_parts
         from jaxshard.mesh import build_mesh
         from jaxshard.parallel import pipeline
         from jaxshard.rules import ShardingRules
@@ -110,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
                     model.cfg, rules, batch, a.seq_len, schedule=s)
                 row[k] = {"step_s": min(times[k]), "step_s_rounds": times[k],
                           "temp_bytes": compiled.memory_analysis().temp_size_in_bytes, "ticks": s.ticks,
-                          "table_idle": s.idle(), "theory": s.bubble(), "matmul_flops_per_device": waste}
+                          "table_idle": s.idle(), "theory": s.bubble(), "matmul_flops_per_device": waste,
+                          "traced": traced_parts(program, batch, a.seq_len, model.cfg.vocab_size)}
+                row[k]["traced"]["priced_step_s"] = priced_step(s, row[k]["traced"]["devices"])
             rows.append(row)
             print(f"M={m}: 1f1b {row['1f1b']['step_s'] * 1e3:.1f} ms, zb-h1 {row['zb-h1']['step_s'] * 1e3:.1f} ms",
                   file=sys.stderr, flush=True)
@@ -133,6 +142,23 @@ def main(argv: list[str] | None = None) -> int:
                          f"{z['table_idle']:.3f} ({z['theory']:.3f}) | {o['temp_bytes'] / 2**20:.2f} / "
                          f"{z['temp_bytes'] / 2**20:.2f} | {accounting.waste_cell(o['matmul_flops_per_device'])}, "
                          f"{accounting.waste_cell(z['matmul_flops_per_device'])} |")
+        lines += ["", "Where each device's time went, ms of one traced step (ops by the executor's scope; "
+                  "B: 1F1B's whole backward; last: 1F1B's last chunk, its forward and backward in one slot; ends: "
+                  "the embedding, ZB-H1's head and loss; the sends include their waiting; unaccounted: the "
+                  "runtime's own, in loops and branches; priced: the tables with each op at its traced cost on "
+                  "its stage, jaxshard.analysis.bubble.priced_step):", "",
+                  "| M | schedule | device | F | B | W | last | ends | tick | sends | outside | unaccounted | "
+                  "traced step | priced |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            for k in KINDS:
+                traced = r[k]["traced"]
+                for device, parts in traced["devices"].items():
+                    cells = [sum(parts.get(p, 0.0) for p in group) for group in COLUMNS.values()]
+                    lines.append(f"| {r['microbatches']} | {k} | {device} | "
+                                 + " | ".join(f"{c * 1e3:.0f}" for c in cells)
+                                 + f" | {(traced['step_s'] - sum(parts.values())) * 1e3:.0f} | "
+                                 f"{traced['step_s'] * 1e3:.0f} | {traced['priced_step_s'] * 1e3:.0f} |")
         write_report(a.out, "zero_bubble", meta, rows, "\n".join(lines))
     return 0
 

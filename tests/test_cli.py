@@ -625,3 +625,31 @@ def test_the_zero_bubble_memory_benchmark_reports_the_compiled_temps_the_memory_
     assert narrow["zb-h1"]["temp_bytes"] == program.lower_step(16, 64).compile().memory_analysis().temp_size_in_bytes
     assert (narrow["zb-h1"]["slots"], narrow["zb-h1"]["idle"]) == (2, tables.idle()) != (row["zb-h1"]["slots"],
                                                                                        row["zb-h1"]["idle"])
+
+
+def test_the_zero_bubble_benchmark_says_where_each_devices_time_went(tmp_path):
+    """bench_zero_bubble.py traces a step of each schedule and sums each device's thunks by the
+    executor's op they run in. 1F1B: stage 0 runs F and the whole backward, stage 1 its last
+    chunk's forward and backward in one slot, no W anywhere; ZB-H1: F, B and W on both stages,
+    the head on the last alone. The parts are the device's own, within its traced step."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_zero_bubble.py"), "--microbatches", "2",
+                           "--d-model", "64", "--rows", "2", "--steps", "1", "--rounds", "1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = json.loads((tmp_path / "zero_bubble.json").read_text())["rows"]
+    parts = {k: row[k]["traced"]["devices"] for k in ("1f1b", "zb-h1")}
+    assert set(parts["1f1b"]) == set(parts["zb-h1"]) == {"0", "1"}
+    one, zb = parts["1f1b"], parts["zb-h1"]
+    assert one["0"]["F"] > 0 and one["0"]["B"] > 0 and one["1"]["last"] > 0
+    assert "last" not in one["0"] and not {"F", "B"} & set(one["1"])
+    assert not {"W", "W_first", "head"} & (set(one["0"]) | set(one["1"]))
+    for device in ("0", "1"):
+        assert zb[device]["F"] > 0 and zb[device]["B"] > 0 and zb[device].get("W", 0) + zb[device].get("W_first", 0) > 0
+        assert "last" not in zb[device] and zb[device]["send"] > 0 and zb[device]["outside"] > 0
+        for k in ("1f1b", "zb-h1"):
+            total = sum(parts[k][device].values())
+            assert 0.5 * row[k]["traced"]["step_s"] < total < 1.05 * row[k]["traced"]["step_s"], (k, device)
+    assert zb["1"]["head"] > 0 and "head" not in zb["0"]
+    md = (tmp_path / "zero_bubble.md").read_text()
+    w = (zb["0"].get("W", 0) + zb["0"].get("W_first", 0)) * 1e3
+    assert f"| 2 | zb-h1 | 0 | {zb['0']['F'] * 1e3:.0f} | {zb['0']['B'] * 1e3:.0f} | {w:.0f} | 0 |" in md

@@ -81,6 +81,31 @@ def test_the_logged_bubble_formula_gives_the_bubble(kind, virtual):
     assert value == pytest.approx(schedule.bubble()), (formula, value, schedule.bubble())
 
 
+@pytest.mark.parametrize("kind, stages, microbatches, cap", [
+    ("1f1b", 2, 8, None), ("1f1b", 4, 6, None), ("gpipe", 3, 4, None), ("zb-h1", 2, 8, None), ("zb-h1", 4, 8, None),
+    ("zb-h1", 3, 5, (3, 2, 1))])
+def test_the_tables_priced_at_one_unit_an_op_idle_as_the_tables_say(kind, stages, microbatches, cap):
+    """bench_zero_bubble.py prices the tables at each op's traced cost (``priced_step``). At a
+    unit an op (1F1B's backward two, its last chunk's forward and backward three) the priced
+    step is the length the tables' idle fraction is counted against; each tick's own work adds
+    its cost once a tick, the step around the loop its slowest stage's."""
+    from jaxshard.analysis.bubble import priced_step
+
+    schedule = make_schedule(kind, stages, microbatches, residual_cap=cap)
+    M = microbatches
+    units = {str(s): ({"F": M, "B": M, "W": M} if schedule.split else
+                      {"last": 3 * M} if s == stages - 1 else {"F": M, "B": 2 * M}) for s in range(stages)}
+    work = 3 * M * stages
+    priced = priced_step(schedule, units)
+    assert 1 - work / (stages * priced) == pytest.approx(schedule.idle())
+    for parts in units.values():
+        parts["tick"] = 0.5 * schedule.ticks
+    units["0"]["outside"], units[str(stages - 1)]["xla"] = 2.0, 3.0
+    assert priced_step(schedule, units) == pytest.approx(priced + 0.5 * schedule.ticks + 3.0)
+    with pytest.raises(ValueError, match="one chunk a stage"):
+        priced_step(make_schedule("interleaved", 2, 4, 2), units)
+
+
 @pytest.mark.parametrize("kind, virtual", [("interleaved", 2), ("zb-h1", 1)])
 def test_packed_tables_give_one_stage_all_its_slots_and_no_waiting(kind, virtual):
     """What --measure-bubble times as a stage's own work: each of its M V forward and backward

@@ -145,3 +145,31 @@ def test_stack_frames_of_a_real_compiled_module(tmp_path, monkeypatch):
     assert sin and sin[0].files[:3] == ("inner_mod.py", "middle_mod.py", "test_profile.py"), sin
     cos = [v for v in src.values() if v.op_name.endswith("/cos")]
     assert cos and cos[0].files[0] == "test_profile.py" and "inner_mod.py" not in cos[0].files, cos
+
+
+def test_a_pipeline_steps_ops_are_put_in_the_executors_parts():
+    """An instruction is the executor's op whose scope it runs in (the innermost), a send
+    between stages, the tick loop's own work, the step around the loop, or XLA's own."""
+    tick = "jit(step)/shard_map/while/body/closed_call/cond/branch_1_fun/"
+    cases = {
+        (tick + "pipeline_tick_F/jvp()/while/body/closed_call/dot_general", "fusion"): "F",
+        (tick + "pipeline_tick_W_first/while/body/closed_call/transpose", "dot"): "W_first",
+        (tick + "pipeline_tick_last/jvp()/pipeline_tick_B/reduce_sum", "fusion"): "B",
+        ("jit(step)/shard_map/while/body/closed_call/ppermute", "collective-permute"): "send",
+        ("jit(step)/shard_map/while/body/closed_call/ppermute", "fusion"): "tick",
+        (tick + "add", "fusion"): "tick",
+        ("jit(step)/shard_map/psum_invariant", "all-reduce"): "outside",
+        ("jit(step)/adam/mul", "fusion"): "outside",
+        ("", "copy"): "xla",
+    }
+    for (op_name, opcode), want in cases.items():
+        assert profile.tick_part(profile.Source(opcode, op_name=op_name)) == want, (op_name, opcode)
+    assert profile.tick_part(None) == "xla"
+    # Per device and step; the loops and branches that run others are not counted.
+    src = {"f": profile.Source("fusion", op_name=tick + "pipeline_tick_F/dot_general"),
+           "s": profile.Source("collective-permute", op_name="jit(step)/shard_map/while/body/ppermute"),
+           "w": profile.Source("while", op_name="jit(step)/shard_map/while")}
+    ks = [Kernel("f", "f", 0, 4e6, "t0", "/host:CPU", "jit_step", "0"), Kernel("f", "f", 5e6, 2e6, "t1", "/host:CPU",
+                                                                             "jit_step", "1"),
+          Kernel("s", "s", 4e6, 6e6, "t0", "/host:CPU", "jit_step", "0"), Kernel("w", "w", 0, 9e6, "t0", "", "", "0")]
+    assert profile.tick_parts(ks, src, steps=2) == {"0": {"F": 2e-3, "send": 3e-3}, "1": {"F": 1e-3}}

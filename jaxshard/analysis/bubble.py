@@ -59,10 +59,7 @@ def step_seconds(program: Program, batch_size: int, seq_len: int, vocab: int, st
     random batch, after two warm-up steps (the first compiles); each step waits for its loss.
     The minimum, not the median: other work on the machine only ever adds time, and the
     differences taken from these times (a stage's work less the idle table) must not carry it."""
-    state = program.init(0)
-    rng = np.random.default_rng(0)
-    batch = jax.device_put({k: rng.integers(0, vocab, (batch_size, seq_len), dtype=np.int32)
-                            for k in ("inputs", "targets")}, program.batch_sharding)
+    state, batch = _state_and_batch(program, batch_size, seq_len, vocab)
     times = []
     for _ in range(steps + 2):
         t = time.perf_counter()
@@ -70,6 +67,40 @@ def step_seconds(program: Program, batch_size: int, seq_len: int, vocab: int, st
         jax.block_until_ready(metrics["loss"])
         times.append(time.perf_counter() - t)
     return min(times[2:])
+
+
+def _state_and_batch(program: Program, batch_size: int, seq_len: int, vocab: int) -> tuple[Any, Any]:
+    """``program``'s initial state and one random batch on its devices."""
+    rng = np.random.default_rng(0)
+    return program.init(0), jax.device_put({k: rng.integers(0, vocab, (batch_size, seq_len), dtype=np.int32)
+                                            for k in ("inputs", "targets")}, program.batch_sharding)
+
+
+def traced_parts(program: Program, batch_size: int, seq_len: int, vocab: int) -> dict[str, Any]:
+    """One step of ``program`` (after two warm-up steps) under ``jax.profiler``: its wall time
+    traced and, per device, its seconds by the part of the pipeline step each op is in
+    (:func:`jaxshard.analysis.profile.tick_parts`: F, B, W, the tick loop's own work, the sends
+    with their waiting, the step around the loop), read from the trace's thunks (CPU) or
+    kernels, tied to the compiled step's instructions."""
+    import glob
+    import tempfile
+
+    from jaxshard.analysis import profile
+
+    state, batch = _state_and_batch(program, batch_size, seq_len, vocab)
+    for _ in range(2):
+        state, metrics = program.step(state, batch)
+        jax.block_until_ready(metrics["loss"])
+    sources = profile.hlo_sources(program.lower_step(batch_size, seq_len).compile().as_text())
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            t = time.perf_counter()
+            state, metrics = program.step(state, batch)
+            jax.block_until_ready(metrics["loss"])
+            wall = time.perf_counter() - t
+        (xplane,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+        parts = profile.tick_parts(profile.kernels(xplane), sources)
+    return {"step_s": wall, "devices": parts}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,3 +148,33 @@ def measure(program_for: Callable[[Schedule | None], Any], schedule: Schedule, b
     idle = time_of(packed(schedule, None))
     work = [time_of(packed(schedule, s)) - idle for s in range(schedule.stages)]
     return Bubble(step, idle, work, time_of(packed(schedule, "all")) - idle, schedule.bubble())
+
+
+def priced_step(schedule: Schedule, devices: dict[str, dict[str, float]]) -> float:
+    """``schedule``'s step with its tables' ops priced at their traced cost instead of a unit
+    each: per tick, the slowest stage's ops plus its share of the tick loop's own work, summed
+    over the ticks, and the slowest stage's step around the loop. ``devices``: per stage, its
+    traced seconds by part (:func:`traced_parts`); an op's cost on a stage is its part over the
+    times the stage's table runs it. What a traced step holds beyond this is the runtime's and
+    the sends' own time. Tables of one chunk a stage (no ``interleaved``)."""
+    if schedule.virtual != 1:
+        raise ValueError("priced_step prices tables of one chunk a stage")
+    P, split = schedule.stages, schedule.split
+    runs = lambda table: (table >= 0).astype(float) if table is not None else np.zeros_like(schedule.fwd, float)  # noqa: E731
+    fwd, bwd, wgt, fwgt = runs(schedule.fwd), runs(schedule.bwd), runs(schedule.wgt), runs(schedule.fwgt)
+    per_tick = np.zeros(fwd.shape)
+    around = []
+    for s in range(P):
+        part = devices[str(s)]
+        get = lambda *names: sum(part.get(n, 0.0) for n in names)  # noqa: E731
+        each = lambda seconds, table: seconds / max(table[:, s].sum(), 1)  # noqa: E731
+        tick = get("tick") / schedule.ticks
+        if split or s < P - 1:
+            f = each(get("F", "embed"), fwd)
+            b = each(get("B", "head", "embed_grad"), bwd)
+            w = each(get("W", "W_first"), wgt + fwgt)
+            per_tick[:, s] = fwd[:, s] * f + bwd[:, s] * b + (wgt[:, s] + fwgt[:, s]) * w + tick
+        else:  # 1F1B's last chunk: its forward and backward in the backward slot
+            per_tick[:, s] = bwd[:, s] * each(get("last", "embed", "embed_grad"), bwd) + tick
+        around.append(get("outside", "xla"))
+    return float(per_tick.max(axis=1).sum() + max(around))

@@ -124,6 +124,7 @@ class Kernel:
     line: str  # the stream (GPU) or thread (CPU) it ran on
     plane: str = ""  # the device (GPU) or host it ran on
     module: str = ""  # the HLO module that launched it ("" if not recorded)
+    device: str = ""  # the device it ran for: its plane (GPU), the thunk's device ordinal (CPU)
 
 
 def kernels(xplane: str) -> list[Kernel]:
@@ -142,7 +143,8 @@ def kernels(xplane: str) -> list[Kernel]:
                 if not devices and not hlo:
                     continue
                 out.append(Kernel(e.name, hlo, float(e.start_ns), float(e.duration_ns), line.name, plane.name,
-                                  str(stats.get("hlo_module", ""))))
+                                  str(stats.get("hlo_module", "")),
+                                  plane.name if devices else str(stats.get("device_ordinal", ""))))
     return out
 
 
@@ -250,6 +252,41 @@ def summarize(ks: list[Kernel], sources: dict[str, Source], steps: int, top: int
             "kernel_s": sum(by_part.values()) / 1e9 / per, "busy_s": sum(busy_ns(p) for p in on) / 1e9 / per,
             "span_s": span / 1e9 / per, "kernels": len(ks) // max(per, 1), "top": rows,
             "sources_found": sum(k.hlo_op in sources for k in ks) / max(len(ks), 1)}
+
+
+# A pipeline executor's tick (jaxshard.parallel.pipeline): its ops run under named scopes
+# (``pipeline_tick_F``, ``_B``, ``_W``, ...), its ticks are the loop inside the step's shard_map.
+_TICK_OP = re.compile(r"pipeline_tick_(\w+)")
+_IN_TICK = "shard_map/while/body"
+
+
+def tick_part(src: Source | None) -> str:
+    """Which part of a pipeline step an instruction is: the executor's op whose scope it runs
+    in (``F``, ``B``, ``W``, ``W_first``, ``last``, ``head``, ``embed``, ...), ``send`` (a
+    collective-permute between stages, its waiting included), ``tick`` (the tick loop's own
+    work: stashes, accumulating gradients, picking slots), ``outside`` (the step around the
+    loop: the optimizer, the final reductions) or ``xla`` (what XLA made with no source: its
+    copies, an instruction not in ``sources``)."""
+    if src is None or not src.op_name:
+        return "xla"
+    if ops := _TICK_OP.findall(src.op_name):
+        return ops[-1]
+    if _IN_TICK not in src.op_name:
+        return "outside"
+    return "send" if src.opcode == "collective-permute" else "tick"
+
+
+def tick_parts(ks: list[Kernel], sources: dict[str, Source], steps: int = 1) -> dict[str, dict[str, float]]:
+    """Per device and step, seconds of a pipeline step by :func:`tick_part`: each device's
+    kernels (on CPU its thunks; the loops and conditionals that run others are not counted,
+    their own time being left out of the parts), summed by the part its instruction is in."""
+    out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for k in ks:
+        src = sources.get(k.hlo_op)
+        if src is not None and src.opcode in CONTAINERS:
+            continue
+        out[k.device or k.plane][tick_part(src)] += k.duration_ns / 1e9 / steps
+    return {d: dict(parts) for d, parts in sorted(out.items())}
 
 
 def profile(trace_dir: str, dump_dir: str | None, steps: int, top: int = 40) -> dict[str, Any]:
