@@ -257,6 +257,34 @@ def test_zero_bubble_tables_and_their_bubble(stages):
             assert narrow.idle() < one.idle()
 
 
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_zero_bubble_runs_each_f_and_b_in_1f1bs_tick(stages):
+    """Under the cap 2P - 1, ZB-H1's tables run every F and B in the tick 1F1B runs it (F of
+    microbatch i on stage s at tick i + s, B at i + 2P - 2 - s; up to M = 6P, the tables
+    idling the theory's units from M = 2P): a stage whose cap would stop
+    its next F runs a waiting W in the weight slot of its B's tick, so in the steady state each
+    stage runs an F, a B and a W a tick (ZB-H1's 1F-1B-1W), and the Ws go where 1F1B's stages
+    idle. Priced with B twice W's time, as traced on CPU (bench_zero_bubble.py: F 75, B 82,
+    W 39 ms a microbatch), the tables take no longer than 1F1B's, whose backward slot runs B
+    and W together (before, Ws left for the next tick's forward slot stalled its F: 1.09x
+    1F1B's at P = 2, M = 8; 0.96x now)."""
+    from jaxshard.analysis.bubble import priced_step
+
+    for m in range(stages, 6 * stages + 1):
+        zb, one = make_schedule("zb-h1", stages, m), make_schedule("1f1b", stages, m)
+        for i in range(m):
+            for s in range(stages):
+                assert zb.fwd[i + s, s] == i
+                assert zb.bwd[i + 2 * stages - 2 - s, s] == i
+        if m >= 2 * stages:  # and the theory's units, at every M (before: not at P = 2, M = 5, 9)
+            assert zb.idle() == pytest.approx(zb.bubble()), m
+        if m in (2 * stages, 4 * stages):
+            f, b, w = 75 * m, 82 * m, 39 * m
+            split = {str(s): {"F": f, "B": b, "W": w} for s in range(stages)}
+            whole = {str(s): {"F": f, "B": b + w} if s < stages - 1 else {"last": f + b + w} for s in range(stages)}
+            assert priced_step(zb, split) <= priced_step(one, whole), (m, priced_step(zb, split), priced_step(one, whole))
+
+
 @pytest.mark.parametrize("mesh, microbatches, remat", [("stage=2,data=4", 4, "full"), ("stage=4,data=2", 8, "none"),
                                                        ("stage=4,data=2", 4, "full")])
 def test_zero_bubble_tables_with_one_hand_over_match_one_device(mesh, microbatches, remat):

@@ -530,7 +530,11 @@ def _zero_bubble(Pn: int, M: int, layout: StageLayout | None, cap: int | tuple[i
     fewer than ``cap`` microbatches' residuals (F done, W not yet: default 2P - 1, as many as
     1F1B holds; or one per stage), else its oldest waiting W if the cap stopped the F;
     its next B if the next stage's B of that microbatch ran in an earlier tick (on the last
-    stage: its own F, in this tick or before). The tick's length is the most of these any
+    stage: its own F, in this tick or before). Under the cap 2P - 1, a stage whose next F the
+    cap would stop in the next tick runs its oldest waiting W in this tick's weight slot: in
+    the steady state each stage runs an F, a B and a W a tick (ZB-H1's 1F-1B-1W), where a W
+    left for the next tick's forward slot would take the place of that F and stall every
+    later stage's. The tick's length is the most of these any
     stage runs (at least one); then every stage fills its free slots up to that length with
     waiting Ws. Ws hold nothing up, so they go where a stage would idle: into the ticks the
     next stage spends on F and B, and into the end. The cap at 2P - 1 meets the theory's
@@ -569,6 +573,9 @@ def _zero_bubble(Pn: int, M: int, layout: StageLayout | None, cap: int | tuple[i
                 b_at[j, s] = t
                 next_b[s] += 1
                 waiting[s].append(j)
+                ran[s] += 1
+            if caps[s] >= 2 * Pn - 1 and waiting[s] and next_f[s] < M and next_f[s] - done_w[s] >= caps[s]:
+                run_w(s, forward_slot=False)  # (its B ran before this tick's weight slot)
                 ran[s] += 1
         length = max(1, *ran)
         for s in range(Pn):
