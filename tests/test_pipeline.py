@@ -100,8 +100,10 @@ def test_the_tables_priced_at_one_unit_an_op_idle_as_the_tables_say(kind, stages
     assert 1 - work / (stages * priced) == pytest.approx(schedule.idle())
     for parts in units.values():
         parts["tick"] = 0.5 * schedule.ticks
-    units["0"]["outside"], units[str(stages - 1)]["xla"] = 2.0, 3.0
+    units["0"]["outside"], units[str(stages - 1)]["xla"] = 3.0, 2.0
     assert priced_step(schedule, units) == pytest.approx(priced + 0.5 * schedule.ticks + 3.0)
+    units[str(stages - 1)]["xla"] = 4.0  # (the slowest stage's, wherever it is)
+    assert priced_step(schedule, units) == pytest.approx(priced + 0.5 * schedule.ticks + 4.0)
     with pytest.raises(ValueError, match="one chunk a stage"):
         priced_step(make_schedule("interleaved", 2, 4, 2), units)
 
@@ -264,18 +266,21 @@ def test_zero_bubble_runs_each_f_and_b_in_1f1bs_tick(stages):
     idling the theory's units from M = 2P): a stage whose cap would stop
     its next F runs a waiting W in the weight slot of its B's tick, so in the steady state each
     stage runs an F, a B and a W a tick (ZB-H1's 1F-1B-1W), and the Ws go where 1F1B's stages
-    idle. Priced with B twice W's time, as traced on CPU (bench_zero_bubble.py: F 75, B 82,
-    W 39 ms a microbatch), the tables take no longer than 1F1B's, whose backward slot runs B
+    idle. Priced with B twice W's time, as traced on CPU (bench_zero_bubble.py before this
+    rule, zero_bubble_2026-12-06b.json: F 75, B 82, W 39 ms a microbatch), the tables take no
+    longer than 1F1B's, whose backward slot runs B
     and W together (before, Ws left for the next tick's forward slot stalled its F: 1.09x
     1F1B's at P = 2, M = 8; 0.96x now)."""
     from jaxshard.analysis.bubble import priced_step
 
     for m in range(stages, 6 * stages + 1):
         zb, one = make_schedule("zb-h1", stages, m), make_schedule("1f1b", stages, m)
-        for i in range(m):
-            for s in range(stages):
-                assert zb.fwd[i + s, s] == i
-                assert zb.bwd[i + 2 * stages - 2 - s, s] == i
+        check_zero_bubble_table(zb)
+        for phase in ("fwd", "bwd"):
+            ticks = [{int(i): t for t, i in enumerate(getattr(table, phase)[:, s]) if i >= 0} for table in (zb, one)
+                     for s in range(stages)]
+            assert ticks[:stages] == ticks[stages:], (m, phase)
+        assert one.fwd[m - 1 + stages - 1, stages - 1] == m - 1  # (1F1B: F of i on stage s at tick i + s)
         if m >= 2 * stages:  # and the theory's units, at every M (before: not at P = 2, M = 5, 9)
             assert zb.idle() == pytest.approx(zb.bubble()), m
         if m in (2 * stages, 4 * stages):

@@ -153,13 +153,17 @@ def measure(program_for: Callable[[Schedule | None], Any], schedule: Schedule, b
 def priced_step(schedule: Schedule, devices: dict[str, dict[str, float]]) -> float:
     """``schedule``'s step with its tables' ops priced at their traced cost instead of a unit
     each: per tick, the slowest stage's ops plus its share of the tick loop's own work, summed
-    over the ticks, and the slowest stage's step around the loop. ``devices``: per stage, its
-    traced seconds by part (:func:`traced_parts`); an op's cost on a stage is its part over the
-    times the stage's table runs it. What a traced step holds beyond this is the runtime's and
-    the sends' own time. Tables of one chunk a stage (no ``interleaved``)."""
+    over the ticks, and the slowest stage's step around the loop. ``devices``: per stage
+    (``"0"``, ``"1"``, ...), its traced seconds by part (:func:`traced_parts`, whose device
+    ordinals are the stages on a mesh of the stage axis alone); an op's cost on a stage is its
+    part over the times the stage's table runs it, the embedding's counted with F and B and
+    the head's with B. What a traced step holds beyond this is the runtime's and the sends'
+    own time. Tables of one chunk a stage (no ``interleaved``)."""
     if schedule.virtual != 1:
         raise ValueError("priced_step prices tables of one chunk a stage")
     P, split = schedule.stages, schedule.split
+    if set(devices) != {str(s) for s in range(P)}:
+        raise ValueError(f"priced_step needs each of the {P} stages' parts, got {sorted(devices)}")
     runs = lambda table: (table >= 0).astype(float) if table is not None else np.zeros_like(schedule.fwd, float)  # noqa: E731
     fwd, bwd, wgt, fwgt = runs(schedule.fwd), runs(schedule.bwd), runs(schedule.wgt), runs(schedule.fwgt)
     per_tick = np.zeros(fwd.shape)

@@ -528,19 +528,18 @@ def _zero_bubble(Pn: int, M: int, layout: StageLayout | None, cap: int | tuple[i
     has no F to run), the backward slot (a B) and the weight slot (a W). List-scheduled tick by
     tick: a stage runs its next F if the previous stage's ran in an earlier tick and it holds
     fewer than ``cap`` microbatches' residuals (F done, W not yet: default 2P - 1, as many as
-    1F1B holds; or one per stage), else its oldest waiting W if the cap stopped the F;
-    its next B if the next stage's B of that microbatch ran in an earlier tick (on the last
-    stage: its own F, in this tick or before). Under the cap 2P - 1, a stage whose next F the
-    cap would stop in the next tick runs its oldest waiting W in this tick's weight slot: in
-    the steady state each stage runs an F, a B and a W a tick (ZB-H1's 1F-1B-1W), where a W
-    left for the next tick's forward slot would take the place of that F and stall every
-    later stage's. The tick's length is the most of these any
-    stage runs (at least one); then every stage fills its free slots up to that length with
-    waiting Ws. Ws hold nothing up, so they go where a stage would idle: into the ticks the
-    next stage spends on F and B, and into the end. The cap at 2P - 1 meets the theory's
-    3M + P - 1 units of F, B and W at M = 2P and 4P (and most M from 2P); P - s on stage s
-    holds at most P microbatches (:func:`residual_cap` lowers it where that costs nothing) and
-    idles a quarter of the units on 2 stages (docs/pipelines.md)."""
+    1F1B holds; or one per stage), else its oldest waiting W if the cap stopped the F; its next
+    B if the next stage's B of that microbatch ran in an earlier tick (on the last stage: its
+    own F, in this tick or before). Under a cap of 2P - 1 or more, a stage whose next F the cap
+    would stop in the next tick runs its oldest waiting W in this tick's weight slot: in the
+    steady state each stage runs an F, a B and a W a tick (ZB-H1's 1F-1B-1W), where a W left for
+    the next tick's forward slot would take the place of that F and stall every later stage's.
+    The tick's length is the most of these any stage runs (at least one); then every stage fills
+    its free slots up to that length with waiting Ws. Ws hold nothing up, so they go where a
+    stage would idle: into the ticks the next stage spends on F and B, and into the end. The cap
+    at 2P - 1 meets the theory's 3M + P - 1 units of F, B and W at every M from 2P; P - s on
+    stage s holds at most P microbatches (:func:`residual_cap` lowers it where that costs
+    nothing) and idles a quarter of the units on 2 stages (docs/pipelines.md)."""
     caps = [2 * Pn - 1] * Pn if cap is None else [cap] * Pn if isinstance(cap, int) else list(cap)
     f_at, b_at, w_at, w_first = {}, {}, {}, set()  # w_first: the Ws run in the forward slot
     next_f, next_b, done_w = [0] * Pn, [0] * Pn, [0] * Pn
@@ -557,7 +556,7 @@ def _zero_bubble(Pn: int, M: int, layout: StageLayout | None, cap: int | tuple[i
     while len(w_at) < Pn * M:
         if t > 3 * (M + Pn) * Pn:  # every tick runs some op of the 3MP, or waits for a neighbour's
             raise AssertionError(f"ZB-H1's tables for {Pn} stages, {M} microbatches, cap {cap} make no progress")
-        ran, forward_used = [0] * Pn, [False] * Pn
+        ran, forward_used, weight_used = [0] * Pn, [False] * Pn, [False] * Pn
         for s in range(Pn):
             i = next_f[s]
             if i < M and (s == 0 or f_at.get((i, s - 1), t) < t):
@@ -576,13 +575,13 @@ def _zero_bubble(Pn: int, M: int, layout: StageLayout | None, cap: int | tuple[i
                 ran[s] += 1
             if caps[s] >= 2 * Pn - 1 and waiting[s] and next_f[s] < M and next_f[s] - done_w[s] >= caps[s]:
                 run_w(s, forward_slot=False)  # (its B ran before this tick's weight slot)
-                ran[s] += 1
+                ran[s], weight_used[s] = ran[s] + 1, True
         length = max(1, *ran)
         for s in range(Pn):
             if ran[s] < length and not forward_used[s] and waiting[s] and b_at[waiting[s][0], s] < t:
                 run_w(s, forward_slot=True)
                 ran[s] += 1
-            if ran[s] < length and waiting[s]:  # its B may have run in this tick's backward slot
+            if ran[s] < length and waiting[s] and not weight_used[s]:  # (its B may have run in this tick)
                 run_w(s, forward_slot=False)
         t += 1
     names = ("fwd", "bwd", "wgt", "fwgt", "fwd_chunk", "bwd_chunk", "wgt_chunk", "fwd_slot", "bwd_slot",
