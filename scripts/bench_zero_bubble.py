@@ -18,10 +18,11 @@ loss, the tick loop's own work, the sends with their waiting, the step around th
 from the trace's thunks (jaxshard.analysis.profile.tick_parts). Writes zero_bubble.json and
 zero_bubble.md to --out.
 
-The default width is 1024, a real model's order (GPT-2 medium's): ZB-H1 keeps and re-reads more
-bytes than 1F1B per microbatch (what B hands W), and on a CPU's memory bandwidth those bytes
-cost, against the matmuls' time, in proportion to 1 / width. At llama-tiny's own 256 (``--d-model 256 --rows
-4``) they take what the smaller bubble saves (docs/pipelines.md).
+The default width is 1024, a real model's order (GPT-2 medium's). B holds all of the backward
+pass's elementwise work, which grows with the width where the matmuls grow with its square, so
+at narrower widths B takes more of W's time and the Ws fill less of the bubble than the tables
+count (traced at 1024: B about twice W; docs/pipelines.md; ``--d-model 256 --rows 4`` not
+measured with the present tables).
 """
 
 from __future__ import annotations

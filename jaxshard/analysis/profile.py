@@ -263,9 +263,8 @@ _IN_TICK = "shard_map/while/body"
 def tick_part(src: Source | None) -> str:
     """Which part of a pipeline step an instruction is: the executor's op whose scope it runs
     in (``F``, ``B``, ``W``, ``W_first``: a W in the forward slot, ``last``, ``head``, ``embed``,
-    ...), ``send`` (a
-    collective-permute between stages, its waiting included), ``tick`` (the tick loop's own
-    work: stashes, accumulating gradients, picking slots), ``outside`` (the step around the
+    ...), ``send`` (a collective-permute between stages, its waiting included), ``tick`` (the
+    tick loop's own work: stashes, accumulating gradients, picking slots), ``outside`` (the step around the
     loop: the optimizer, the final reductions) or ``xla`` (what XLA made with no source: its
     copies, an instruction not in ``sources``)."""
     if src is None or not src.op_name:
