@@ -116,6 +116,7 @@ class Checkpointer:
         shardings, and its record."""
         ocp = self._ocp
         step, where, meta = self._checked(step, expected_shapes)
+        self._check_arrays(step, where, abstract_state)
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state)))
@@ -149,6 +150,26 @@ class Checkpointer:
             raise CheckpointError(f"{where} holds another model: {_shape_difference(saved, expected_shapes)}")
         return step, where, meta
 
+    def _check_arrays(self, step: int, where: str, abstract_state: Any) -> None:
+        """Every array of ``abstract_state`` is stored in ``step`` with its shape, from the
+        step's metadata, before a read starts: a mismatch (another data size under
+        ``--sync-every``, another optimizer) is one line naming the array, and no read is
+        begun and abandoned."""
+        try:
+            stored = self._ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "state")
+        except Exception as e:  # noqa: BLE001 -- orbax raises many kinds; the user needs one line
+            raise CheckpointError(f"{where} is unreadable: {_first_line(e)}") from None
+        tree = getattr(stored, "tree", stored)
+        shapes = {_dotted(path): tuple(x.shape) for path, x in jax.tree_util.tree_flatten_with_path(
+            tree, is_leaf=lambda x: hasattr(x, "shape"))[0]}
+        for path, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]:
+            name = _dotted(path)
+            if name not in shapes:
+                raise CheckpointError(f"{where} holds no {name}, which this run's state has")
+            if shapes[name] != tuple(x.shape):
+                raise CheckpointError(f"{where} holds {name} of shape {shapes[name]}, this run's is "
+                                      f"{tuple(x.shape)}")
+
     def meta(self, step: int | None = None) -> dict[str, Any]:
         """The record of ``step`` (default: the latest complete checkpoint)."""
         step = self.latest_step() if step is None else step
@@ -180,6 +201,11 @@ def _shape_difference(saved: dict | None, expected: dict) -> str:
             return (f"param {name} is {tuple(saved[name]) if name in saved else 'absent'} there, "
                     f"{tuple(expected[name]) if name in expected else 'absent'} here")
     return "shapes differ"
+
+
+def _dotted(path: tuple) -> str:
+    """A key path as orbax names the array it stores (``opt_state.0.mu.embed``)."""
+    return ".".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
 
 
 def _first_line(e: BaseException) -> str:
