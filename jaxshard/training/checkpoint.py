@@ -151,10 +151,11 @@ class Checkpointer:
         return step, where, meta
 
     def _check_arrays(self, step: int, where: str, abstract_state: Any) -> None:
-        """Every array of ``abstract_state`` is stored in ``step`` with its shape, from the
-        step's metadata, before a read starts: a mismatch (another data size under
-        ``--sync-every``, another optimizer) is one line naming the array, and no read is
-        begun and abandoned."""
+        """Every array of ``abstract_state`` that ``step``'s metadata names is stored there
+        with its shape, checked before a read starts: a mismatch (another data size under
+        ``--sync-every``) is one line naming the array, and no read is begun and abandoned.
+        An array the metadata does not name is left to orbax's restore, which says what is
+        missing."""
         try:
             stored = self._ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "state")
         except Exception as e:  # noqa: BLE001 -- orbax raises many kinds; the user needs one line
@@ -164,9 +165,7 @@ class Checkpointer:
             tree, is_leaf=lambda x: hasattr(x, "shape"))[0]}
         for path, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]:
             name = _dotted(path)
-            if name not in shapes:
-                raise CheckpointError(f"{where} holds no {name}, which this run's state has")
-            if shapes[name] != tuple(x.shape):
+            if name in shapes and shapes[name] != tuple(x.shape):
                 raise CheckpointError(f"{where} holds {name} of shape {shapes[name]}, this run's is "
                                       f"{tuple(x.shape)}")
 
