@@ -9,9 +9,12 @@ import jax
 import jax.numpy as jnp
 
 
-def named_leaves(tree: Any, is_leaf=None) -> list[tuple[str, Any]]:
+def named_leaves(tree: Any, is_leaf=None, sep: str = "/") -> list[tuple[str, Any]]:
+    """Each leaf with its path's keys, indices and attribute names joined by ``sep`` (orbax
+    names a stored array by its path joined by ".")."""
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
-    return [("/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path), x) for path, x in flat]
+    return [(sep.join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path), x)
+            for path, x in flat]
 
 
 def cast_floats(tree: Any, dtype: Any) -> Any:

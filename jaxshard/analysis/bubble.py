@@ -82,7 +82,6 @@ def traced_parts(program: Program, batch_size: int, seq_len: int, vocab: int) ->
     (:func:`jaxshard.analysis.profile.tick_parts`: F, B, W, the tick loop's own work, the sends
     with their waiting, the step around the loop), read from the trace's thunks (CPU) or
     kernels, tied to the compiled step's instructions."""
-    import glob
     import tempfile
 
     from jaxshard.analysis import profile
@@ -98,8 +97,7 @@ def traced_parts(program: Program, batch_size: int, seq_len: int, vocab: int) ->
             state, metrics = program.step(state, batch)
             jax.block_until_ready(metrics["loss"])
             wall = time.perf_counter() - t
-        (xplane,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-        parts = profile.tick_parts(profile.kernels(xplane), sources)
+        parts = profile.tick_parts(profile.kernels(profile.latest_xplane(trace_dir)), sources)
     return {"step_s": wall, "devices": parts}
 
 

@@ -289,14 +289,20 @@ def tick_parts(ks: list[Kernel], sources: dict[str, Source], steps: int = 1) -> 
     return {d: dict(parts) for d, parts in sorted(out.items())}
 
 
-def profile(trace_dir: str, dump_dir: str | None, steps: int, top: int = 40) -> dict[str, Any]:
-    """:func:`summarize` for the (last) trace under ``trace_dir`` and the HLO dumped to ``dump_dir``."""
+def latest_xplane(trace_dir: str) -> str:
+    """The last ``.xplane.pb`` that ``jax.profiler`` wrote under ``trace_dir``."""
     found = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
     if not found:
         raise FileNotFoundError(f"no .xplane.pb under {trace_dir}")
-    out = summarize(kernels(found[-1]), dumped_sources(dump_dir) if dump_dir else {}, steps, top,
+    return found[-1]
+
+
+def profile(trace_dir: str, dump_dir: str | None, steps: int, top: int = 40) -> dict[str, Any]:
+    """:func:`summarize` for the (last) trace under ``trace_dir`` and the HLO dumped to ``dump_dir``."""
+    xplane = latest_xplane(trace_dir)
+    out = summarize(kernels(xplane), dumped_sources(dump_dir) if dump_dir else {}, steps, top,
                     module="jit_step" if dump_dir else None)
-    out["sample_stats"] = sample_stats(found[-1])
+    out["sample_stats"] = sample_stats(xplane)
     return out
 
 

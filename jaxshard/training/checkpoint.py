@@ -161,10 +161,8 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 -- orbax raises many kinds; the user needs one line
             raise CheckpointError(f"{where} is unreadable: {_first_line(e)}") from None
         tree = getattr(stored, "tree", stored)
-        shapes = {_dotted(path): tuple(x.shape) for path, x in jax.tree_util.tree_flatten_with_path(
-            tree, is_leaf=lambda x: hasattr(x, "shape"))[0]}
-        for path, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]:
-            name = _dotted(path)
+        shapes = {name: tuple(x.shape) for name, x in named_leaves(tree, lambda x: hasattr(x, "shape"), sep=".")}
+        for name, x in named_leaves(abstract_state, sep="."):
             if name in shapes and shapes[name] != tuple(x.shape):
                 raise CheckpointError(f"{where} holds {name} of shape {shapes[name]}, this run's is "
                                       f"{tuple(x.shape)}")
@@ -200,11 +198,6 @@ def _shape_difference(saved: dict | None, expected: dict) -> str:
             return (f"param {name} is {tuple(saved[name]) if name in saved else 'absent'} there, "
                     f"{tuple(expected[name]) if name in expected else 'absent'} here")
     return "shapes differ"
-
-
-def _dotted(path: tuple) -> str:
-    """A key path as orbax names the array it stores (``opt_state.0.mu.embed``)."""
-    return ".".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
 
 
 def _first_line(e: BaseException) -> str:
