@@ -767,8 +767,8 @@ class Handover:
 
     def keep_handed(self, store: Any, leaves: list, slot: jax.Array, w_slot: jax.Array) -> Any:
         """After B: what it hands W into ``slot`` (over the microbatch's B-only residuals)
-        where shared or placed leaf by leaf, else into ``w_slot``. A tick without B hands on
-        what the slot holds (:meth:`idle`)."""
+        where shared or placed leaf by leaf, else into ``w_slot``. A tick without B writes
+        nothing or what the slot holds (:meth:`handed_to_w`)."""
         if self.shared:
             return self._put(store, leaves, slot)
         b_only, handed = list(store[0]), list(store[1])
@@ -783,10 +783,6 @@ class Handover:
             else:
                 handed[i] = _set(handed[i], x, w_slot)
         return b_only, handed
-
-    def idle(self, store: Any, slot: jax.Array, w_slot: jax.Array) -> list:
-        """What a tick without B writes back: the slot's own content, so nothing changes."""
-        return self.handed_to_w(store, slot, w_slot)
 
     def handed_to_w(self, store: Any, slot: jax.Array, w_slot: jax.Array) -> list:
         if self.shared:
@@ -1103,9 +1099,21 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
                 b_only = iter(handover.res(store, slot, b_slot))
             return [next(for_w) if w else next(b_only) for w in until_w]
 
-        def backward_b(j, v, y_kept, stash_res, slot, received_g, b_slot, w_slot):
+        # Where B's hand-over is written: in B's branch of the tick's conditional, so that a
+        # tick without B passes the store on untouched, where a chunk holds two layer slots or
+        # more; written after the conditional, the hand-over was a value of its own beside the
+        # store and a tick without B read the slot out to write it back (1.00-1.15x 1F1B's temp
+        # in the cases of docs/pipelines.md's "Where B writes its hand-over", 0.87-1.05x in
+        # B's branch). A chunk of one layer, whose layer scan XLA inlines, had the store copied
+        # into the conditional and out (1.18-1.44x on ``stage=4,data=2``): there B hands the
+        # hand-over out and it is written after.
+        b_writes = S > 1
+
+        def backward_b(j, v, y_kept, stash_res, slot, received_g, b_slot, w_slot, at):
             """B: (loss, (extra loss, side), the outer params' gradients, the input's
-            gradient, what W reads); the last chunk's runs the head and the loss first."""
+            gradient, and what W reads: written into the hand-over store at ``at`` and
+            ``w_slot`` where ``b_writes``, else its leaves); the last chunk's runs the head
+            and the loss first."""
             c = chunk(v)
 
             def head_grads():
@@ -1119,11 +1127,14 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
             with _op("B"):
                 d_in, kept_w = halves.b((kept_res(stash_res, slot, b_slot), c), (d_y, (seed, zeros(side))))
             d_x = jax.tree.unflatten(jax.tree.structure(zeros_x), d_in)
-            return loss, no_side, embed_grad(d_outer, d_x, j, v), d_x, kept_w
+            kept_w = jax.tree.leaves(kept_w)
+            handed = handover.keep_handed(stash_res[1], kept_w, at, w_slot) if b_writes else kept_w
+            return loss, no_side, embed_grad(d_outer, d_x, j, v), d_x, handed
 
-        def idle_b(j, v, y_kept, stash_res, slot, received_g, b_slot, w_slot):
-            return (jnp.zeros((), jnp.float32), no_side, zeros(outer), zeros_x,
-                    jax.tree.unflatten(jax.tree.structure(w_shapes), handover.idle(stash_res[1], slot, w_slot)))
+        def idle_b(j, v, y_kept, stash_res, slot, received_g, b_slot, w_slot, at):
+            """No B: the store as it is, or (B not writing) the slot's own content to write back."""
+            handed = stash_res[1] if b_writes else handover.handed_to_w(stash_res[1], slot, w_slot)
+            return jnp.zeros((), jnp.float32), no_side, zeros(outer), zeros_x, handed
 
         def zero_after(tree, spec=None):
             """0, made from ``tree``'s first element by a test XLA cannot fold (as attention's
@@ -1199,23 +1210,22 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
                 d_blocks_acc = add_chunk(d_blocks_acc, d_chunk, w)
             else:
                 w_slot = jnp.maximum(tables["bwd_wslot"][t, s], 0)
-                loss, bwd_extras, d_outer, d_x, kept_w = jax.lax.cond(
-                    j >= 0, backward_b, idle_b, jnp.maximum(j, 0), w, x_last, stash[1], back,
-                    received_g, jnp.maximum(tables["bwd_bslot"][t, s], 0), w_slot)
-                ws, store = stash[1]
-                # Written after the forward slot's W has read the store, which XLA cannot see
-                # from the slot alone (nothing orders the two): the slot is made to depend on
-                # that W's result, so that XLA writes the store in place instead of copying it.
-                # (An optimization barrier over the slot and that result does not keep the copy
-                # away.) Where the values are split, on the smallest gradient (a norm's scale in
-                # these models, whole on each device where its layer's matmuls are split; where
-                # the params are split, each device's own shard of it).
+                # B writes its hand-over after the forward slot's W has read the store, which
+                # XLA cannot see from the slot alone (nothing orders the two): the slot is made
+                # to depend on that W's result, so that XLA writes the store in place instead of
+                # copying it. (An optimization barrier over the slot and that result does not
+                # keep the copy away.) Where the values are split, on the smallest gradient (a
+                # norm's scale in these models, whole on each device where its layer's matmuls
+                # are split; where the params are split, each device's own shard of it).
                 at = back
                 if handover.shared or handover.hosts:
                     after = [jax.tree.leaves(d_blocks_acc)[smallest]]
                     at = back + (zero_after(d_blocks_acc) if flat else zero_after(after, smallest_spec))
-                store = handover.keep_handed(store, jax.tree.leaves(kept_w), at, w_slot)
-                stash = (stash[0], (ws, store)) + tuple(stash[2:])
+                loss, bwd_extras, d_outer, d_x, handed = jax.lax.cond(
+                    j >= 0, backward_b, idle_b, jnp.maximum(j, 0), w, x_last, stash[1], back,
+                    received_g, jnp.maximum(tables["bwd_bslot"][t, s], 0), w_slot, at)
+                store = handed if b_writes else handover.keep_handed(stash[1][1], handed, at, w_slot)
+                stash = (stash[0], (stash[1][0], store)) + tuple(stash[2:])
                 # W slot: the weights' gradients from the residuals and what B kept.
                 d_blocks_acc = add_weights(d_blocks_acc, stash, tables["wgt"][t, s],
                                            jnp.maximum(tables["wgt_chunk"][t, s], 0), tables["wgt_slot"][t, s],
