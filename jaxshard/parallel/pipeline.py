@@ -385,10 +385,10 @@ HANDOVER_LARGE = ("full", "dots_no_batch", "names")
 # without SP, fsdp and ZeRO-2/3, 2 and 4 stages; a dense model on an expert axis was not
 # measured, and a stage axis does not go with a sequence one). Under ``dots`` a tensor axis
 # leaves the gradients of model width, whole on every device, with no B-only leaf of their
-# layout (1.22-1.40x on 2 stages, to 1.59x on 4), and on rows GPT-2's tiny went 1.002-1.018x.
+# layout (1.09-1.20x on 2 stages, to 1.30x on 4), and on rows GPT-2's tiny went 1.014-1.018x on 4.
 # MoE layers' expert buffers are packed into rows where only batch axes split the values,
-# which fit at 64 tokens (moe-tiny on fsdp=4 without remat and under ``dots``: 0.92-0.98x)
-# but not at 128 (1.07-1.19x), and on tensor and expert axes find no place (1.07-1.25x): an
+# which fit at 64 tokens (moe-tiny on fsdp=4 without remat and under ``selective``: 0.92-0.98x)
+# but not at 128 (1.02-1.10x), and on tensor and expert axes find no place (1.05-1.08x at 2P): an
 # MoE model keeps P - s wherever the values are split.
 WIDE_CAP = {("flat", False): HANDOVER_FITS, ("flat", True): HANDOVER_FITS,
             ("rows", False): ("none", "selective"), ("rows", True): (),
