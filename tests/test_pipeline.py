@@ -326,7 +326,8 @@ def test_zero_bubble_tables_with_one_hand_over_match_one_device(mesh, microbatch
     ("tiny-llama", "stage=2,fsdp=4", 2, "dots"), ("tiny", "stage=2,fsdp=4", 2, "dots"),
     ("tiny-llama", "stage=2,data=4", 4, "dots_no_batch"), ("tiny", "stage=2,data=4", 4, "names:qkv,attn_proj,mlp_in"),
     ("tiny-llama", "data=2,stage=2,tensor=2", 2, "selective"), ("moe-tiny", "data=2,stage=2,tensor=2", 4, "none"),
-    ("tiny-llama", "data=2,stage=2,tensor=2", 2, "dots"), ("tiny-llama", "data=2,stage=2,tensor=2", 4, "dots_no_batch")])
+    ("tiny-llama", "data=2,stage=2,tensor=2", 2, "dots"),
+    ("tiny-llama", "data=2,stage=2,tensor=2", 4, "dots_no_batch")])
 def test_zero_bubble_keeps_no_more_than_1f1b(name, mesh, microbatches, remat):
     """Compiled temp bytes per device, at M = P and 2P: ZB-H1 keeps as many microbatches'
     residuals as 1F1B, each until its W, and B's hand-over to W over the residuals B alone
@@ -520,13 +521,13 @@ def test_zero_bubble_runs_that_keep_more_than_1f1b_say_so():
     """Where B's hand-over surely keeps a slot of its own (full, dots_no_batch, names; a
     partitioned axis where the cap is P - s), the run's log says when the tables keep more than
     1F1B would: on 2 stages at M = P, two microbatches' residuals and a hand-over against two
-    (the compiled temp there: 0.98-1.15x 1F1B's, docs/pipelines.md); under full at any M
-    (1.22-1.61x); under dots_no_batch and names with a partitioned axis at any M, whose
-    hand-over holds matmul inputs B made again (0.95-1.003x at M = 2P). Where a stage keeps no
-    more under dots (2 stages at M = 2P, 4 stages at M = P), under dots_no_batch and names on a
-    flat mesh at M = 2P (0.93-0.96x), where the hand-over takes the residuals' place (none,
-    dots and selective on a flat mesh; none and selective with a partitioned axis), and for
-    1F1B, nothing. The note is the model's policy's, as the log gives it."""
+    (the compiled temp there: 0.96-1.06x 1F1B's outside full, docs/pipelines.md); under full at
+    any M (1.22-1.61x). Where a stage keeps no more under dots (2 stages at M = 2P, 4 stages at
+    M = P), under dots_no_batch and names at M = 2P on any mesh (0.87-0.96x; with a partitioned
+    axis 0.95-1.003x before B wrote its hand-over in its own branch, when the line said so),
+    where the hand-over takes the residuals' place (none, dots and selective on a flat mesh;
+    none and selective with a partitioned axis), and for 1F1B, nothing. The note is the model's
+    policy's, as the log gives it."""
     def note(mesh, remat, microbatches, layers=4):
         model = TransformerLM(get_preset("tiny").replace(n_layers=layers), remat=remat)
         schedule = make_program(model, mesh, pipeline_schedule="zb-h1", microbatches=microbatches).schedule
@@ -541,8 +542,7 @@ def test_zero_bubble_runs_that_keep_more_than_1f1b_say_so():
             note("stage=2,data=4", "full", m)[1]
     for remat in ("dots_no_batch", "names:qkv,attn_proj,mlp_in"):
         assert note("stage=2,data=4", remat, 4) == (True, None)
-        assert "a hand-over holds matmul inputs B made again" in note("data=2,stage=2,tensor=2", remat, 4)[1]
-        assert "a hand-over holds matmul inputs B made again" in note("stage=2,fsdp=4", remat, 4)[1]
+        assert note("data=2,stage=2,tensor=2", remat, 4) == note("stage=2,fsdp=4", remat, 4) == (True, None)
         assert "1f1b would keep 2" in note("stage=2,data=4", remat, 2)[1]
     assert note("data=2,stage=2,tensor=2", "dots", 4) == (True, None)
     assert note("data=2,stage=2,tensor=2", "none", 2) == (False, None)  # placed leaf by leaf, 1F1B's cap

@@ -248,11 +248,10 @@ class Schedule:
         that says where they keep more than 1F1B would at the same P and M: more microbatches'
         values a stage (residuals plus hand-overs; 2 stages at M = P: 3 against 2), or, under
         ``--remat full``, a hand-over several activations a layer where 1F1B keeps one (1.22-1.61x
-        1F1B's temp on 2 stages; docs/pipelines.md), or under ``dots_no_batch`` and ``names``
-        with a partitioned axis (``slot_layout`` not flat) a hand-over several times the
-        residuals it replaces in a slot of its own (0.95-1.003x 1F1B's temp at M = 2P, 1.03x on
-        4 stages at M = P; on a flat mesh at M = 2P 0.93-0.96x, and nothing said); else None.
-        Every stage's buffers are as large as the fullest stage's (one program)."""
+        1F1B's temp on 2 stages; docs/pipelines.md); else None. (Under ``dots_no_batch`` and
+        ``names`` where a stage keeps no more microbatches than 1F1B, their hand-over in a slot
+        of its own takes 0.87-0.96x 1F1B's temp on every mesh measured: nothing said.) Every
+        stage's buffers are as large as the fullest stage's (one program)."""
         if not self.split or not self.handover_apart:
             return None
         one = make_schedule("1f1b", self.stages, self.microbatches).slots
@@ -264,10 +263,6 @@ class Schedule:
         elif kind == "full":
             why = ("under --remat full a hand-over holds every weight matmul's output gradient, several activations "
                    "a layer, where 1f1b keeps each layer's input")
-        elif kind in HANDOVER_LARGE and self.slot_layout != "flat":
-            why = (f"under --remat {kind} a hand-over holds matmul inputs B made again beside their output "
-                   f"gradients, several times the residuals it takes the place of, and with an axis that splits "
-                   f"a stage's values it has a slot of its own")
         else:
             return None
         return (f"{self.kind} {held}: {why}, so it can take more memory than 1f1b here "
@@ -1102,7 +1097,7 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
         # Where B's hand-over is written: in B's branch of the tick's conditional, so that a
         # tick without B passes the store on untouched, where a chunk holds two layer slots or
         # more; written after the conditional, the hand-over was a value of its own beside the
-        # store and a tick without B read the slot out to write it back (1.00-1.15x 1F1B's temp
+        # store and a tick without B read the slot out to write it back (0.95-1.15x 1F1B's temp
         # in the cases of docs/pipelines.md's "Where B writes its hand-over", 0.87-1.05x in
         # B's branch). A chunk of one layer, whose layer scan XLA inlines, had the store copied
         # into the conditional and out (1.18-1.44x on ``stage=4,data=2``): there B hands the
@@ -1216,7 +1211,9 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
                 # copying it. (An optimization barrier over the slot and that result does not
                 # keep the copy away.) Where the values are split, on the smallest gradient (a
                 # norm's scale in these models, whole on each device where its layer's matmuls
-                # are split; where the params are split, each device's own shard of it).
+                # are split; where the params are split, each device's own shard of it). ``at``
+                # is an operand of B's conditional, so B as a whole comes after that W, as the
+                # tables order them.
                 at = back
                 if handover.shared or handover.hosts:
                     after = [jax.tree.leaves(d_blocks_acc)[smallest]]
