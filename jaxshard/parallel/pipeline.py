@@ -190,8 +190,6 @@ class Schedule:
     # Zero-bubble: whether B's hand-over surely keeps slots of its own rather than the B-only
     # residuals' place (:func:`handover_apart`; the tables then have residual_cap's narrow cap).
     handover_apart: bool = False
-    # Zero-bubble: how the executor can lay a stage's values out (:func:`slot_layout`).
-    slot_layout: str = "flat"
     # Zero-bubble: a stage's F (B) may come ticks after the previous (next) stage sent its
     # input (gradient); such an arrival waits in a slot of an inbox: where it lands, where the
     # F (B) reads it (-1 in both: the F or B takes it in the tick it lands, from no slot).

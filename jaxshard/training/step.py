@@ -211,7 +211,7 @@ def pipeline_schedule(rules: ShardingRules, model: Stageable, cfg: StepConfig) -
     remat, experts = Remat.parse(model.remat), model.cfg.moe_experts > 0
     cap = pipeline.residual_cap(stages, remat, slots, microbatches, experts)
     return dataclasses.replace(pipeline.make_schedule(kind, stages, microbatches, virtual, layout, residual_cap=cap),
-                               handover_apart=pipeline.handover_apart(remat, slots, experts), slot_layout=slots)
+                               handover_apart=pipeline.handover_apart(remat, slots, experts))
 
 
 def balance_stages(model: Stageable, rules: ShardingRules, cfg: StepConfig, batch_size: int,
