@@ -374,7 +374,7 @@ HANDOVER_LARGE = ("full", "dots_no_batch", "names")
 # it, kept no more compiled temp than 1F1B's at M = P and 2P in every case measured
 # (docs/pipelines.md, "Which cap"): in a flat slot, :data:`HANDOVER_FITS`; leaf by leaf
 # without remat and under ``selective`` for a dense model, whose B-only residuals hold every
-# activation B reads or the attention's probabilities (0.92-0.99x on tensor axes with and
+# activation B reads or the attention's probabilities (0.93-0.99x on tensor axes with and
 # without SP, fsdp and ZeRO-2/3, 2 and 4 stages; a dense model on an expert axis was not
 # measured, and a stage axis does not go with a sequence one). Under ``dots`` a tensor axis
 # leaves the gradients of model width, whole on every device, with no B-only leaf of their
