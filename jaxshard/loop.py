@@ -230,6 +230,8 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
         for note in (schedule.idle_note(), schedule.memory_note(model.remat)):
             if note:
                 _log(f"note: {note}")
+    if unbalanced := attention.imbalance_note(model.cfg, L, rules):
+        _log(f"note: {unbalanced}")
     state, start, samples, resumed = _start(cfg, program, model, ckpt, family)
     t0 = time.perf_counter()
     compiled = program.lower_step(B, L).compile()

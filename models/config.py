@@ -154,6 +154,10 @@ class ModelConfig:
             raise ConfigError(f"--moe-balance must be one of {', '.join(MOE_BALANCE)}, got {self.moe_balance!r}")
         if self.moe_bias_rate < 0:
             raise ConfigError(f"--moe-bias-rate must be >= 0, got {self.moe_bias_rate}")
+        if self.moe_router_bias and self.moe_bias_rate == 0:
+            raise ConfigError(f"--moe-balance {self.moe_balance} with --moe-bias-rate 0 never moves the routing "
+                              f"bias: " + ("nothing would balance the experts" if self.moe_balance == "bias"
+                                           else "use --moe-balance aux"))
         if self.moe_kernel not in MOE_KERNELS:
             raise ConfigError(f"--moe-kernel must be one of {', '.join(MOE_KERNELS)}, got {self.moe_kernel!r}")
         if self.moe_kernel != "auto" and not (self.moe_experts and self.moe_capacity_factor == 0):

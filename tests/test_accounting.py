@@ -229,7 +229,7 @@ def test_saved_activation_estimate_matches_autodiff_residuals(model_name, remat)
     x = jax.ShapeDtypeStruct((2, 64), jnp.int32)
     traced = inspect.jaxpr_saved_bytes(lambda p, x: model.loss(p, x, x)[0], model.abstract_params(), x)
     estimate = accounting.memory(model, rules, 2, 64, remat=remat).saved_for_backward
-    assert abs(traced - estimate) <= 0.15 * traced, (traced, estimate)
+    assert abs(traced - estimate) <= 0.11 * traced, (traced, estimate)  # (9.4% at most measured)
 
 
 @pytest.mark.parametrize("name", ["ddp", "zero2", "fsdp", "tp+sp", "hsdp", "hsdp+zero1", "ddp+cp",
@@ -274,6 +274,19 @@ def test_verifier_flags_a_planted_wrong_sharding():
     compiled = program.lower_step(BATCH, SEQ).compile()
     v = inspect.verify(model, program, compiled, BATCH, SEQ, expected=ShardingRules(mesh))
     assert any(f.startswith("unexplained") for f in v.flags), v.flags
+
+
+def test_verifier_flags_matmuls_the_accounting_does_not_explain():
+    """A step that recomputes its forward pass (``--remat full``) checked as a step that keeps
+    every activation: the recompute is matmul FLOPs nothing explains (a third more), flagged;
+    checked with its own policy, it explains them."""
+    recomputing = TransformerLM(get_preset("tiny"), remat="full")
+    program = make_program(recomputing, "data=8")
+    compiled = program.lower_step(BATCH, SEQ).compile()
+    own = inspect.verify(recomputing, program, compiled, BATCH, SEQ).flags
+    assert not [f for f in own if f.startswith("matmul FLOPs")], own
+    planted = inspect.verify(TransformerLM(get_preset("tiny")), program, compiled, BATCH, SEQ).flags
+    assert any(f.startswith("matmul FLOPs") for f in planted), planted
 
 
 @pytest.mark.parametrize("stage, param_bytes, offload, device, host", [

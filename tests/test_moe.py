@@ -406,3 +406,14 @@ def test_balance_flags_that_would_do_nothing_are_errors(flags, message):
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         Moe(**flags)
+
+
+@pytest.mark.parametrize("balance, why", [("bias", "nothing would balance the experts"),
+                                          ("both", "use --moe-balance aux")])
+def test_a_routing_bias_that_never_moves_is_an_error(balance, why):
+    cfg = get_preset("moe-tiny")
+    assert cfg.replace(moe_balance=balance, moe_bias_rate=1e-4).moe_router_bias
+    with pytest.raises(ConfigError, match=re.escape(
+            f"--moe-balance {balance} with --moe-bias-rate 0 never moves the routing bias: {why}")):
+        cfg.replace(moe_balance=balance, moe_bias_rate=0.0)
+    assert cfg.replace(moe_balance="aux", moe_bias_rate=0.0).moe_aux_weight > 0  # (unused there)

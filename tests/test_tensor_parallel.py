@@ -138,6 +138,24 @@ def test_balanced_ring_under_selective_recompute_matches_one_device(model_name):
     assert_matches_reference(model_name, "sequence=4", remat="selective")
 
 
+def test_a_ring_that_cannot_balance_says_why():
+    """The training log's note where the ring keeps contiguous chunks (about twice the
+    balanced ring's attention): dropout, or a sequence that does not split into 2S halves;
+    none where it balances, without a ring, or under Ulysses."""
+    from jaxshard.parallel import attention
+
+    cfg = get_preset("tiny-llama")
+    ring = ShardingRules(build_mesh("sequence=4", jax.devices()[:4]))
+    assert attention.imbalance_note(cfg, 64, ring) is None
+    assert "(dropout 0.1, whose masks follow the sequence's order)" in attention.imbalance_note(
+        cfg.replace(dropout=0.1), 64, ring)
+    assert attention.imbalance_note(cfg, 68, ring).startswith(
+        "ring attention keeps contiguous chunks (--seq-len 68 does not split into 2 x sequence=4 halves)")
+    ulysses = ShardingRules(build_mesh("sequence=4", jax.devices()[:4]), Strategy(context_parallel="ulysses"))
+    for rules in (ShardingRules(build_mesh("data=4", jax.devices()[:4])), ulysses):
+        assert attention.imbalance_note(cfg.replace(dropout=0.1), 68, rules) is None
+
+
 def test_context_parallel_passes_kv_chunks_around_a_ring():
     model = TransformerLM(get_preset("tiny-llama"))
     found = compiled_collectives(model, "sequence=4")

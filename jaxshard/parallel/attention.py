@@ -104,6 +104,19 @@ def balances(cfg, S: int, L: int) -> bool:
     return S > 1 and L % (2 * S) == 0 and not cfg.dropout
 
 
+def imbalance_note(cfg, L: int, rules=None) -> str | None:
+    """Where a ring (of ``rules``, default the active ones) cannot run model ``cfg``'s
+    sequence of ``L`` balanced (:func:`balances`): the log's line saying why and what it
+    costs; else None."""
+    S = ring_size(rules)
+    if S < 2 or balances(cfg, S, L):
+        return None
+    why = (f"dropout {cfg.dropout:g}, whose masks follow the sequence's order" if cfg.dropout
+           else f"--seq-len {L} does not split into 2 x sequence={S} halves")
+    return (f"ring attention keeps contiguous chunks ({why}): each device computes every chunk pair "
+            f"with the future masked, about twice the balanced ring's attention")
+
+
 DIAGONAL_DEPTH = 2  # times a causal diagonal block is halved to skip its masked corner
 
 
