@@ -254,14 +254,21 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
     _log(f"model FLOPs per step {flops.model:.3e} ({flops.formula}); MFU peak: {peak_source}")
     # The compiled step's matmuls against the useful ones (XLA:CPU's dots, a pipeline's tick ops
     # as its tables run them; a GPU's library calls are not counted).
-    waste = None
-    if jax.default_backend() == "cpu" and cfg.sync_every is None:
-        waste = accounting.matmul_waste(flops, compiled.as_text(), model.cfg, rules, B, L,
-                                        grad_accum=cfg.step.grad_accum, schedule=schedule)
+    # Dropless experts' tiles run as many times as the routing asks: counted at k rows a token
+    # here, and again at the rows the steps ran (their ``moe_computed``) for the report.
+    def count_waste(computed: float | None = None) -> dict[str, Any] | None:
+        return accounting.matmul_waste(flops, compiled.as_text(), model.cfg, rules, B, L, computed=computed,
+                                       grad_accum=cfg.step.grad_accum, schedule=schedule)
+
+    def waste_line(waste: dict[str, Any], tiles: str) -> str:
+        return (f"matmul FLOPs per device: compiled {waste['compiled']:.3e} = x{waste['ratio']:.2f} the useful "
+                f"{waste['useful']:.3e} (recompute {waste['recompute']:.2e}, masked attention and empty expert "
+                f"slots {waste['masked_or_padding']:.2e}: x{waste['unexplained']:.2f} what they explain)"
+                + (f"; the dropless experts' tiles at {tiles}" if waste["data_dependent"] else ""))
+
+    waste = count_waste() if jax.default_backend() == "cpu" and cfg.sync_every is None else None
     if waste is not None:
-        _log(f"matmul FLOPs per device: compiled {waste['compiled']:.3e} = x{waste['ratio']:.2f} the useful "
-             f"{waste['useful']:.3e} (recompute {waste['recompute']:.2e}, masked attention and empty expert "
-             f"slots {waste['masked_or_padding']:.2e}: x{waste['unexplained']:.2f} what they explain)")
+        _log(waste_line(waste, "k rows a token until the steps say how many ran"))
     elif jax.default_backend() == "cpu" and (why := accounting.uncounted(compiled.as_text(), schedule)):
         _log(f"matmul FLOPs per device: not counted ({why})")
 
@@ -455,6 +462,10 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
             lambda table: program if table is None else build_program(model, rules, cfg.optim, cfg.step, table),
             schedule, B, L, model.cfg.vocab_size, steps=5)
         _log(measured.line())
+    ran = [r["moe_computed"] for r in records if "moe_computed" in r]
+    if waste is not None and waste["data_dependent"] and ran:
+        waste = count_waste(float(np.mean(ran)))
+        _log(waste_line(waste, f"the rows the steps ran ({np.mean(ran):.3f} x k a token)"))
     report = _report(cfg, model, rules, compiled, held, records, val_loss, corpus, compile_s,
                      throughput, flops, peak_source, program, measured, eval_sets)
     if mixed:  # the documents drawn from each source (this run's and, resumed, its predecessors')

@@ -151,6 +151,21 @@ def test_pipelined_run_reports_its_schedule_and_matches_its_prediction(tmp_path)
     assert "bubble measured" in result.stdout + result.stderr
 
 
+def test_a_dropless_runs_report_counts_the_tiles_its_steps_ran(tmp_path):
+    """Dropless experts' grouped matmuls run as many tiles as the routing asks: the log counts
+    them at k rows a token before the first step, the report at the rows the steps ran."""
+    report = tmp_path / "r.json"
+    result = train("--model", "moe-tiny", "--moe-capacity-factor", "0", "--mesh", "expert=4,data=2",
+                   "--cpu-devices", "8", "--steps", "2", "--batch-size", "8", "--seq-len", "32",
+                   "--report", str(report))
+    assert result.returncode == 0, result.stderr
+    assert "the dropless experts' tiles at k rows a token until the steps say how many ran" in result.stdout
+    assert "the dropless experts' tiles at the rows the steps ran (" in result.stdout
+    waste = json.loads(report.read_text())["matmul_flops_per_device"]
+    assert waste["rows_measured"] == 1 and waste["data_dependent"] > 0, waste
+    assert abs(waste["unexplained"] - 1) <= 0.10, waste
+
+
 def test_mfu_with_a_given_peak(tmp_path):
     metrics = tmp_path / "m.jsonl"
     result = train("--mesh", "data=8", "--cpu-devices", "8", "--steps", "3", "--batch-size", "8",
