@@ -38,7 +38,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--meshes", default="stage=2,data=4;data=2,stage=2,tensor=2;stage=2,fsdp=4",
                    help="semicolon-separated --mesh values of 8 devices, each with a stage axis")
     p.add_argument("--remats", default="none,dots,selective,dots_no_batch,full",
-                   help="comma-separated --remat policies")
+                   help="comma-separated --remat policies (semicolon-separated where one names several "
+                        "values, e.g. 'none;names:qkv,attn_proj')")
     p.add_argument("--microbatches", default="2,4", help="comma-separated values of M (>= the stages)")
     p.add_argument("--layers", type=int, default=4, help="the models' layers")
     p.add_argument("--rows", type=int, default=4, help="sequences per microbatch")
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         ms = int_list(a.microbatches, "--microbatches")
         models = [m for m in a.models.split(",") if m]
         meshes = [m for m in a.meshes.split(";") if m]
-        remats = [r for r in a.remats.split(",") if r]
+        remats = [r for r in a.remats.split(";" if ";" in a.remats else ",") if r]
         if not (ms and models and meshes and remats) or min(a.layers, a.rows, a.seq_len) < 1:
             raise ConfigError("--models, --meshes, --remats and --microbatches must name at least one each; "
                               "--layers, --rows and --seq-len must be >= 1")

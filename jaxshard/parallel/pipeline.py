@@ -246,9 +246,11 @@ class Schedule:
         that says where they keep more than 1F1B would at the same P and M: more microbatches'
         values a stage (residuals plus hand-overs; 2 stages at M = P: 3 against 2), or, under
         ``--remat full``, a hand-over several activations a layer where 1F1B keeps one (1.22-1.61x
-        1F1B's temp on 2 stages; docs/pipelines.md); else None. (Under ``dots_no_batch`` and
-        ``names`` where a stage keeps no more microbatches than 1F1B, their hand-over in a slot
-        of its own takes 0.87-0.96x 1F1B's temp on every mesh measured: nothing said.) Every
+        1F1B's temp on 2 and 4 stages; docs/pipelines.md), or under ``names``, whose hand-over
+        holds the matmul inputs the names leave out (1.04-1.14x at M = 2P with
+        ``names:qkv,attn_proj`` and ``names:mlp_hidden,attn_proj`` on a flat mesh); else None.
+        (Under ``dots_no_batch`` where a stage keeps no more microbatches than 1F1B, its
+        hand-over takes 0.76-0.97x 1F1B's temp on every mesh measured: nothing said.) Every
         stage's buffers are as large as the fullest stage's (one program)."""
         if not self.split or not self.handover_apart:
             return None
@@ -261,6 +263,9 @@ class Schedule:
         elif kind == "full":
             why = ("under --remat full a hand-over holds every weight matmul's output gradient, several activations "
                    "a layer, where 1f1b keeps each layer's input")
+        elif kind == "names":
+            why = ("under --remat names a hand-over holds the matmul inputs that the names leave out, made again by B, "
+                   "beside their output gradients")
         else:
             return None
         return (f"{self.kind} {held}: {why}, so it can take more memory than 1f1b here "
@@ -656,15 +661,16 @@ class Handover:
     (:func:`flat_slots`). Apart, leaf by leaf (``leafwise``): a hand-over leaf of a B-only
     leaf's shape (:func:`same_layout`) overwrites it, in that leaf's slot per microbatch from F
     to W (``into``: the leaves so placed), where the pair's ``slots`` rows are no more than
-    their ``b_slots + w_slots`` apart. :func:`run` asks for it where the values are split (not
-    ``flat``); a write over a leaf W may still read is ordered after W by an element of a
+    their ``b_slots + w_slots`` apart. :func:`run` asks for it on every mesh; a write over a leaf W may still read is ordered after W by an element of a
     gradient (where the gradients are split, FSDP or ZeRO-2 and 3, each device's own shard's,
     so that none is fetched every tick). Where only batch axes split the values (``rows``: a
     microbatch's rows and tokens per row, as FSDP and ZeRO split them), hand-over leaves laid
     out by rows that no B-only leaf is shaped as are packed into the rows of one
     (``packed``): each row's share of the leaf at an offset in that row. (On a flat mesh,
-    where the policy's hand-over does not fit the shared slot, leaf by leaf saved 2% of the
-    temp under ``dots_no_batch`` and cost 1.2% under ``names`` at M = 2P.)"""
+    where the policy's hand-over does not fit the shared slot, leaf by leaf against all of it
+    in a slot of its own, ZB-H1's temp over 1F1B's: under ``dots_no_batch`` 1.037-1.058x →
+    0.964-0.997x at M = P on 2 stages, 0.991-1.022x → 0.903-0.907x on 4 of two layers; under
+    ``names`` 0.95-1.25x → 0.76-1.14x, the same or less in every case measured.)"""
 
     def __init__(self, b_only: list, handed: list, schedule: Schedule, flat: bool = True,
                  leafwise: bool = False, rows: tuple[int, int] | None = None) -> None:
@@ -1069,7 +1075,7 @@ def run(schedule: Schedule, mesh: jax.sharding.Mesh, *,
             # Where only batch axes split the values (FSDP, ZeRO), each is split on its rows
             # alone, and a hand-over leaf may be packed into a B-only leaf's rows.
             handover = Handover([r for r, w in zip(res_shapes, until_w) if not w], jax.tree.leaves(w_shapes),
-                                 schedule, flat, leafwise=not flat,
+                                 schedule, flat, leafwise=True,
                                  rows=x_shape.shape[:2] if slots_as == "rows" else None)
 
         def keep_res(stash_res, res, slot, b_slot):
