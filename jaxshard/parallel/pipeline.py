@@ -670,7 +670,7 @@ class Handover:
     where the policy's hand-over does not fit the shared slot, leaf by leaf against all of it
     in a slot of its own, ZB-H1's temp over 1F1B's: under ``dots_no_batch`` 1.037-1.058x →
     0.964-0.997x at M = P on 2 stages, 0.991-1.022x → 0.903-0.907x on 4 of two layers; under
-    ``names`` 0.95-1.25x → 0.76-1.14x, the same or less in every case measured.)"""
+    ``names`` 0.83-1.25x → 0.76-1.14x, the same or less in every case measured.)"""
 
     def __init__(self, b_only: list, handed: list, schedule: Schedule, flat: bool = True,
                  leafwise: bool = False, rows: tuple[int, int] | None = None) -> None:
