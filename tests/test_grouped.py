@@ -117,6 +117,23 @@ def test_bfloat16_tiles_accumulate_in_float32():
     assert weight_sums and all(a.dtype == jnp.float32 for a in weight_sums)
 
 
+def test_the_backward_loops_run_the_tiles_the_forward_counted(monkeypatch):
+    """The rows a step reports (``moe_computed``, which the waste figure scales every tile loop
+    by) come from the forward's loop: each backward loop, run on its own, covers the same tiles."""
+    case = _case([10, 0, 17, 13], "swiglu")
+    runs, loops = [], grouped._loops
+
+    def counted(tilings, body, init):
+        carry, rows = loops(tilings, body, init)
+        jax.debug.callback(lambda r: runs.append(int(r)), rows)
+        return carry, rows
+
+    monkeypatch.setattr(grouped, "_loops", counted)
+    (_, (_, rows)), _ = _run("tiled", case, "swiglu", tile=4)
+    jax.effects_barrier()
+    assert len(runs) == 4 and set(runs) == {int(rows)}, (runs, int(rows))  # 2 forward, 2 backward
+
+
 def test_tiles_are_the_largest_power_of_two_padding_at_most_a_sixteenth_of_even_groups():
     for rows in range(1, 5000):
         m = grouped.tile_rows(rows)
