@@ -58,7 +58,7 @@ COST = re.compile(r"compiled in ([\d.]+) s, peak memory of this process ([\d.]+)
 def run(name: str, timeout: int, explain: int = 0) -> dict:
     devices, flags = CASES[name]
     cmd = [sys.executable, str(ROOT / "experiments" / "plan.py"), "--devices", str(devices), "--device", "h100",
-           "--confirm-limit", str(devices), *flags.split()]
+           "--hosts", str(devices // 8), "--confirm-limit", str(devices), *flags.split()]  # (8 H100s a host)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
         env = dict(os.environ, JAXSHARD_CACHE=scratch)  # cold compiles

@@ -233,6 +233,9 @@ def test_a_checkpoint_of_another_model_or_a_corrupt_one_is_one_line(tmp_path, un
                  "--model", "tiny-llama"])
     assert other.returncode == 2 and other.stderr.count("\n") == 1, other.stderr
     assert "holds another model: param" in other.stderr
+    shorter = run(["--mesh", "data=8", "--steps", "12", "--checkpoint-dir", str(ck), "--resume", "--seq-len", "32"])
+    assert shorter.returncode == 2 and shorter.stderr.count("\n") == 1, shorter.stderr
+    assert "the checkpoint was trained with --seq-len 64; resume with it (got --seq-len 32)" in shorter.stderr
     for f in (ck / "10").rglob("*"):
         if f.is_file() and "state" in f.parts:
             f.write_bytes(b"garbage")

@@ -1,5 +1,7 @@
 """The planner follows the classic guidance because the numbers say so."""
 
+import re
+
 import jax
 import pytest
 
@@ -228,11 +230,20 @@ def test_plan_json_for_a_given_configuration(tmp_path):
     ({"stage": 2, "data": 4}, dict(microbatches=4, virtual_stages=4), "must split into 2 x 4 stages"),
     ({"data": 8}, dict(microbatches=3), "--batch 16 does not split into 3 microbatch(es) over 8 batch shard(s)"),
     ({"data": 6}, dict(hosts=4), "has 6 devices: not a multiple of --hosts 4"),
+    ({"data": 16}, {}, "16 devices on 1 host(s) is 16 a host, where a h100 host holds 8: give --hosts 2 or more"),
 ])
 def test_a_given_configuration_that_cannot_run_is_refused(mesh, kw, message):
     model = TransformerLM(get_preset("llama-tiny"))
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         planner.given(model, mesh, planner.Strategy(), H100, 16, 128, **kw)
+
+
+def test_more_devices_than_a_host_holds_need_hosts():
+    """Without --hosts, 64 H100s would all be priced as one host's NVLink."""
+    model = TransformerLM(get_preset("llama-tiny"))
+    with pytest.raises(ConfigError, match=re.escape("64 devices on 1 host(s) is 64 a host, where a h100 host holds 8: "
+                                                    "give --hosts 8 or more")):
+        planner.plan(model, 64, H100, 64, 128)
 
 
 @pytest.mark.parametrize("row, name, n, hosts, batch, theirs, sp", [

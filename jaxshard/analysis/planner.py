@@ -221,6 +221,16 @@ def plan_memory(model: Stageable, rules: ShardingRules, batch_size: int, seq_len
     return accounting.pipeline_memory(model, rules, schedule, batch_size, seq_len, **kw)
 
 
+def _on_hosts(device: Device, devices: int, hosts: int) -> Device:
+    """``device`` with ``devices / hosts`` a host. More than a host of a known device holds is
+    an error: every collective would be priced at the links within a host."""
+    per_host = devices // hosts
+    if device.name != "custom" and per_host > device.per_host:
+        raise ConfigError(f"{devices} devices on {hosts} host(s) is {per_host} a host, where a {device.name} host "
+                          f"holds {device.per_host}: give --hosts {-(-devices // device.per_host)} or more")
+    return replace(device, per_host=per_host)
+
+
 def given(model: Stageable, mesh: dict[str, int], strategy: Strategy, device: Device, batch_size: int,
           seq_len: int, *, hosts: int = 1, compute_dtype: str = "bfloat16", microbatches: int = 1,
           virtual_stages: int = 1, software: timing.Software = timing.SOFTWARE["jaxshard"]) -> Plan:
@@ -241,7 +251,7 @@ def given(model: Stageable, mesh: dict[str, int], strategy: Strategy, device: De
     if batch_size % (shards * microbatches):
         raise ConfigError(f"--batch {batch_size} does not split into {microbatches} microbatch(es) over "
                           f"{shards} batch shard(s)")
-    device = replace(device, per_host=devices // hosts)
+    device = _on_hosts(device, devices, hosts)
     pipelined = stages > 1
     return evaluate(model, mesh, strategy, model.remat, device, batch_size, seq_len, compute_dtype,
                     microbatches=microbatches if pipelined else None, grad_accum=1 if pipelined else microbatches,
@@ -309,7 +319,7 @@ def plan(model: Stageable, devices: int, device: Device, batch_size: int, seq_le
         raise ConfigError(f"--seq-len {seq_len} exceeds model {model.cfg.name}'s max_seq_len "
                           f"{model.cfg.max_seq_len}")
     per_host = devices // hosts
-    device = replace(device, per_host=per_host)
+    device = _on_hosts(device, devices, hosts)
     variants = {r: _with_remat(model, r) for r in (Remat.NONE, Remat.FULL)}
     found = [evaluate(variants[remat], mesh, strategy, remat, device, batch_size, seq_len, compute_dtype,
                       microbatches=m, grad_accum=k, software=software)
