@@ -65,18 +65,19 @@ def measured(case: str, kernel: str = "auto") -> float:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_layer_keeps_what_korthikanti_counts(case):
-    """The compiled program's per-layer residuals within 10% of the paper's count (less its
-    dropout terms); the accounting's estimate within 10% of the program."""
+    """The compiled program's per-layer residuals are the paper's count (less its dropout
+    terms), term for term: within 0.5%, where its smallest term is 3% of the largest count (2sbh
+    of 64); the accounting's estimate the same (0.0% off on jax 0.10.2, both)."""
     mesh, sp, remat, paper, without_dropout = CASES[case]
     got = measured(case)
-    assert abs(got - without_dropout) <= 0.10 * without_dropout, (case, got, without_dropout, paper)
+    assert abs(got - without_dropout) <= 0.005 * without_dropout, (case, got, without_dropout, paper)
     rules = make_program(TransformerLM(gpt(1)), mesh, sequence_parallel=sp).rules
 
     def estimate(n_layers: int) -> int:
         return accounting.activation_bytes(gpt(n_layers), rules, B, S, 2, Remat.parse(remat))
 
     per_layer = (estimate(2) - estimate(1)) / (S * B * H)
-    assert abs(per_layer - got) <= 0.10 * got, (case, per_layer, got)
+    assert abs(per_layer - got) <= 0.005 * got, (case, per_layer, got)
 
 
 @pytest.mark.parametrize("case", ["none", "tensor+sequence"])
