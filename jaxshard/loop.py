@@ -608,6 +608,19 @@ def _sample(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, params: 
     _log(f"sample ({len(new)} tokens after {cfg.sample_prompt!r}):\n{cfg.sample_prompt}{text}")
 
 
+def _unpriced(cfg: RunConfig, model: Stageable) -> str | None:
+    """Why the time model cannot price this run's step on a GPU, or None: it knows the rates of
+    cuDNN's flash attention alone, and prices every layer as a dense one."""
+    kernel = attention.gpu_kernel(cfg.step.compute_dtype, model.cfg.d_head, cfg.seq_len, attention.gpu_capability())
+    if kernel != "cudnn":
+        return f"its attention would run the {kernel} kernel, whose rate is not measured (only cuDNN's is)"
+    if cfg.data.packing:
+        return "--packing true runs the blockwise attention kernel, whose rate is not measured (only cuDNN's is)"
+    if getattr(model.cfg, "moe_experts", 0):
+        return "it prices MoE layers as dense ones"
+    return None
+
+
 def _time_model(cfg: RunConfig, model: Stageable, rules, schedule, flops) -> dict[str, Any] | None:
     """The time model's step time and MFU for this run (``analysis.timing``, as ``plan.py``
     prices it), beside the measured ones: where the device is known (``--device`` or a
@@ -615,6 +628,9 @@ def _time_model(cfg: RunConfig, model: Stageable, rules, schedule, flops) -> dic
     device = devices.known_device(cfg.peak.device, jax.devices()[0])
     if device is None or cfg.sync_every is not None or model.cfg.fp8 is not None:
         return None  # (the time model prices no float8 matmuls yet)
+    if why := _unpriced(cfg, model):
+        _log(f"time model ({device.name}): not priced: {why}")
+        return None
     device = dataclasses.replace(device, per_host=jax.local_device_count())
     pipe = dict(microbatches=schedule.microbatches, virtual_stages=schedule.virtual) if schedule else {}
     t = timing.step_time(model, rules, device, cfg.batch_size, cfg.seq_len, software=timing.SOFTWARE["jaxshard"],

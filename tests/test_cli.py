@@ -204,6 +204,14 @@ def test_the_report_puts_the_time_models_prediction_beside_the_measurement(tmp_p
     assert train("--mesh", "data=8", "--cpu-devices", "8", "--steps", "2", "--batch-size", "8", "--seq-len", "32",
                  "--report", str(plain)).returncode == 0
     assert json.loads(plain.read_text())["predicted"]["time_model"] is None  # CPU, no --device
+    # A float32 step's attention would not run cuDNN's kernel, the only one whose rate is known.
+    wide = tmp_path / "float32.json"
+    result = train("--mesh", "data=8", "--cpu-devices", "8", "--steps", "2", "--batch-size", "8", "--seq-len", "32",
+                   "--device", "a100-80gb", "--compute-dtype", "float32", "--report", str(wide))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(wide.read_text())["predicted"]["time_model"] is None
+    assert ("time model (a100-80gb): not priced: its attention would run the blockwise kernel, whose rate is "
+            "not measured (only cuDNN's is)") in result.stdout
 
 
 def test_microbatch_not_divisible_by_batch_axes():

@@ -231,11 +231,12 @@ def test_plan_json_for_a_given_configuration(tmp_path):
     ({"data": 8}, dict(microbatches=3), "--batch 16 does not split into 3 microbatch(es) over 8 batch shard(s)"),
     ({"data": 6}, dict(hosts=4), "has 6 devices: not a multiple of --hosts 4"),
     ({"data": 16}, {}, "16 devices on 1 host(s) is 16 a host, where a h100 host holds 8: give --hosts 2 or more"),
+    ({"data": 8}, dict(seq_len=4096), "--seq-len 4096 exceeds model llama-tiny's max_seq_len"),
 ])
 def test_a_given_configuration_that_cannot_run_is_refused(mesh, kw, message):
     model = TransformerLM(get_preset("llama-tiny"))
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        planner.given(model, mesh, planner.Strategy(), H100, 16, 128, **kw)
+        planner.given(model, mesh, planner.Strategy(), H100, 16, kw.pop("seq_len", 128), **kw)
 
 
 def test_more_devices_than_a_host_holds_need_hosts():

@@ -221,6 +221,14 @@ def plan_memory(model: Stageable, rules: ShardingRules, batch_size: int, seq_len
     return accounting.pipeline_memory(model, rules, schedule, batch_size, seq_len, **kw)
 
 
+def _check_lengths(model: Stageable, batch_size: int, seq_len: int) -> None:
+    if batch_size < 1 or seq_len < 1:
+        raise ConfigError(f"--batch and --seq-len must be >= 1, got {batch_size} and {seq_len}")
+    if seq_len > model.cfg.max_seq_len:
+        raise ConfigError(f"--seq-len {seq_len} exceeds model {model.cfg.name}'s max_seq_len "
+                          f"{model.cfg.max_seq_len}")
+
+
 def _on_hosts(device: Device, devices: int, hosts: int) -> Device:
     """``device`` with ``devices / hosts`` a host. More than a host of a known device holds is
     an error: every collective would be priced at the links within a host."""
@@ -239,6 +247,7 @@ def given(model: Stageable, mesh: dict[str, int], strategy: Strategy, device: De
     devices = math.prod(mesh.values())
     if devices % hosts:
         raise ConfigError(f"--mesh {_flag(mesh)} has {devices} devices: not a multiple of --hosts {hosts}")
+    _check_lengths(model, batch_size, seq_len)
     stages = mesh.get("stage", 1)
     if virtual_stages < 1 or microbatches < 1:
         raise ConfigError("--microbatches and --virtual-stages must be >= 1")
@@ -313,11 +322,7 @@ def plan(model: Stageable, devices: int, device: Device, batch_size: int, seq_le
     """Every candidate, fitting ones first, fastest first (within 5%: simplest first)."""
     if devices < 1 or hosts < 1 or devices % hosts:
         raise ConfigError(f"--devices {devices} must be a positive multiple of --hosts {hosts}")
-    if batch_size < 1 or seq_len < 1:
-        raise ConfigError(f"--batch and --seq-len must be >= 1, got {batch_size} and {seq_len}")
-    if seq_len > model.cfg.max_seq_len:
-        raise ConfigError(f"--seq-len {seq_len} exceeds model {model.cfg.name}'s max_seq_len "
-                          f"{model.cfg.max_seq_len}")
+    _check_lengths(model, batch_size, seq_len)
     per_host = devices // hosts
     device = _on_hosts(device, devices, hosts)
     variants = {r: _with_remat(model, r) for r in (Remat.NONE, Remat.FULL)}
