@@ -50,6 +50,11 @@ def _check_model_fits_data(model: LanguageModel, corpus: data_lib.Corpus, seq_le
                           f"{model.cfg.max_seq_len}")
 
 
+def _gpu_kernel(cfg: RunConfig, model_cfg) -> str:
+    """The kernel the dense attention path takes on a GPU for this run (``attention.gpu_kernel``)."""
+    return attention.gpu_kernel(cfg.step.compute_dtype, model_cfg.d_head, cfg.seq_len, attention.gpu_capability())
+
+
 def documents_eot(cfg: RunConfig, eot: int | None, data_name: str, rules: ShardingRules, model_cfg) -> int | None:
     """The end-of-text id (``eot``: the data's, None if they have none) that packs the windows'
     documents (``--packing``), or None: off, by
@@ -61,8 +66,7 @@ def documents_eot(cfg: RunConfig, eot: int | None, data_name: str, rules: Shardi
         raise DataError(f"--packing true finds documents by the end-of-text id; data {data_name} has no "
                         "tokenizer that names one (give --tokenizer)")
     ring = bool(rules.activation_mesh_axes(Dim.LENGTH)) and rules.strategy.context_parallel == "ring"
-    fused = jax.default_backend() == "gpu" and not ring and attention.gpu_kernel(
-        cfg.step.compute_dtype, model_cfg.d_head, cfg.seq_len, attention.gpu_capability()) == "cudnn"
+    fused = jax.default_backend() == "gpu" and not ring and _gpu_kernel(cfg, model_cfg) == "cudnn"
     if fused and asked:
         _log("--packing true: cuDNN's fused attention takes no segment ids here; the blockwise kernel runs")
     if fused and asked is None:
@@ -611,7 +615,7 @@ def _sample(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, params: 
 def _unpriced(cfg: RunConfig, model: Stageable) -> str | None:
     """Why the time model cannot price this run's step on a GPU, or None: it knows the rates of
     cuDNN's flash attention alone, and prices every layer as a dense one."""
-    kernel = attention.gpu_kernel(cfg.step.compute_dtype, model.cfg.d_head, cfg.seq_len, attention.gpu_capability())
+    kernel = _gpu_kernel(cfg, model.cfg)
     if kernel != "cudnn":
         return f"its attention would run the {kernel} kernel, whose rate is not measured (only cuDNN's is)"
     if cfg.data.packing:
@@ -653,8 +657,7 @@ def _report(cfg: RunConfig, model: Stageable, rules, compiled, held, records, va
     found = inspect.compiled_collectives(compiled, rules.mesh)
     # (Under a pipeline, what the schedule's slots run -- FSDP's gathers, TP's reductions -- is
     # not predicted.)
-    kernel = attention.gpu_kernel(cfg.step.compute_dtype, model.cfg.d_head, L, attention.gpu_capability()) \
-        if jax.default_backend() == "gpu" else "xla"
+    kernel = _gpu_kernel(cfg, model.cfg) if jax.default_backend() == "gpu" else "xla"
     # Attention by cuDNN's or the blockwise flash kernel (attention.gpu_kernel): no probabilities kept.
     flash = kernel != "xla" and not rules.activation_mesh_axes(Dim.LENGTH)
     predicted_memory, comm = accounting.predict(model, rules, B, L, schedule, flash=flash, **kwargs)

@@ -661,9 +661,10 @@ class Handover:
     (:func:`flat_slots`). Apart, leaf by leaf (``leafwise``): a hand-over leaf of a B-only
     leaf's shape (:func:`same_layout`) overwrites it, in that leaf's slot per microbatch from F
     to W (``into``: the leaves so placed), where the pair's ``slots`` rows are no more than
-    their ``b_slots + w_slots`` apart. :func:`run` asks for it on every mesh; a write over a leaf W may still read is ordered after W by an element of a
-    gradient (where the gradients are split, FSDP or ZeRO-2 and 3, each device's own shard's,
-    so that none is fetched every tick). Where only batch axes split the values (``rows``: a
+    their ``b_slots + w_slots`` apart. :func:`run` asks for it on every mesh; a write over a
+    leaf W may still read is ordered after W by an element of a gradient (where the gradients
+    are split, FSDP or ZeRO-2 and 3, each device's own shard's, so that none is fetched every
+    tick). Where only batch axes split the values (``rows``: a
     microbatch's rows and tokens per row, as FSDP and ZeRO split them), hand-over leaves laid
     out by rows that no B-only leaf is shaped as are packed into the rows of one
     (``packed``): each row's share of the leaf at an offset in that row. (On a flat mesh,
