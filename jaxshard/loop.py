@@ -297,6 +297,9 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
              + " of documents")
         if resumed and resumed.get("data_position"):
             train_data.seek(resumed["data_position"])  # no need to draw the stream again up to here
+    elif resumed and resumed.get("data_position"):  # (its samples_seen counts the mixture's stream)
+        raise DataError("the checkpoint was trained on a mixture of "
+                        f"{', '.join(resumed['data_position'].get('sources') or [])}: resume with the same --data")
     more_val = {name: data_lib.Batches(tokens, L, B, cfg.step.seed, rows, shuffle=False, cols=cols,
                                        what=f"--eval-data set {name}") for name, tokens in eval_sets.items()}
     if eval_sets:

@@ -4,6 +4,7 @@ batches themselves; the same stream on any split of rows; a resumed run continue
 
 import json
 import random
+import re
 
 import numpy as np
 import pytest
@@ -119,7 +120,7 @@ def corpora(tmp_path_factory):
     return root
 
 
-def test_a_mixture_trains_and_resumes_to_the_same_losses(corpora, tmp_path, monkeypatch):
+def test_a_mixture_trains_and_resumes_to_the_same_losses(corpora, tmp_path, monkeypatch, capsys):
     data = f"{corpora / 'web.jsonl'}:0.7,{corpora / 'code'}:0.3"
     common = ["--model", "tiny", "--n-layers", "1", "--mesh", "data=8", "--cpu-devices", "8", "--platform", "cpu",
               "--batch-size", "8", "--seq-len", "32", "--eval-every", "0", "--eval-batches", "1", "--warmup-steps",
@@ -138,6 +139,17 @@ def test_a_mixture_trains_and_resumes_to_the_same_losses(corpora, tmp_path, monk
     resumed = run("cut", "--steps", "6", "--checkpoint-dir", str(tmp_path / "ck"), "--resume")
     assert resumed == whole
     assert len(seeks) == 1 and seeks[0]["offset"] == 3 * 8 and seeks[0]["draw"] > 0
+    # one of its sources alone would read other documents at the mixture's count of samples
+    before = (tmp_path / "cut.jsonl").read_text()
+    alone = [str(corpora / "web.jsonl") if f == data else f for f in common]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit:
+        main([*alone, "--metrics", str(tmp_path / "cut.jsonl"), "--steps", "7", "--checkpoint-dir",
+              str(tmp_path / "ck"), "--resume"])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit.value.code == 2 and re.fullmatch(r"error: the checkpoint was trained on a mixture of \S*web\.jsonl, "
+                                                 r"\S*code: resume with the same --data", error), error
+    assert (tmp_path / "cut.jsonl").read_text() == before
     report = json.loads((tmp_path / "whole.json").read_text())
     assert [d["source"] for d in report["mixture"]] == [str(corpora / "web.jsonl"), str(corpora / "code")]
     assert sum(d["documents"] for d in report["mixture"]) > 0
