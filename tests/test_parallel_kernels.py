@@ -94,6 +94,15 @@ def test_ulysses_attention(mesh, kv_heads, groups):
     _context_parallel_attention(mesh, kv_heads, groups, "ulysses")
 
 
+@pytest.mark.parametrize("mesh, kv_heads, groups", [("data=2,sequence=4", 4, 1), ("sequence=2,tensor=4", 2, 4)])
+def test_ulysses_attention_by_the_blockwise_kernel(mesh, kv_heads, groups):
+    """Ulysses' whole-sequence attention by the blockwise kernel, a GPU's where cuDNN's does
+    not apply (float32, packed documents) and the plan's confirmation's: its scans' carries
+    vary over the region's axes as their inputs do."""
+    with attention.kernel("blockwise"):
+        _context_parallel_attention(mesh, kv_heads, groups, "ulysses")
+
+
 def test_dense_attention_is_causal_softmax():
     B, L, K, G, H = 1, 6, 1, 2, 4
     q = RNG.normal(size=(B, L, K, G, H))

@@ -399,8 +399,10 @@ def _flash_fwd(q_BLKGH, k_BLKH, v_BLKH, T, segments_BL=None):
         pv = jnp.einsum("bkglt,btkh->bkglh", p.astype(v_BTKH.dtype), v_BTKH, preferred_element_type=jnp.float32)
         return (j + 1, m_new, l_BKGL * scale + p.sum(-1), o_BKGLH * scale[..., None] + pv), None
 
-    init = (jnp.int32(0), jnp.full((B, K, G, L), _NEG, jnp.float32), jnp.zeros((B, K, G, L), jnp.float32),
-            jnp.zeros((B, K, G, L, H), jnp.float32))
+    # (zeros like the queries: inside a shard_map they vary over its axes as the queries do,
+    # as the scan's carry out does -- Ulysses' region)
+    o_init = jnp.zeros_like(q_BLKGH, jnp.float32).transpose(0, 2, 3, 1, 4)
+    init = (jnp.int32(0), o_init[..., 0] + _NEG, o_init[..., 0], o_init)
     # Each query sees itself (its own block): its row's max is finite from that block on, so
     # the fully masked blocks after it add exp(_NEG - m) = 0, and the junk exp(0) that masked
     # blocks before it added (packed documents: earlier documents' blocks) is scaled by 0 there.
@@ -435,7 +437,7 @@ def _flash_bwd(T, res, do_BLKGH, segments_BL=None):
         dk = jnp.einsum("bkglt,blkgh->btkh", ds, q_BLKGH.astype(jnp.float32))
         return (j + 1, dq_BLKGH), (dk.astype(k_BTKH.dtype), dv.astype(v_BTKH.dtype))
 
-    (_, dq), (dk, dv) = jax.lax.scan(step, (jnp.int32(0), jnp.zeros(q_BLKGH.shape, jnp.float32)),
+    (_, dq), (dk, dv) = jax.lax.scan(step, (jnp.int32(0), jnp.zeros_like(q_BLKGH, jnp.float32)),
                                      (_blocks(k_BLKH, T), _blocks(v_BLKH, T), segs))
 
     def unblock(x):  # [L/T, B, T, K, H] -> [B, L, K, H]
