@@ -34,7 +34,7 @@ from jaxshard.errors import ConfigError  # noqa: E402
 
 
 SHAPE = ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_mlp", "vocab_size")
-GIVEN = ("microbatches", "virtual_stages", "remat", "zero", "sequence_parallel")
+GIVEN = ("microbatches", "virtual_stages", "remat", "zero", "sequence_parallel", "context_parallel")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -69,6 +69,8 @@ def parser() -> argparse.ArgumentParser:
                                                 "outermost first (devices fill hosts in this order)")
     g.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage over the data axis")
     g.add_argument("--sequence-parallel", action="store_true", help="with tensor > 1")
+    g.add_argument("--context-parallel", default="ring", choices=("ring", "ulysses"),
+                   help="with sequence > 1: ring (not priced: XLA's blocks) or ulysses (the dense kernel)")
     g.add_argument("--microbatches", type=int, default=1,
                    help="a pipeline's microbatches (stage axis), or gradient accumulation without one")
     g.add_argument("--virtual-stages", type=int, default=1, help="interleaved: layer chunks per stage")
@@ -150,7 +152,7 @@ def _given(a, model, device, batch, name, planner, software, confirm) -> int:
     mesh = {str(axis): size for axis, size in spec.axes}
     if -1 in mesh.values() or math.prod(mesh.values()) != a.devices:
         raise ConfigError(f"--mesh {a.mesh} must lay out exactly --devices {a.devices} (no -1)")
-    strategy = Strategy(zero=a.zero, sequence_parallel=a.sequence_parallel)
+    strategy = Strategy(zero=a.zero, sequence_parallel=a.sequence_parallel, context_parallel=a.context_parallel)
     plan = planner.given(model, mesh, strategy, device, batch, a.seq_len, hosts=a.hosts,
                          compute_dtype=a.compute_dtype, microbatches=a.microbatches,
                          virtual_stages=a.virtual_stages, software=software)

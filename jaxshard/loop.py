@@ -615,12 +615,14 @@ def _sample(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, params: 
     _log(f"sample ({len(new)} tokens after {cfg.sample_prompt!r}):\n{cfg.sample_prompt}{text}")
 
 
-def _unpriced(cfg: RunConfig, model: Stageable) -> str | None:
+def _unpriced(cfg: RunConfig, model: Stageable, rules: ShardingRules) -> str | None:
     """Why the time model cannot price this run's step on a GPU, or None: it knows the rates of
     cuDNN's flash attention alone, and prices every layer as a dense one."""
     kernel = _gpu_kernel(cfg, model.cfg)
     if kernel != "cudnn":
         return f"its attention would run the {kernel} kernel, whose rate is not measured (only cuDNN's is)"
+    if why := timing.unpriced_attention(rules, timing.SOFTWARE["jaxshard"], cfg.step.compute_dtype):
+        return why
     if cfg.data.packing:
         return "--packing true runs the blockwise attention kernel, whose rate is not measured (only cuDNN's is)"
     if getattr(model.cfg, "moe_experts", 0):
@@ -635,7 +637,7 @@ def _time_model(cfg: RunConfig, model: Stageable, rules, schedule, flops) -> dic
     device = devices.known_device(cfg.peak.device, jax.devices()[0])
     if device is None or cfg.sync_every is not None or model.cfg.fp8 is not None:
         return None  # (the time model prices no float8 matmuls yet)
-    if why := _unpriced(cfg, model):
+    if why := _unpriced(cfg, model, rules):
         _log(f"time model ({device.name}): not priced: {why}")
         return None
     device = dataclasses.replace(device, per_host=jax.local_device_count())

@@ -212,6 +212,14 @@ def test_the_report_puts_the_time_models_prediction_beside_the_measurement(tmp_p
     assert json.loads(wide.read_text())["predicted"]["time_model"] is None
     assert ("time model (a100-80gb): not priced: its attention would run the blockwise kernel, whose rate is "
             "not measured (only cuDNN's is)") in result.stdout
+    # Nor would a ring's, in bfloat16 too: XLA's online-softmax blocks.
+    ring = tmp_path / "ring.json"
+    result = train("--mesh", "data=4,sequence=2", "--cpu-devices", "8", "--steps", "2", "--batch-size", "8",
+                   "--seq-len", "32", "--device", "a100-80gb", "--compute-dtype", "bfloat16", "--report", str(ring))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(ring.read_text())["predicted"]["time_model"] is None
+    assert ("time model (a100-80gb): not priced: ring context parallelism computes attention as XLA's "
+            "online-softmax blocks, whose rate is not measured (only cuDNN's flash kernel's is)") in result.stdout
 
 
 def test_microbatch_not_divisible_by_batch_axes():

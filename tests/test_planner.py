@@ -224,6 +224,28 @@ def test_plan_json_for_a_given_configuration(tmp_path):
     assert t["exposed_communication_s"]["tensor"] > 0  # Megatron's all-reduces are not hidden
 
 
+def test_a_given_ulysses_configuration_is_priced_and_confirmed():
+    """plan.py --context-parallel ulysses: priced (the dense kernel, on heads split over
+    sequence), its flag in the plan's, and compiled (the blockwise kernel, as a GPU's flash
+    kernel keeps its memory) with the argument bytes predicted."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    argv = ["--model", "llama-tiny", "--devices", "8", "--device", "h100", "--mesh", "data=4,sequence=2",
+            "--context-parallel", "ulysses", "--batch", "8", "--seq-len", "128"]
+    done = subprocess.run([sys.executable, "experiments/plan.py", *argv], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"^step \d+\.\d+ s: matmul", done.stdout, re.M)
+    confirmed = re.findall(r"^Confirmed by compiling ddp\+cp-ulysses on --mesh data=4,sequence=2 .*argument bytes per "
+                           r"device predicted ([\d,]+), XLA ([\d,]+)$", done.stdout, re.M)
+    assert len(confirmed) == 2 and all(a == b for a, b in confirmed), done.stdout
+    plan = planner.given(TransformerLM(get_preset("llama-tiny")), {"data": 4, "sequence": 2},
+                         planner.Strategy(context_parallel="ulysses"), H100, 8, 128)
+    assert plan.flags == "--context-parallel ulysses"
+
+
 @pytest.mark.parametrize("mesh, kw, message", [
     ({"data": 8}, dict(virtual_stages=2), "--virtual-stages needs a stage axis"),
     ({"stage": 4, "data": 2}, dict(microbatches=2), "4 layers must split into 4 x 1 stages, with --microbatches at least 4"),
@@ -232,6 +254,9 @@ def test_plan_json_for_a_given_configuration(tmp_path):
     ({"data": 6}, dict(hosts=4), "has 6 devices: not a multiple of --hosts 4"),
     ({"data": 16}, {}, "16 devices on 1 host(s) is 16 a host, where a h100 host holds 8: give --hosts 2 or more"),
     ({"data": 8}, dict(seq_len=4096), "--seq-len 4096 exceeds model llama-tiny's max_seq_len"),
+    ({"data": 8}, dict(compute_dtype="float32"), "jaxshard's attention is cudnn's flash kernel, which takes 2-byte "
+                                                 "floats: no rate is known for float32 attention"),
+    ({"data": 4, "sequence": 2}, {}, "ring context parallelism computes attention as XLA's online-softmax blocks"),
 ])
 def test_a_given_configuration_that_cannot_run_is_refused(mesh, kw, message):
     model = TransformerLM(get_preset("llama-tiny"))

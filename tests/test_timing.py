@@ -118,6 +118,23 @@ def test_what_the_model_cannot_price_is_a_one_line_error():
     kw["software"] = timing.SOFTWARE["maxtext"]  # cuDNN's flash kernel: never measured on a V100
     with pytest.raises(ConfigError, match="^no cudnn attention throughput is known for v100"):
         timing.step_time(model, abstract_rules(mesh), KNOWN_DEVICES["v100"], 8, 2048, **kw)
+    # Flash kernels take 2-byte floats; jaxshard's ring runs XLA's blocks, its Ulysses the dense kernel.
+    from jaxshard.mesh import abstract_mesh
+    from jaxshard.rules import ShardingRules, Strategy
+
+    jax_kw = dict(software=timing.SOFTWARE["jaxshard"], compute_dtype="bfloat16")
+    with pytest.raises(ConfigError, match=r"^the time model cannot price this step: jaxshard's attention is cudnn's "
+                                          r"flash kernel, which takes 2-byte floats: no rate is known for float32 "
+                                          r"attention$"):
+        timing.step_time(model, abstract_rules(mesh), A100, 8, 2048, **(jax_kw | {"compute_dtype": "float32"}))
+    assert timing.step_time(model, abstract_rules(mesh), A100, 8, 2048, software=timing.SOFTWARE["megatron-2021"],
+                            compute_dtype="float32").total > 0  # (its attention materialised: matmuls)
+    split = abstract_mesh({"data": 4, "sequence": 2})
+    with pytest.raises(ConfigError, match="^the time model cannot price this step: ring context parallelism "
+                                          "computes attention as XLA's online-softmax blocks"):
+        timing.step_time(model, ShardingRules(split, Strategy()), A100, 8, 2048, **jax_kw)
+    ulysses = ShardingRules(split, Strategy(context_parallel="ulysses"))
+    assert timing.step_time(model, ulysses, A100, 8, 2048, **jax_kw).total > 0
 
 
 def test_the_docs_table_is_what_the_benchmark_prints(tmp_path):

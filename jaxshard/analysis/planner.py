@@ -78,6 +78,8 @@ class Plan:
         """The train.py flags beyond --mesh that the plan needs."""
         parts = [f"--zero {self.strategy.zero}"] if self.strategy.zero else []
         parts += ["--sequence-parallel"] if self.strategy.sequence_parallel else []
+        parts += [f"--context-parallel {self.strategy.context_parallel}"] if self.strategy.context_parallel != "ring" \
+            else []
         parts += [f"--microbatches {self.microbatches}"] if self.microbatches else []
         parts += [f"--grad-accum {self.grad_accum}"] if self.grad_accum > 1 else []
         return " ".join(parts)

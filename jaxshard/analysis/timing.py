@@ -334,6 +334,20 @@ def recomputed(remat: Remat) -> float:
     return 0.0 if remat.kind in (Kind.NONE, Kind.DOTS, Kind.SELECTIVE, Kind.DOTS_NO_BATCH) else 1.0
 
 
+def unpriced_attention(rules: ShardingRules, software: Software, compute_dtype: str) -> str | None:
+    """Why :func:`step_time` has no rate for the attention ``software`` would run here, or
+    None: flash kernels take 2-byte floats, and jaxshard's ring context parallelism computes
+    attention as online-softmax blocks of XLA's, whose rate is not measured."""
+    if software.attention != "materialized" and accounting.dtype_bytes(compute_dtype) != 2:
+        return (f"{software.name}'s attention is {software.attention}'s flash kernel, which takes 2-byte floats: "
+                f"no rate is known for {compute_dtype} attention")
+    ring = rules.strategy.context_parallel == "ring" and rules.size(rules.activation_mesh_axes(Dim.LENGTH)) > 1
+    if software.name == "jaxshard" and ring:
+        return ("ring context parallelism computes attention as XLA's online-softmax blocks, whose rate is not "
+                "measured (only cuDNN's flash kernel's is)")
+    return None
+
+
 def step_time(model: Stageable, rules: ShardingRules, device: Device,
               batch_size: int, seq_len: int, *, software: Software, compute_dtype: str = "bfloat16",
               param_dtype: str | None = None, remat: Remat = Remat.NONE, recompute: float | None = None,
@@ -347,6 +361,8 @@ def step_time(model: Stageable, rules: ShardingRules, device: Device,
     selective "op" policy recomputes every second matmul: 0.5); ``attention_recompute`` the
     share of the attention core's forward it runs again (that policy keeps the attention
     kernel's output: 0)."""
+    if why := unpriced_attention(rules, software, compute_dtype):
+        raise ConfigError(f"the time model cannot price this step: {why}")
     cfg, mesh = model.cfg, {str(a): int(n) for a, n in rules.mesh.shape.items()}
     c = accounting.dtype_bytes(compute_dtype)
     param_dtype = param_dtype or compute_dtype
