@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -359,24 +360,22 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
     done_before = _keep_metrics_until(cfg.outputs.metrics, start)  # a crashed run's steps past its checkpoint
     records: list[dict[str, Any]] = []
     val_loss = None
-    last_done = 0.0  # when the previous step's metrics arrived
+    clock = StepClock()
     writer = MetricsLog(cfg.outputs.metrics if jax.process_index() == 0 else None, append=start > 0)
     board = TensorBoardLog(cfg.outputs.tensorboard, start_step=start)
     bar = progress(cfg.steps, not cfg.outputs.no_progress and jax.process_index() == 0)
     bar.update(start)
     log_every = cfg.outputs.log_every or max(1, cfg.steps // 10)
 
-    def complete(i: int, metrics: dict, started: float) -> None:
+    def complete(i: int, metrics: dict) -> None:
         """Read step ``i``'s metrics (waiting for it to finish), log them, and at the steps
         that asked for it -- only ever the newest step -- evaluate and checkpoint."""
-        nonlocal last_done, val_loss
+        nonlocal val_loss
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        now = time.perf_counter()
         # Wall time between the completions of consecutive steps (from the step's own dispatch
         # when the previous one finished before it): device time when the devices are the
         # bottleneck, and any wait on the host included when they are not.
-        dt = now - max(last_done, started)
-        last_done = now
+        dt = clock.seconds(i)
         step = i + 1
         if m.get("skipped") and jax.process_index() == 0:
             bar.write(f"step {step}: float16 gradients overflowed at loss scale "
@@ -412,7 +411,7 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
     # background thread, and step i's metrics are read after step i + 1 is dispatched (so a
     # non-finite loss stops the run one step late, before anything is saved). Only the steps
     # that evaluate or checkpoint -- which need that step's state -- wait for themselves.
-    def dispatch(i: int) -> tuple[dict, float]:
+    def dispatch(i: int) -> dict:
         nonlocal state
         _fault("step", i + 1, ckpt)
         if window is not None:
@@ -421,10 +420,11 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
         started = time.perf_counter()
         batch = batches.get(i)
         state, metrics = compiled(state, batch)
+        clock.dispatched(i, metrics, started)
         if window is not None:
             with dog.paused():
                 window.after(i + 1, lambda: jax.block_until_ready(state))
-        return metrics, started
+        return metrics
 
     with writer, board, bar, data_lib.Prefetch(make_batch, range(start, cfg.steps)) as batches, \
             Termination() as term, dog:
@@ -437,9 +437,10 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
                     bar.write(f"step {start}/{cfg.steps}{val_text(baseline)} (before training)")
             # Start-up: everything before the first step but its compilation (and a first evaluation).
             goodput.add("startup", time.perf_counter() - goodput.start - sum(goodput.seconds.values()))
-            stopped = run_pipelined(range(start, cfg.steps), dispatch, lambda i, out: complete(i, *out),
+            stopped = run_pipelined(range(start, cfg.steps), dispatch, complete,
                                     waits=lambda i: evaluates(i + 1) or saves(i + 1), stop=term.agreed)
         finally:
+            clock.close()
             if window is not None:
                 window.close()
     finished = time.perf_counter()
@@ -528,6 +529,41 @@ def run_pipelined(steps: range, dispatch: Callable[[int], Any], complete: Callab
             complete(i, out)
         else:
             pending = (i, out)
+
+
+class StepClock:
+    """Each step's time: from the previous step's completion (or its own dispatch, if later) to
+    its own, where a step completes when its outputs are ready -- seen by a thread that waits
+    on them in order, not by the host when it reads the metrics. The host reads them one step
+    late, after dispatching the next step, and a dispatch can hold the host (a second call's
+    one-off work; a step whose loops wait on the device): read there, the wait would count to
+    the earlier step and be missing from the later one (an H200's MoE run logged MFU 289% at
+    step 2). ``wait``: what waits for a step's outputs (``jax.block_until_ready``)."""
+
+    def __init__(self, wait: Callable[[Any], Any] = jax.block_until_ready):
+        self._wait = wait
+        self._watcher = ThreadPoolExecutor(1, thread_name_prefix="step-clock")
+        self._steps: dict[int, tuple[float, Future]] = {}
+        self._last = 0.0  # when the previous step completed
+
+    def dispatched(self, i: int, outputs: Any, started: float) -> None:
+        """Step ``i`` was dispatched at ``started`` (``time.perf_counter``) and gives ``outputs``."""
+        self._steps[i] = (started, self._watcher.submit(self._ready, outputs))
+
+    def _ready(self, outputs: Any) -> float:
+        self._wait(outputs)
+        return time.perf_counter()
+
+    def seconds(self, i: int) -> float:
+        """Step ``i``'s time, once it has completed (waiting for it), in the order of the steps."""
+        started, ready = self._steps.pop(i)
+        done = ready.result()
+        dt = done - max(self._last, started)
+        self._last = done
+        return dt
+
+    def close(self) -> None:
+        self._watcher.shutdown(wait=False, cancel_futures=True)
 
 
 class SaveTimer:

@@ -1,6 +1,7 @@
 """The training loop never waits on the host: results are read one step late, batches are made
 ahead on a background thread."""
 
+import queue
 import threading
 import time
 
@@ -8,7 +9,7 @@ import pytest
 
 from jaxshard.data.corpus import Prefetch
 from jaxshard.errors import DataError
-from jaxshard.loop import run_pipelined
+from jaxshard.loop import StepClock, run_pipelined
 
 
 def _events(steps, waits=()):
@@ -46,6 +47,39 @@ def test_an_error_on_reading_stops_before_another_dispatch():
     with pytest.raises(RuntimeError, match="loss is nan"):
         run_pipelined(range(10), dispatched.append, complete, waits=lambda i: False)
     assert dispatched == [0, 1, 2, 3]
+
+
+def test_a_dispatch_that_holds_the_host_counts_to_its_own_step():
+    """A device that runs steps of 0.3 s in turn, and a dispatch of step 1 that returns only
+    once that step has run (as one whose loops wait on the device does). Read where the host
+    reads the metrics, step 0 would take 0.6 s and step 1 none; the clock, which sees each
+    step's outputs become ready, gives every step its 0.3 s."""
+    step_s, work, times = 0.3, queue.Queue(), {}
+
+    def device():
+        while (done := work.get()) is not None:
+            time.sleep(step_s)
+            done.set()
+
+    runner = threading.Thread(target=device, daemon=True)
+    runner.start()
+    clock = StepClock(wait=threading.Event.wait)
+
+    def dispatch(i):
+        started, done = time.perf_counter(), threading.Event()
+        work.put(done)
+        if i == 1:
+            done.wait()
+        clock.dispatched(i, done, started)
+        return done
+
+    try:
+        run_pipelined(range(4), dispatch, lambda i, out: times.setdefault(i, clock.seconds(i)), waits=lambda i: False)
+    finally:
+        work.put(None)
+        clock.close()
+    assert sorted(times) == [0, 1, 2, 3]
+    assert all(0.6 * step_s < t < 1.6 * step_s for t in times.values()), times
 
 
 def test_prefetch_makes_batches_ahead_on_another_thread():
