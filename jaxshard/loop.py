@@ -532,23 +532,29 @@ def run_pipelined(steps: range, dispatch: Callable[[int], Any], complete: Callab
 
 
 class StepClock:
-    """Each step's time: from the previous step's completion (or its own dispatch, if later) to
-    its own, where a step completes when its outputs are ready -- seen by a thread that waits
-    on them in order, not by the host when it reads the metrics. The host reads them one step
-    late, after dispatching the next step, and a dispatch can hold the host (a second call's
-    one-off work; a step whose loops wait on the device): read there, the wait would count to
-    the earlier step and be missing from the later one (an H200's MoE run logged MFU 289% at
-    step 2). ``wait``: what waits for a step's outputs (``jax.block_until_ready``)."""
+    """Each step's time: from the previous step's completion to its own, where a step completes
+    when its outputs are ready -- seen by a thread that waits on them in order, not by the host
+    when it reads the metrics. Where the previous step was read before this one was dispatched
+    (it evaluated or checkpointed, or there is none), from this one's dispatch if later: the
+    pause between is not a step's. Elsewhere the interval holds whatever held the devices up,
+    host work included, so the steps' times add up to the wall time.
+
+    The host reads a step's metrics one step late, after dispatching the next step, and a
+    dispatch can hold the host (a second call's one-off work; a step whose loops wait on the
+    device): timed from that read, the wait would count to the earlier step and be missing from
+    the later one (an H200's MoE run logged MFU 289% at step 2). ``wait``: what waits for a
+    step's outputs (``jax.block_until_ready``)."""
 
     def __init__(self, wait: Callable[[Any], Any] = jax.block_until_ready):
         self._wait = wait
         self._watcher = ThreadPoolExecutor(1, thread_name_prefix="step-clock")
-        self._steps: dict[int, tuple[float, Future]] = {}
+        self._steps: dict[int, tuple[float | None, Future]] = {}
         self._last = 0.0  # when the previous step completed
 
     def dispatched(self, i: int, outputs: Any, started: float) -> None:
         """Step ``i`` was dispatched at ``started`` (``time.perf_counter``) and gives ``outputs``."""
-        self._steps[i] = (started, self._watcher.submit(self._ready, outputs))
+        read_before = i - 1 not in self._steps  # (else the previous step is still to be read)
+        self._steps[i] = (started if read_before else None, self._watcher.submit(self._ready, outputs))
 
     def _ready(self, outputs: Any) -> float:
         self._wait(outputs)
@@ -558,7 +564,7 @@ class StepClock:
         """Step ``i``'s time, once it has completed (waiting for it), in the order of the steps."""
         started, ready = self._steps.pop(i)
         done = ready.result()
-        dt = done - max(self._last, started)
+        dt = done - (self._last if started is None else max(self._last, started))
         self._last = done
         return dt
 

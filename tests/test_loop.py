@@ -49,37 +49,58 @@ def test_an_error_on_reading_stops_before_another_dispatch():
     assert dispatched == [0, 1, 2, 3]
 
 
-def test_a_dispatch_that_holds_the_host_counts_to_its_own_step():
-    """A device that runs steps of 0.3 s in turn, and a dispatch of step 1 that returns only
-    once that step has run (as one whose loops wait on the device does). Read where the host
-    reads the metrics, step 0 would take 0.6 s and step 1 none; the clock, which sees each
-    step's outputs become ready, gives every step its 0.3 s."""
-    step_s, work, times = 0.3, queue.Queue(), {}
+def _clocked(steps, step_s, holds=(), reading_s=0.0, waits=()):
+    """Each step's time by the clock, on a fake device that runs steps of ``step_s`` in turn:
+    the dispatches of steps ``holds`` return only once their step has run; reading a step's
+    metrics takes ``reading_s`` of host time; steps ``waits`` are read at once, then 0.5 s pass."""
+    work, times = queue.Queue(), {}
 
     def device():
         while (done := work.get()) is not None:
             time.sleep(step_s)
             done.set()
 
-    runner = threading.Thread(target=device, daemon=True)
-    runner.start()
+    threading.Thread(target=device, daemon=True).start()
     clock = StepClock(wait=threading.Event.wait)
 
     def dispatch(i):
         started, done = time.perf_counter(), threading.Event()
         work.put(done)
-        if i == 1:
+        if i in holds:
             done.wait()
         clock.dispatched(i, done, started)
         return done
 
+    def complete(i, out):
+        times[i] = clock.seconds(i)
+        time.sleep(reading_s + (0.5 if i in waits else 0.0))
+
     try:
-        run_pipelined(range(4), dispatch, lambda i, out: times.setdefault(i, clock.seconds(i)), waits=lambda i: False)
+        run_pipelined(range(steps), dispatch, complete, waits=lambda i: i in waits)
     finally:
         work.put(None)
         clock.close()
-    assert sorted(times) == [0, 1, 2, 3]
-    assert all(0.6 * step_s < t < 1.6 * step_s for t in times.values()), times
+    assert sorted(times) == list(range(steps))
+    return times
+
+
+def test_a_dispatch_that_holds_the_host_counts_to_its_own_step():
+    """Step 1's dispatch returns only once that step has run (as one whose loops wait on the
+    device does). Timed from the host's reads, step 0 would take 0.6 s and step 1 none; the
+    clock, which sees each step's outputs become ready, gives every step its 0.3 s."""
+    times = _clocked(4, 0.3, holds={1})
+    assert all(0.18 < t < 0.48 for t in times.values()), times
+
+
+def test_host_work_that_holds_the_devices_up_counts_and_a_pause_does_not():
+    """Reading a step takes 0.3 s of host time where the device needs 0.05 s. The first two
+    steps, dispatched before any read, take the device's 0.05 s; from then on each step waits
+    for a read and takes the host's 0.3 s (the times add up to the wall time). Step 3
+    evaluates (read at once, then a 0.5 s pause): steps 4 and 5, dispatched after it, start
+    afresh and the pause is no step's."""
+    times = _clocked(8, 0.05, reading_s=0.3, waits={3})
+    assert all(times[i] < 0.2 for i in (0, 1, 4, 5)), times
+    assert all(0.2 < times[i] < 0.45 for i in (2, 3, 6, 7)), times
 
 
 def test_prefetch_makes_batches_ahead_on_another_thread():
