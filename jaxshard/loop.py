@@ -6,10 +6,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import queue
 import signal
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -20,6 +21,7 @@ import numpy as np
 from jaxshard.analysis import accounting, bubble, devices, hlo, inspect, timing
 from jaxshard.axes import Dim
 from jaxshard.data import corpus as data_lib
+from jaxshard.data import mixture
 from jaxshard.data import tokenizer as tokenizer_lib
 from jaxshard.data.mixture import MixedBatches
 from jaxshard.errors import ConfigError, DataError, TrainingError
@@ -187,6 +189,9 @@ def train(cfg: RunConfig, family: Family, started: float | None = None) -> dict[
             tokenizer = tokenizer_lib.HFTokenizer.from_json(meta["tokenizer"], meta.get("tokenizer_spec", "checkpoint"))
             _log(f"tokenizer: the checkpoint's ({meta.get('tokenizer_spec')}, {tokenizer.vocab_size:,} tokens)")
         corpus = data_lib.load_corpus(cfg.data, tokenizer)
+        if meta and meta.get("data_position") and not corpus.sources:  # (its samples count the mixture's stream)
+            raise DataError(f"the checkpoint was trained on the mixture {mixture.describe(meta['data_position'])}: "
+                            "resume with the same --data")
         text = corpus.tokenizer is not None and corpus.tokenizer.to_json() is not None
         vocab = corpus.tokenizer.vocab_size if text else None
         model = family.build(cfg, tokenizer_vocab=vocab)
@@ -298,9 +303,6 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
              + " of documents")
         if resumed and resumed.get("data_position"):
             train_data.seek(resumed["data_position"])  # no need to draw the stream again up to here
-    elif resumed and resumed.get("data_position"):  # (its samples_seen counts the mixture's stream)
-        raise DataError("the checkpoint was trained on a mixture of "
-                        f"{', '.join(resumed['data_position'].get('sources') or [])}: resume with the same --data")
     more_val = {name: data_lib.Batches(tokens, L, B, cfg.step.seed, rows, shuffle=False, cols=cols,
                                        what=f"--eval-data set {name}") for name, tokens in eval_sets.items()}
     if eval_sets:
@@ -547,18 +549,27 @@ class StepClock:
 
     def __init__(self, wait: Callable[[Any], Any] = jax.block_until_ready):
         self._wait = wait
-        self._watcher = ThreadPoolExecutor(1, thread_name_prefix="step-clock")
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        # A daemon: a step that never completes (its peer process died) must not hold the exit.
+        threading.Thread(target=self._watch, name="step-clock", daemon=True).start()
         self._steps: dict[int, tuple[float | None, Future]] = {}
         self._last = 0.0  # when the previous step completed
 
     def dispatched(self, i: int, outputs: Any, started: float) -> None:
         """Step ``i`` was dispatched at ``started`` (``time.perf_counter``) and gives ``outputs``."""
         read_before = i - 1 not in self._steps  # (else the previous step is still to be read)
-        self._steps[i] = (started if read_before else None, self._watcher.submit(self._ready, outputs))
+        ready: Future = Future()
+        self._queue.put((outputs, ready))
+        self._steps[i] = (started if read_before else None, ready)
 
-    def _ready(self, outputs: Any) -> float:
-        self._wait(outputs)
-        return time.perf_counter()
+    def _watch(self) -> None:
+        while (item := self._queue.get()) is not None:
+            outputs, ready = item
+            try:
+                self._wait(outputs)
+                ready.set_result(time.perf_counter())
+            except BaseException as e:  # (raised where the step is read)
+                ready.set_exception(e)
 
     def seconds(self, i: int) -> float:
         """Step ``i``'s time, once it has completed (waiting for it), in the order of the steps."""
@@ -569,7 +580,7 @@ class StepClock:
         return dt
 
     def close(self) -> None:
-        self._watcher.shutdown(wait=False, cancel_futures=True)
+        self._queue.put(None)
 
 
 class SaveTimer:

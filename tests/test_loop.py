@@ -103,6 +103,22 @@ def test_host_work_that_holds_the_devices_up_counts_and_a_pause_does_not():
     assert all(0.2 < times[i] < 0.45 for i in (2, 3, 6, 7)), times
 
 
+def test_a_step_that_fails_raises_where_it_is_read():
+    """An error waiting on a step's outputs (a device error, a lost peer) is raised where the
+    loop reads that step, as reading its metrics would; the clock's thread is a daemon, so a
+    step that never completes does not hold the process at exit."""
+    def wait(outputs):
+        raise RuntimeError(f"{outputs} failed")
+
+    clock = StepClock(wait=wait)
+    clock.dispatched(0, "step 0", time.perf_counter())
+    with pytest.raises(RuntimeError, match="^step 0 failed$"):
+        clock.seconds(0)
+    watchers = [t for t in threading.enumerate() if t.name == "step-clock"]
+    clock.close()
+    assert watchers and all(t.daemon for t in watchers)
+
+
 def test_prefetch_makes_batches_ahead_on_another_thread():
     made = []
 

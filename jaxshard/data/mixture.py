@@ -225,8 +225,8 @@ class MixedBatches:
         weights = list(position.get("weights") or [])
         if position.get("sources") != self.names or len(weights) != len(self.weights) \
                 or not np.allclose(weights, self.weights):
-            raise DataError(f"the checkpoint's data mixture was {_describe(position)}; this run's is "
-                            f"{_describe({'sources': self.names, 'weights': list(self.weights)})}: resume with "
+            raise DataError(f"the checkpoint's data mixture was {describe(position)}; this run's is "
+                            f"{describe({'sources': self.names, 'weights': list(self.weights)})}: resume with "
                             "the same --data")
         self._cursor = _Cursor(int(position["draw"]), int(position["token"]),
                                np.asarray(position["taken"], np.int64))
@@ -240,5 +240,6 @@ class MixedBatches:
                 for name, w, t in zip(self.names, self.weights, taken)]
 
 
-def _describe(position: dict) -> str:
+def describe(position: dict) -> str:
+    """A mixture's sources and weights as ``--data`` gives them, from a :meth:`MixedBatches.position`."""
     return ",".join(f"{s}:{w:.4g}" for s, w in zip(position.get("sources") or [], position.get("weights") or []))
