@@ -670,7 +670,12 @@ def _sample(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, params: 
 
 def _unpriced(cfg: RunConfig, model: Stageable, rules: ShardingRules) -> str | None:
     """Why the time model cannot price this run's step on a GPU, or None: it knows the rates of
-    cuDNN's flash attention alone, and prices every layer as a dense one."""
+    cuDNN's flash attention alone, prices every layer as a dense one and every matmul in the
+    compute dtype, and a step as one that reduces the gradients."""
+    if cfg.sync_every is not None:
+        return "--sync-every's local steps do not reduce gradients, and its synchronising ones average the params"
+    if model.cfg.fp8 is not None:
+        return "it prices no float8 matmuls"
     kernel = _gpu_kernel(cfg, model.cfg)
     if kernel != "cudnn":
         return f"its attention would run the {kernel} kernel, whose rate is not measured (only cuDNN's is)"
@@ -686,10 +691,11 @@ def _unpriced(cfg: RunConfig, model: Stageable, rules: ShardingRules) -> str | N
 def _time_model(cfg: RunConfig, model: Stageable, rules, schedule, flops) -> dict[str, Any] | None:
     """The time model's step time and MFU for this run (``analysis.timing``, as ``plan.py``
     prices it), beside the measured ones: where the device is known (``--device`` or a
-    recognised GPU); None otherwise, and for local SGD, whose steps differ."""
+    recognised GPU) and the model can price the step (:func:`_unpriced`; else a log line says
+    why); None otherwise."""
     device = devices.known_device(cfg.peak.device, jax.devices()[0])
-    if device is None or cfg.sync_every is not None or model.cfg.fp8 is not None:
-        return None  # (the time model prices no float8 matmuls yet)
+    if device is None:
+        return None
     if why := _unpriced(cfg, model, rules):
         _log(f"time model ({device.name}): not priced: {why}")
         return None

@@ -222,6 +222,30 @@ def test_the_report_puts_the_time_models_prediction_beside_the_measurement(tmp_p
             "online-softmax blocks, whose rate is not measured (only cuDNN's flash kernel's is)") in result.stdout
 
 
+@pytest.mark.parametrize("flags, why", [
+    ([], None),
+    (["--compute-dtype", "float32"], "its attention would run the blockwise kernel, whose rate is not measured"),
+    (["--packing", "true"], "--packing true runs the blockwise attention kernel"),
+    (["--mesh", "data=4,sequence=2"], "ring context parallelism computes attention as XLA's online-softmax blocks"),
+    (["--mesh", "data=4,sequence=2", "--context-parallel", "ulysses"], None),
+    (["--model", "moe-tiny"], "it prices MoE layers as dense ones"),
+    (["--fp8", "tensorwise"], "it prices no float8 matmuls"),
+    (["--mesh", "data=8", "--sync-every", "4"], "--sync-every's local steps do not reduce gradients"),
+])
+def test_what_the_time_model_cannot_price_it_says(flags, why):
+    """Every run the time model would misprice gets a reason (the log's 'not priced' line)
+    instead of a figure; the runs it can price get none."""
+    from jaxshard import cli
+    from jaxshard.loop import _unpriced
+    from jaxshard.mesh import build_mesh
+    from jaxshard.rules import ShardingRules
+    from jaxshard.train import family
+
+    cfg = cli.parse_train(["--compute-dtype", "bfloat16", "--seq-len", "128", "--mesh", "data=8", *flags])
+    got = _unpriced(cfg, family().build(cfg), ShardingRules(build_mesh(cfg.mesh), cfg.strategy))
+    assert got == why if why is None else got.startswith(why), got
+
+
 def test_microbatch_not_divisible_by_batch_axes():
     result = train("--mesh", "data=8", "--cpu-devices", "8", "--batch-size", "16", "--grad-accum", "4")
     assert_one_line_error(result, "the microbatch of 4 (--batch-size 16 / --grad-accum 4) is not "
