@@ -64,14 +64,17 @@ def test_bad_values():
 
 
 def test_nan_loss_stops_with_one_line_and_no_report(tmp_path):
+    """No report, and no checkpoint of the step whose loss is NaN or after it (every step saves)."""
     result = train("--mesh", "data=8", "--cpu-devices", "8", "--steps", "6", "--lr", "1e30",
                    "--batch-size", "8", "--seq-len", "32", "--metrics", str(tmp_path / "m.jsonl"),
-                   "--report", str(tmp_path / "r.json"))
-    assert result.returncode == 2, result.stderr
-    assert "error: loss is nan at step" in result.stderr
+                   "--report", str(tmp_path / "r.json"), "--checkpoint-dir", str(tmp_path / "ck"), "--save-every", "1")
+    assert_one_line_error(result, "loss is nan at step")
     assert not (tmp_path / "r.json").exists()
     lines = (tmp_path / "m.jsonl").read_text().splitlines()
     assert json.loads(lines[0])["step"] == 1 and json.loads(lines[-1])["loss"] == "nan"
+    nan_step = json.loads(lines[-1])["step"]
+    saved = [int(p.name) for p in (tmp_path / "ck").iterdir() if p.name.isdigit()]
+    assert nan_step > 1 and sorted(saved) == list(range(1, nan_step)), (nan_step, saved)
 
 
 def test_train_writes_metrics_and_report(tmp_path):

@@ -156,6 +156,24 @@ def test_no_attention_probability_crosses_a_document():
     assert len(np.unique(seg[0])) >= 3
 
 
+def test_the_blockwise_kernels_backward_keeps_the_ids_not_an_l_by_l_mask():
+    """What the packed blockwise kernel keeps for its backward pass (the pullback's residuals):
+    nothing with two dims of the sequence's length. The materialised softmax, the control,
+    keeps its L x L probabilities."""
+    rng = np.random.default_rng(3)
+    n = 64  # (two blocks of 32 keys)
+    q = jnp.asarray(rng.normal(size=(1, n, 2, 2, 8)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(1, n, 2, 8)), jnp.float32) for _ in range(2))
+    segments = jnp.asarray(np.repeat([[0, 1, 2, 3]], n // 4, axis=1))
+
+    def square(f):
+        _, pullback = jax.vjp(f, q, k, v)
+        return [x.shape for x in jax.tree.leaves(pullback) if list(np.shape(x)).count(n) >= 2]
+
+    assert square(lambda *a: attention.blockwise(*a, 32, segments_BL=segments)) == []
+    assert square(lambda *a: attention._dense(*a, "xla", segments)) != []
+
+
 @pytest.mark.parametrize("mesh, cp, kernel, balanced", [
     ("data=1", "ring", "auto", False), ("data=1", "ring", "blockwise", False),
     ("data=1", "ring", "blockwise-8", False),  # four blocks of 8 keys: whole blocks of another document
