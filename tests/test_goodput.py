@@ -3,6 +3,7 @@ to the wall time; a resumed run's recomputed steps counted apart; the same in Te
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -72,3 +73,16 @@ def test_the_reports_goodput_adds_up_and_counts_a_restarts_recomputed_steps(tmp_
     scalars = read_scalars(tmp_path / "tb")
     assert scalars["goodput/steps"] == [(12, pytest.approx(g["fractions"]["steps"], rel=1e-6))]
     assert scalars["goodput/recomputed"][0][1] > 0
+
+
+def test_a_run_sigterm_stops_writes_goodput_but_no_report(tmp_path):
+    """A preemption (SIGTERM as step 6 is dispatched): the save of the last finished step is
+    counted as checkpoint time, the goodput line is printed and TensorBoard's goodput/* are
+    written at that step; no report, which describes a finished run."""
+    stopped = train(tmp_path, "--steps", "12", env={"JAXSHARD_FAULT": "term:6"})
+    assert stopped.returncode == 0, stopped.stderr[-2000:]
+    assert not (tmp_path / "r.json").exists()
+    line = re.search(r"^goodput \d+% of [\d.]+ s in training steps; .*checkpoint (\d+)%", stopped.stdout, re.M)
+    assert line and int(line.group(1)) > 0, stopped.stdout
+    scalars = read_scalars(tmp_path / "tb")
+    assert [s for s, _ in scalars["goodput/steps"]] == [6] and scalars["goodput/checkpoint"][0][1] > 0

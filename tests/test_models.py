@@ -15,17 +15,22 @@ from models.layers import Attention, rope_tables
 # Published sizes (GPT-2 less its inert key biases: see models.layers.Attention).
 PUBLISHED = {
     "gpt2-small": 124_439_808 - 12 * 768,
+    "gpt2-medium": 354_823_168 - 24 * 1024,
+    "gpt2-large": 774_030_080 - 36 * 1280,
     "gpt2-xl": 1_557_611_200 - 48 * 1600,
     "llama-1b": 1_235_814_400,
     "llama-7b": 6_738_415_616,
     "llama-8b": 8_030_261_248,
     "llama-70b": 70_553_706_496,
+    "llama-405b": 405_853_388_800,
 }
+# The small presets' counts as docs/real-models.md's table gives them.
+TABLE = {"tiny": 132_736, "tiny-llama": 127_296, "small": 891_136, "llama-tiny": 4_327_680}
 
 
-@pytest.mark.parametrize("name", sorted(PUBLISHED))
+@pytest.mark.parametrize("name", sorted(PUBLISHED | TABLE))
 def test_preset_parameter_counts_match_published_models(name):
-    assert TransformerLM(get_preset(name)).n_params() == PUBLISHED[name]
+    assert TransformerLM(get_preset(name)).n_params() == (PUBLISHED | TABLE)[name]
 
 
 def test_llama_tiny_preset_is_as_specified():
