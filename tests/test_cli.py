@@ -647,6 +647,31 @@ def test_the_save_timer_of_several_processes_decides_every_tenth_step_together(m
     assert t.due(10) and gathered == [0]  # this one is not late, its peer is
 
 
+def test_a_sigterm_is_agreed_by_several_processes_every_tenth_step(monkeypatch):
+    """Each process may receive the notice at a different step; they must stop at the same
+    one: only every 10th step asks, by an all-gather, and a notice to any process stops all."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from jaxshard.loop import Termination
+
+    monkeypatch.setattr("jax.process_count", lambda: 2)
+    gathered = []
+
+    def allgather(x):
+        gathered.append(int(x))
+        return np.array([int(x), peer[0]])
+
+    monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+    peer, term = [0], Termination()
+    assert not term.agreed(10) and gathered == [0]  # nobody was told
+    term.requested = True  # this process is told at step 13
+    assert not term.agreed(13) and gathered == [0]  # not an asking step: no all-gather, no stop
+    assert term.agreed(20) and gathered == [0, 1]
+    peer[0], term.requested = 1, False  # only the peer was told
+    assert term.agreed(30) and gathered == [0, 1, 0]
+
+
 def test_the_zero_bubble_memory_benchmark_reports_the_compiled_temps_the_memory_tests_read(tmp_path):
     """bench_zero_bubble_memory.py's ratio is ZB-H1's compiled temp over 1F1B's as the memory
     tests of test_pipeline.py compile them (the same figure from the harness's program), the

@@ -41,9 +41,10 @@ def test_the_realised_shares_are_the_weights_within_2_percent():
     assert np.abs(shares - weights).max() < 0.02, shares
     # each document whole: its letter repeated, then its number, then the end-of-text id
     assert all((d[:-2] == d[0]).all() and d[-2] >= 100 and d[-1] == 0 for d in docs)
-    # a source's documents are drawn in a permutation: the first 90 of source 3 are distinct
+    # a source's documents are drawn in a permutation: the first 90 of source 3 (its 90, each
+    # numbered apart) are distinct but for one, where the stream's first, cut, document was its
     third = [tuple(d) for d in docs if d[0] == 3][:90]
-    assert len(third) == 90 and len(set(third)) >= 85  # (two documents may be equal by chance)
+    assert len(third) == 90 and len(set(third)) >= 89
     drawn = batches.drawn(500 * 16)
     assert sum(d["documents"] for d in drawn) >= len(docs)
     assert [round(d["share"], 2) for d in drawn] == pytest.approx(shares, abs=0.011)
