@@ -115,6 +115,24 @@ def test_import_gives_transformers_loss_and_logits(hf_folders, name, mesh):
         assert np.abs(k_bias).max() > 0.05
 
 
+def test_import_reads_each_devices_block_not_whole_tensors(hf_folders, monkeypatch):
+    """On fsdp=2,tensor=2 a query projection splits four ways (its rows over fsdp, its heads
+    over tensor): every read of one from the file is one device's quarter, never the tensor."""
+    reads = []
+    read = hf.Weights.read
+
+    def recorded(self, key, index):
+        out = read(self, key, index)
+        reads.append((key, out.size, int(np.prod(self.shape(key)))))
+        return out
+
+    monkeypatch.setattr(hf.Weights, "read", recorded)
+    model = TransformerLM(hf.read_config(hf_folders["llama-gqa"]))
+    hf.load_params(hf_folders["llama-gqa"], model, _shardings(model, _rules("fsdp=2,tensor=2")))
+    q = [(size, whole) for key, size, whole in reads if key.endswith("q_proj.weight")]
+    assert len(q) >= 4 * model.cfg.n_layers and all(4 * size == whole for size, whole in q), q
+
+
 def test_imported_config_is_the_checkpoints(hf_folders):
     gpt2 = hf.read_config(hf_folders["gpt2"])
     assert (gpt2.n_layers, gpt2.d_model, gpt2.n_heads, gpt2.d_mlp, gpt2.max_seq_len) == (2, 64, 4, 256, 64)
