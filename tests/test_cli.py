@@ -598,6 +598,16 @@ def test_the_progress_bar_shows_on_a_terminal_only():
     assert progress(4, False, Terminal()).disable  # --no-progress
 
 
+@pytest.mark.parametrize("field, value", [("save_every", 5), ("keep", 2), ("resume", True)])
+def test_checkpoint_flags_without_a_folder_are_refused(field, value):
+    from jaxshard.errors import ConfigError
+    from jaxshard.training.checkpoint import CheckpointConfig
+
+    with pytest.raises(ConfigError, match="^--save-every, --keep and --resume need --checkpoint-dir$"):
+        CheckpointConfig(**{field: value})
+    CheckpointConfig(directory="ck", **{field: value})  # (with one: fine)
+
+
 def test_save_every_minutes_saves_by_the_clock(tmp_path):
     """A limit far below a step's time: every step is saved (kept: --keep 10), where --save-every
     would save only the last. Decided once per step, reset by each save."""
