@@ -298,6 +298,30 @@ def test_packing_is_on_by_default_pipelines_included_and_off_when_asked(tmp_path
     assert staged["packing"] and staged["model_config"]["documents_eot"] == 0
 
 
+@pytest.mark.parametrize("packing, dtype, eot, says", [
+    (None, "bfloat16", None, "documents not packed: cuDNN's fused attention takes no segment ids here"),
+    (True, "bfloat16", EOT, "--packing true: cuDNN's fused attention takes no segment ids here; the blockwise "
+                            "kernel runs"),
+    (None, "float32", EOT, None),  # (cuDNN's kernel would not run: the blockwise one takes the ids)
+    (False, "bfloat16", None, None),
+])
+def test_on_gpus_packing_is_off_where_cudnns_kernel_would_run(monkeypatch, capsys, packing, dtype, eot, says):
+    """The choice on a GPU, where the backend says so (here: faked): unasked, packing is off
+    where cuDNN's fused kernel runs (it takes no segment ids), and the log says so."""
+    from jaxshard import cli, loop
+    from jaxshard.mesh import build_mesh
+    from jaxshard.rules import ShardingRules
+
+    monkeypatch.setattr(loop.jax, "default_backend", lambda: "gpu")
+    asked = [] if packing is None else ["--packing", str(packing).lower()]
+    cfg = cli.parse_train(["--compute-dtype", dtype, "--mesh", "data=8", *asked])
+    rules = ShardingRules(build_mesh(cfg.mesh), cfg.strategy)
+    capsys.readouterr()
+    assert loop.documents_eot(cfg, EOT, "corpus", rules, get_preset("tiny").replace(n_layers=1)) == eot
+    out = capsys.readouterr().out
+    assert (says in out) if says else out == "", out
+
+
 def test_inspect_compiles_the_packed_step_training_runs(tmp_path, capsys):
     """experiments/inspect.py compiles the program a run with the same flags trains -- packed
     by default, as training on the embedded corpus is -- and its verifier explains that
