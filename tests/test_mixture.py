@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from jaxshard.data.corpus import DataConfig, load_corpus
+from jaxshard.data.corpus import DataConfig, load_corpus, split_batches
 from jaxshard.data.mixture import MixedBatches, parse
 from jaxshard.errors import DataError
 from jaxshard.train import main
@@ -119,6 +119,32 @@ def corpora(tmp_path_factory):
     for i in range(30):
         (root / "code" / f"m{i}.py").write_text("".join(f"def f{j}(x):\n    return x + {j}\n" for j in range(i + 3)))
     return root
+
+
+def _pieces(tokens, eot: int) -> list[tuple]:
+    """``tokens`` cut at each end-of-text id (dropped)."""
+    tokens = np.asarray(tokens)
+    return [tuple(int(t) for t in p[p != eot]) for p in np.split(tokens, np.flatnonzero(tokens == eot) + 1)
+            if (p != eot).any()]
+
+
+def test_validation_draws_the_sources_tail_splits_in_order(corpora):
+    """The validation batches hold only documents of the sources' validation (tail) splits,
+    each source's in the order of its split (round again when done; a split's first may be the
+    tail of a training document), drawn by the same weights."""
+    corpus = load_corpus(DataConfig(path=f"{corpora / 'web.jsonl'}:0.7,{corpora / 'code'}:0.3", tokenizer="bpe:300"))
+    eot = corpus.tokenizer.eot_id
+    val = split_batches(corpus, "val", 32, 4, seed=0)
+    stream = np.concatenate([val.batch_at(i * 4)["inputs"].reshape(-1) for i in range(40)])
+    drawn = _pieces(stream, eot)[1:-1]  # (whole ones)
+    splits = [_pieces(s.val, eot) for s in corpus.sources]
+    assert all(sum(d in docs for docs in splits) == 1 for d in drawn)  # each is one split's
+    of = [next(k for k, docs in enumerate(splits) if d in docs) for d in drawn]
+    for k, docs in enumerate(splits):
+        mine = [docs.index(d) for d, j in zip(drawn, of) if j == k]
+        assert len(mine) > 3 and all(b == (a + 1) % len(docs) for a, b in zip(mine, mine[1:])), (k, mine)
+    share = of.count(0) / len(of)
+    assert abs(share - 0.7) < 0.15, share
 
 
 def test_a_mixture_trains_and_resumes_to_the_same_losses(corpora, tmp_path, monkeypatch, capsys):
