@@ -118,20 +118,36 @@ def initialize(cfg: DistributedConfig, platform: str | None = None) -> None:
         return
     if (platform or os.environ.get("JAX_PLATFORMS", "")).startswith("cpu"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    gpus = None
     if detected:
-        gpus = None
         if (detected == "SLURM" and "JAX_LOCAL_DEVICE_IDS" not in os.environ  # (the user's choice wins)
                 and not (platform or os.environ.get("JAX_PLATFORMS", "")).startswith("cpu")):
             gpus = slurm_local_devices(os.environ, _node_gpus())
-        jax.distributed.initialize(initialization_timeout=int(cfg.timeout_s), local_device_ids=gpus)
-        _joined()
-        return
+        cfg = cluster_layout(cfg)
     if os.environ.get("JAXSHARD_FAULT") == f"never-start:{cfg.process_id}":
         time.sleep(10 * cfg.timeout_s)  # fault injection for the tests: a host that never comes up
     rendezvous(cfg)
     jax.distributed.initialize(coordinator_address=cfg.coordinator, num_processes=cfg.num_processes,
-                               process_id=cfg.process_id, initialization_timeout=int(cfg.timeout_s))
+                               process_id=cfg.process_id, initialization_timeout=int(cfg.timeout_s),
+                               local_device_ids=gpus)
     _joined()
+
+
+def cluster_layout(cfg: DistributedConfig) -> DistributedConfig:
+    """``cfg`` with the coordinator, process count and index a detected scheduler gives (SLURM,
+    Open MPI), as ``jax.distributed.initialize`` would read them -- by JAX's own cluster
+    detection, so the address is the one JAX's service takes (on SLURM the job's first node, at
+    a port derived from the job's id, or ``JAX_COORDINATOR_PORT``) -- so that the processes
+    check in with process 0 (:func:`rendezvous`) as with the flags."""
+    from jax._src.clusters import ClusterEnv  # (no public API gives the detected layout)
+
+    coordinator, n, me, _ = ClusterEnv.auto_detect_unset_distributed_params(
+        None, None, None, None, None, int(cfg.timeout_s))
+    if coordinator is None or n is None or me is None:
+        raise DistributedError(f"JAX's cluster detection found no layout in this job's environment "
+                               f"({cluster_detected()}): give {_flag('coordinator')}, {_flag('num_processes')} "
+                               f"and {_flag('process_id')}")
+    return DistributedConfig(coordinator, n, me, cfg.timeout_s, cfg.timeout_given)
 
 
 def _joined() -> None:

@@ -110,16 +110,16 @@ def _start(cfg: RunConfig, program: Program, model: LanguageModel, ckpt: Checkpo
     if ckpt is not None and cfg.checkpoint.resume and ckpt.latest_step() is not None:
         if isinstance(program, local_sgd.LocalSGDProgram):
             local_sgd.check_restore(ckpt.meta(), program.replicas)
-        saved_len = ckpt.meta().get("seq_len")
-        if saved_len is not None and saved_len != cfg.seq_len:
+        saved = ckpt.meta()
+        if saved.get("seq_len") is not None and saved["seq_len"] != cfg.seq_len:
             # (its samples_seen counts windows of that length: another would read other tokens)
-            raise ConfigError(f"the checkpoint was trained with --seq-len {saved_len}; resume with it "
+            raise ConfigError(f"the checkpoint was trained with --seq-len {saved['seq_len']}; resume with it "
                               f"(got --seq-len {cfg.seq_len})")
+        if saved.get("seed") is not None and saved["seed"] != cfg.step.seed:  # (the data's order, the dropout)
+            raise ConfigError(f"the checkpoint was trained with --seed {saved['seed']}; resume with it "
+                              f"(got --seed {cfg.step.seed})")
         state, meta = ckpt.restore(program.saved_abstract, param_shapes(model.abstract_params()))
         state = program.unsaved(state)
-        if meta["seed"] != cfg.step.seed:
-            raise ConfigError(f"the checkpoint was trained with --seed {meta['seed']}; resume with it "
-                              f"(got --seed {cfg.step.seed})")
         _log(f"resumed from {ckpt.directory}/{meta['step']} (trained on mesh {meta['mesh']}, "
              f"{meta['samples_seen']:,} samples seen)")
         return state, int(meta["step"]), int(meta["samples_seen"]), meta

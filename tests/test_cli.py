@@ -286,6 +286,8 @@ def test_microbatch_not_divisible_by_batch_axes():
                                        "implemented yet"),
     (["--mesh", "stage=2,data=4", "--offload", "optimizer"], "--offload with a stage axis is not "
                                                              "implemented yet"),
+    (["--mesh", "stage=2,data=4", "--remat", "offload:qkv"], "--remat offload with a stage axis is not "
+                                                              "implemented yet"),
     (["--mesh", "stage=2,data=4", "--pipeline-schedule", "zb"],
      "--pipeline-schedule must be one of naive, gpipe, 1f1b, interleaved, zb-h1, got 'zb'"),
     (["--mesh", "data=8", "--pipeline-schedule", "gpipe"], "--pipeline-schedule needs a stage axis"),

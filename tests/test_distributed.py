@@ -237,6 +237,9 @@ def test_a_checkpoint_of_another_model_or_a_corrupt_one_is_one_line(tmp_path, un
     shorter = run(["--mesh", "data=8", "--steps", "12", "--checkpoint-dir", str(ck), "--resume", "--seq-len", "32"])
     assert shorter.returncode == 2 and shorter.stderr.count("\n") == 1, shorter.stderr
     assert "the checkpoint was trained with --seq-len 64; resume with it (got --seq-len 32)" in shorter.stderr
+    reseeded = run(["--mesh", "data=8", "--steps", "12", "--checkpoint-dir", str(ck), "--resume", "--seed", "7"])
+    assert reseeded.returncode == 2 and reseeded.stderr.count("\n") == 1, reseeded.stderr
+    assert "the checkpoint was trained with --seed 0; resume with it (got --seed 7)" in reseeded.stderr
     for f in (ck / "10").rglob("*"):
         if f.is_file() and "state" in f.parts:
             f.write_bytes(b"garbage")

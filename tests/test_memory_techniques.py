@@ -85,8 +85,8 @@ def test_reshard_and_recompute_policies_match_one_device(mesh, remat, reshard):
     assert_matches_reference("tiny-llama", mesh, remat=remat, reshard_after_forward=reshard)
 
 
-@pytest.mark.parametrize("remat", ["selective", "names:qkv,attn_proj", "names:mlp_hidden",
-                                   "offload:qkv,mlp_in,attn_out"])
+@pytest.mark.parametrize("remat", ["dots", "dots_no_batch", "selective", "full", "names:qkv,attn_proj",
+                                   "names:mlp_hidden", "offload:qkv,mlp_in,attn_out"])
 def test_each_policy_saves_less_than_none_per_device(remat):
     """Saved-for-backward bytes per device, from the compiled forward's residuals."""
     def saved(policy):

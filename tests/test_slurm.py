@@ -119,6 +119,16 @@ def test_the_scheduler_refuses_what_the_nodes_do_not_have(slurm):
         assert r.returncode != 0 and "Requested node configuration is not available" in r.stderr, more
 
 
+def test_a_task_that_never_starts_is_named_in_one_line(slurm):
+    """Under srun too, every process checks in with process 0 before JAX starts (at the address
+    JAX reads from SLURM): a task that never comes up is named, not a hang or an abort."""
+    r = srun({**slurm, "JAXSHARD_FAULT": "never-start:1"}, ["--steps", "1", "--init-timeout", "10"], timeout=120)
+    assert r.returncode != 0
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and re.fullmatch(r"error: process\(es\) 1 of 2 did not reach the coordinator "
+                                             r"\S+:\d+ within 10 s", errors[0]), r.stderr[-2000:]
+
+
 def test_too_few_devices_for_the_mesh_names_what_each_process_sees(slurm, tmp_path):
     r = srun(slurm, ["--mesh", "fsdp=16", "--steps", "1"])
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
