@@ -387,3 +387,19 @@ def test_the_launched_processes_run_in_the_callers_folder(tmp_path):
     for i in "01":
         assert (tmp_path / "runs" / "here" / i).read_text() == str(tmp_path)
     assert not (ROOT / "runs" / "here").exists()
+
+
+def test_the_environment_gives_what_the_flags_leave_unset(monkeypatch):
+    """JAXSHARD_COORDINATOR, JAXSHARD_NUM_PROCESSES and JAXSHARD_PROCESS_ID stand in for the
+    flags; a flag wins; a value that is not a number is one line."""
+    from jaxshard.distributed import DistributedConfig, DistributedError
+
+    monkeypatch.setenv("JAXSHARD_COORDINATOR", "10.0.0.1:1234")
+    monkeypatch.setenv("JAXSHARD_NUM_PROCESSES", "4")
+    monkeypatch.setenv("JAXSHARD_PROCESS_ID", "2")
+    cfg = DistributedConfig.from_env()
+    assert (cfg.coordinator, cfg.num_processes, cfg.process_id, cfg.multi_process) == ("10.0.0.1:1234", 4, 2, True)
+    assert DistributedConfig.from_env(process_id=3).process_id == 3
+    monkeypatch.setenv("JAXSHARD_NUM_PROCESSES", "four")
+    with pytest.raises(DistributedError, match="^JAXSHARD_NUM_PROCESSES must be an integer, got 'four'$"):
+        DistributedConfig.from_env()
