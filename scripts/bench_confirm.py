@@ -51,6 +51,8 @@ CASES = {
 
 TEMP = re.compile(r"Confirmed by compiling .*\(\d+ fake CPU devices, (\w+)\).*\n"
                   r"  temporaries per device predicted ([\d,]+) B, XLA ([\d,]+) B")
+ARGS = re.compile(r"Confirmed by compiling .*\(\d+ fake CPU devices, (\w+)\): argument bytes per device "
+                  r"predicted ([\d,]+), XLA ([\d,]+)")
 SENDS = re.compile(r"stage-to-stage sends predicted ([\d,]+) B, compiled ([\d,]+) B")
 COST = re.compile(r"compiled in ([\d.]+) s, peak memory of this process ([\d.]+) GiB")
 
@@ -81,9 +83,12 @@ def run(name: str, timeout: int, explain: int = 0) -> dict:
                abs(int(a.replace(",", "")) - int(b.replace(",", ""))) <= 0.05 * int(b.replace(",", ""))
                for a, b in SENDS.findall(text)),
            "output": text}
+    args = {dtype: (int(pred.replace(",", "")), int(xla.replace(",", ""))) for dtype, pred, xla in ARGS.findall(text)}
     for (dtype, pred, xla), (secs, gib) in zip(temps, costs):
         row[dtype] = {"temp_predicted": int(pred.replace(",", "")), "temp_xla": int(xla.replace(",", "")),
                       "compile_s": float(secs), "peak_rss_gib": float(gib)}
+        if dtype in args:
+            row[dtype]["argument_predicted"], row[dtype]["argument_xla"] = args[dtype]
     if peak is not None:
         row["peak_buffers"] = peak
     return row
@@ -124,15 +129,18 @@ def peak_buffers(dump: Path, top: int) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| case | devices | temp GB, predicted / XLA (f32) | ratio | bf16 compile's temp GB | compile s | "
-             "peak RSS GiB |", "|---|---|---|---|---|---|---|"]
+    lines = ["| case | devices | temp GB, predicted / XLA (f32) | ratio | bf16 compile's temp GB | "
+             "argument bytes as predicted (bf16, f32) | compile s | peak RSS GiB |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['case']} | | {r['error']} | | | | |")
+            lines.append(f"| {r['case']} | | {r['error']} | | | | | |")
             continue
         f, b = r.get("float32", {}), r.get("bfloat16", {})
+        exact = ", ".join("yes" if d.get("argument_predicted") is not None
+                          and d.get("argument_xla") == d["argument_predicted"] else "no" for d in (b, f))
         lines.append(f"| {r['case']} | {r['devices']} | {f['temp_predicted'] / 1e9:.1f} / {f['temp_xla'] / 1e9:.1f} | "
-                     f"{f['temp_xla'] / f['temp_predicted']:.2f} | {b.get('temp_xla', 0) / 1e9:.1f} | "
+                     f"{f['temp_xla'] / f['temp_predicted']:.2f} | {b.get('temp_xla', 0) / 1e9:.1f} | {exact} | "
                      f"{b.get('compile_s', 0):.0f} + {f['compile_s']:.0f} | "
                      f"{max(b.get('peak_rss_gib', 0), f['peak_rss_gib']):.1f} |")
     return "\n".join(lines)

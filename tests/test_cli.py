@@ -398,7 +398,8 @@ def test_real_size_plans_compile_with_the_predicted_temporaries(tmp_path):
     """Llama 3 8B on data=8,fsdp=8 (64 fake devices), 70B on stage=8,fsdp=8 (64) and a 405B Llama
     on fsdp=64,tensor=8 with SP (512), at sequence 8192 with full recompute, as
     scripts/bench_confirm.py compiles them: in float32 XLA's temporaries within 10% of the
-    accounting's and every collective (a pipeline's stage sends) as predicted; in bfloat16
+    accounting's, its argument bytes (both dtypes) equal to the prediction and every
+    collective (a pipeline's stage sends) as predicted; in bfloat16
     XLA:CPU holds float32-sized buffers (its float normalization), so that compile's temp is
     about the float32 one's. (70B with tensor=8 misses; Mixtral, within 10% too, is left to the
     benchmark for its compile time: docs/memory.md.)"""
@@ -409,6 +410,8 @@ def test_real_size_plans_compile_with_the_predicted_temporaries(tmp_path):
     for row in json.loads(out.read_text()):
         f32, bf16 = row["float32"], row["bfloat16"]
         assert abs(f32["temp_xla"] / f32["temp_predicted"] - 1) <= 0.10, row["case"]
+        for compiled in (f32, bf16):  # the arguments (state and batch) to the byte
+            assert compiled["argument_xla"] == compiled["argument_predicted"], row["case"]
         assert row["collectives_match"], row["output"]
         assert bf16["temp_xla"] >= 0.9 * f32["temp_xla"], row["case"]
         assert bf16["peak_rss_gib"] < 8 and bf16["compile_s"] < 300
