@@ -47,6 +47,10 @@ CASES = {
     "70b-fsdp": (64, "--model llama-70b --mesh fsdp=64 --batch 64 --seq-len 4096 --remat full"),
     "8b-tensor": (64, "--model llama-8b --mesh fsdp=8,tensor=8 --sequence-parallel --batch 8 --seq-len 8192 "
                       "--remat full"),
+    # Held out from the dropless dispatcher's term (found on mixtral's peak buffers).
+    "deepseek": (64, "--model deepseek-moe-16b --mesh fsdp=8,expert=8 --batch 64 --seq-len 4096 --remat full"),
+    "mixtral-selective": (64, "--model mixtral-8x7b --mesh fsdp=8,expert=8 --batch 64 --seq-len 2048 "
+                              "--remat selective"),
 }
 
 TEMP = re.compile(r"Confirmed by compiling .*\(\d+ fake CPU devices, (\w+)\).*\n"

@@ -46,6 +46,21 @@ def test_fsdp_reshards_after_forward_by_default(remat):
     assert kept.memory_analysis().temp_size_in_bytes - temp >= 0.75 * kept_bytes
 
 
+@pytest.mark.parametrize("remat", ["none", "selective"])
+def test_fsdp_reshards_the_experts_too(remat):
+    """Dropless experts on fsdp=2,expert=4, gathered over fsdp inside their shard_map: with
+    reshard-after-forward no layer's gathered experts reach the backward loop (the policies
+    that keep everything kept them all: the all-gather's output was saveable); without it,
+    every layer's do."""
+    def kept(reshard):
+        model = TransformerLM(get_preset("moe-tiny").replace(moe_capacity_factor=0.0), remat=remat)
+        program = make_program(model, "fsdp=2,expert=4", reshard_after_forward=reshard)
+        return inspect.gathered_weights_kept(program.lower_step(B, L).compile(), model, program.rules)
+
+    experts = 3 * 2 * 2 * 64 * 64 * 4  # gate, up and down: 2 layers x 2 local experts x 64 x 64, float32
+    assert kept(True) == 0 and kept(False) >= experts
+
+
 def test_no_strategy_keeps_a_copy_of_the_weights_for_backward():
     """XLA temp, compiled: FSDP holds activations, one gathered layer with its full gradient
     and the sharded gradients. ZeRO-2 holds no more (its params are arguments, not temp), and

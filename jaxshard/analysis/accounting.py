@@ -207,14 +207,22 @@ def recompute_bytes(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: in
     MoE layer where the model has one): under remat the activations it makes again (as no remat
     keeps them, less what the policy kept); under any policy the cotangents of its MLP's hidden
     inputs (``mlp_in`` F per token, or per expert slot), each an operand of two matmuls (the
-    weight gradient and the input gradient), so made whole."""
+    weight gradient and the input gradient), so made whole, and for dropless experts split over
+    n devices three of the dispatcher's ``[n T, D]`` buffers."""
     remat = Remat.parse(remat)
     none, none_moe = _layer_elements(cfg, rules, seq_len, c, Remat.NONE, flash)
     kept, kept_moe = _layer_elements(cfg, rules, seq_len, c, remat, flash)
     t = rules.size(rules.activation_mesh_axes(Dim.ACT_HEADS))
     hidden = cfg.mlp_in * cfg.d_mlp / t
     if cfg.n_moe_layers:
-        hidden = max(hidden, expert_rows(cfg, rules, seq_len) * cfg.mlp_in * (cfg.moe_d_mlp or cfg.d_mlp) / t)
+        moe = expert_rows(cfg, rules, seq_len) * cfg.mlp_in * (cfg.moe_d_mlp or cfg.d_mlp) / t
+        n = rules.size(rules.param_mesh_axes(Dim.EXPERTS))
+        if not cfg.moe_capacity(seq_len) and n > 1:
+            # The all-gather dispatcher's rows, every token of the expert group D wide: the
+            # outputs before their reduce-scatter and the cotangents of both them and the
+            # gathered tokens (which are kept, or under full made again: counted above).
+            moe += 3 * n * cfg.d_model
+        hidden = max(hidden, moe)
         again = (none + none_moe) - (kept + kept_moe)
     else:
         again = none - kept
@@ -314,8 +322,9 @@ def _moe_ffn_saved(cfg: Any, rules: ShardingRules, remat: Remat, L: int, t: int,
     dispatched rows and outputs (no remat), or its matmul outputs (dots; batched over experts,
     so dots_no_batch keeps neither); dropless, per row (k, or n min(k, E / n) with the
     experts over n devices: the dispatcher's buffers) the grouped kernel's pre-activations (which the dots
-    policies keep by name) and the row's token, gate and expert; the router's logits and
-    probabilities; shared experts as a dense MLP of their width."""
+    policies keep by name) and the row's token, gate and expert, and with the experts split the
+    n D of the gathered tokens (but under full); the router's logits and probabilities; shared
+    experts as a dense MLP of their width."""
     E, D = cfg.moe_experts, cfg.d_model
     Fe = cfg.moe_d_mlp or cfg.d_mlp
     mlp_in = cfg.mlp_in
@@ -323,12 +332,16 @@ def _moe_ffn_saved(cfg: Any, rules: ShardingRules, remat: Remat, L: int, t: int,
     slots = expert_rows(cfg, rules, L)
     shared = _dense_ffn_saved(remat, cfg.moe_shared_experts * Fe, mlp_in, t) if cfg.moe_shared_experts else 0.0
     if not cap:  # the grouped kernel: its pre-activations and each row's token, gate and expert
+        # With the experts split over n devices, every policy but full keeps the all-gather
+        # dispatcher's gathered tokens (``EXCHANGED``: recomputing them would send them again).
+        n = rules.size(rules.param_mesh_axes(Dim.EXPERTS))
+        exchanged = n * D if n > 1 and remat.kind is not Kind.FULL else 0.0
         match remat.kind:
             case Kind.NONE | Kind.SELECTIVE:
-                return slots * (mlp_in * Fe / t + 3) + 12 * E + shared
+                return slots * (mlp_in * Fe / t + 3) + 12 * E + shared + exchanged
             case Kind.DOTS | Kind.DOTS_NO_BATCH:
-                return slots * mlp_in * Fe / t + D + E + shared
-        return shared
+                return slots * mlp_in * Fe / t + D + E + shared + exchanged
+        return shared + exchanged
     match remat.kind:
         case Kind.NONE | Kind.SELECTIVE:
             return slots * ((mlp_in + 1) * Fe / t + 1.5 * D) + 12 * E + shared
