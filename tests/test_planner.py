@@ -255,7 +255,7 @@ def test_a_given_ulysses_configuration_is_priced_and_confirmed():
     ({"data": 16}, {}, "16 devices on 1 host(s) is 16 a host, where a h100 host holds 8: give --hosts 2 or more"),
     ({"data": 8}, dict(seq_len=4096), "--seq-len 4096 exceeds model llama-tiny's max_seq_len"),
     ({"data": 8}, dict(compute_dtype="float32"), "jaxshard's attention is cudnn's flash kernel, which takes 2-byte "
-                                                 "floats: no rate is known for float32 attention"),
+                                                 "floats: no rate is known for --compute-dtype float32 attention"),
     ({"data": 4, "sequence": 2}, {}, "ring context parallelism computes attention as XLA's online-softmax blocks"),
 ])
 def test_a_given_configuration_that_cannot_run_is_refused(mesh, kw, message):

@@ -124,8 +124,8 @@ def test_what_the_model_cannot_price_is_a_one_line_error():
 
     jax_kw = dict(software=timing.SOFTWARE["jaxshard"], compute_dtype="bfloat16")
     with pytest.raises(ConfigError, match=r"^the time model cannot price this step: jaxshard's attention is cudnn's "
-                                          r"flash kernel, which takes 2-byte floats: no rate is known for float32 "
-                                          r"attention$"):
+                                          r"flash kernel, which takes 2-byte floats: no rate is known for "
+                                          r"--compute-dtype float32 attention$"):
         timing.step_time(model, abstract_rules(mesh), A100, 8, 2048, **(jax_kw | {"compute_dtype": "float32"}))
     assert timing.step_time(model, abstract_rules(mesh), A100, 8, 2048, software=timing.SOFTWARE["megatron-2021"],
                             compute_dtype="float32").total > 0  # (its attention materialised: matmuls)

@@ -340,7 +340,7 @@ def unpriced_attention(rules: ShardingRules, software: Software, compute_dtype: 
     attention as online-softmax blocks of XLA's, whose rate is not measured."""
     if software.attention != "materialized" and accounting.dtype_bytes(compute_dtype) != 2:
         return (f"{software.name}'s attention is {software.attention}'s flash kernel, which takes 2-byte floats: "
-                f"no rate is known for {compute_dtype} attention")
+                f"no rate is known for --compute-dtype {compute_dtype} attention")
     ring = rules.strategy.context_parallel == "ring" and rules.size(rules.activation_mesh_axes(Dim.LENGTH)) > 1
     if software.name == "jaxshard" and ring:
         return ("ring context parallelism computes attention as XLA's online-softmax blocks, whose rate is not "
