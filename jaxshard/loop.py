@@ -68,7 +68,7 @@ def documents_eot(cfg: RunConfig, eot: int | None, data_name: str, rules: Shardi
     if asked and eot is None:
         raise DataError(f"--packing true finds documents by the end-of-text id; data {data_name} has no "
                         "tokenizer that names one (give --tokenizer)")
-    ring = bool(rules.activation_mesh_axes(Dim.LENGTH)) and rules.strategy.context_parallel == "ring"
+    ring = attention.ring_size(rules) > 1
     fused = jax.default_backend() == "gpu" and not ring and _gpu_kernel(cfg, model_cfg) == "cudnn"
     if fused and asked:
         _log("--packing true: cuDNN's fused attention takes no segment ids here; the blockwise kernel runs")
@@ -374,10 +374,7 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
         that asked for it -- only ever the newest step -- evaluate and checkpoint."""
         nonlocal val_loss
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        # Wall time between the completions of consecutive steps (from the step's own dispatch
-        # when the previous one finished before it): device time when the devices are the
-        # bottleneck, and any wait on the host included when they are not.
-        dt = clock.seconds(i)
+        dt = clock.seconds(i)  # (StepClock says what a step's time holds)
         step = i + 1
         if m.get("skipped") and jax.process_index() == 0:
             bar.write(f"step {step}: float16 gradients overflowed at loss scale "

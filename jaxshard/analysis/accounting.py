@@ -215,14 +215,12 @@ def recompute_bytes(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: in
     t = rules.size(rules.activation_mesh_axes(Dim.ACT_HEADS))
     hidden = cfg.mlp_in * cfg.d_mlp / t
     if cfg.n_moe_layers:
-        moe = expert_rows(cfg, rules, seq_len) * cfg.mlp_in * (cfg.moe_d_mlp or cfg.d_mlp) / t
-        n = rules.size(rules.param_mesh_axes(Dim.EXPERTS))
-        if not cfg.moe_capacity(seq_len) and n > 1:
-            # The all-gather dispatcher's rows, every token of the expert group D wide: the
-            # outputs before their reduce-scatter and the cotangents of both them and the
-            # gathered tokens (which are kept, or under full made again: counted above).
-            moe += 3 * n * cfg.d_model
-        hidden = max(hidden, moe)
+        # The all-gather dispatcher's rows, every token of the expert group D wide: the outputs
+        # before their reduce-scatter and the cotangents of both them and the gathered tokens
+        # (which are kept, or under full made again: counted above).
+        dispatched = 3 * dispatcher_group(cfg, rules, seq_len) * cfg.d_model
+        hidden = max(hidden, expert_rows(cfg, rules, seq_len) * cfg.mlp_in * (cfg.moe_d_mlp or cfg.d_mlp) / t
+                     + dispatched)
         again = (none + none_moe) - (kept + kept_moe)
     else:
         again = none - kept
@@ -304,6 +302,13 @@ def expert_slots(cfg: Any, seq_len: int) -> float:
     return cfg.moe_experts * cap / seq_len if cap else cfg.moe_top_k
 
 
+def dispatcher_group(cfg: Any, rules: ShardingRules, seq_len: int) -> int:
+    """n, the devices whose tokens the all-gather dispatcher gathers for each (dropless experts
+    split over an ``expert`` group of n > 1); 0 where it does not run."""
+    n = rules.size(rules.param_mesh_axes(Dim.EXPERTS))
+    return n if cfg.moe_experts and not cfg.moe_capacity(seq_len) and n > 1 else 0
+
+
 def expert_rows(cfg: Any, rules: ShardingRules, seq_len: int) -> float:
     """Expert rows an MoE layer holds per token of a device: its slots, but dropless with the
     experts split over n devices n min(k, E / n), the most its experts can receive (a
@@ -334,8 +339,7 @@ def _moe_ffn_saved(cfg: Any, rules: ShardingRules, remat: Remat, L: int, t: int,
     if not cap:  # the grouped kernel: its pre-activations and each row's token, gate and expert
         # With the experts split over n devices, every policy but full keeps the all-gather
         # dispatcher's gathered tokens (``EXCHANGED``: recomputing them would send them again).
-        n = rules.size(rules.param_mesh_axes(Dim.EXPERTS))
-        exchanged = n * D if n > 1 and remat.kind is not Kind.FULL else 0.0
+        exchanged = dispatcher_group(cfg, rules, L) * D if remat.kind is not Kind.FULL else 0.0
         match remat.kind:
             case Kind.NONE | Kind.SELECTIVE:
                 return slots * (mlp_in * Fe / t + 3) + 12 * E + shared + exchanged

@@ -48,6 +48,7 @@ from typing import Any
 from jaxshard.analysis import accounting
 from jaxshard.analysis.devices import KNOWN_DEVICES, Device
 from jaxshard.analysis.traffic import Transfer
+from jaxshard.parallel import attention as attention_lib
 from jaxshard.axes import Dim
 from jaxshard.errors import ConfigError
 from jaxshard.model import Stageable
@@ -341,8 +342,7 @@ def unpriced_attention(rules: ShardingRules, software: Software, compute_dtype: 
     if software.attention != "materialized" and accounting.dtype_bytes(compute_dtype) != 2:
         return (f"{software.name}'s attention is {software.attention}'s flash kernel, which takes 2-byte floats: "
                 f"no rate is known for --compute-dtype {compute_dtype} attention")
-    ring = rules.strategy.context_parallel == "ring" and rules.size(rules.activation_mesh_axes(Dim.LENGTH)) > 1
-    if software.name == "jaxshard" and ring:
+    if software.name == "jaxshard" and attention_lib.ring_size(rules) > 1:
         return ("ring context parallelism computes attention as XLA's online-softmax blocks, whose rate is not "
                 "measured (only cuDNN's flash kernel's is)")
     return None
