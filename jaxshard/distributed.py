@@ -118,11 +118,8 @@ def initialize(cfg: DistributedConfig, platform: str | None = None) -> None:
         return
     if (platform or os.environ.get("JAX_PLATFORMS", "")).startswith("cpu"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    gpus = None
+    gpus = local_devices(detected, os.environ, platform, _node_gpus)
     if detected:
-        if (detected == "SLURM" and "JAX_LOCAL_DEVICE_IDS" not in os.environ  # (the user's choice wins)
-                and not (platform or os.environ.get("JAX_PLATFORMS", "")).startswith("cpu")):
-            gpus = slurm_local_devices(os.environ, _node_gpus())
         cfg = cluster_layout(cfg)
     if os.environ.get("JAXSHARD_FAULT") == f"never-start:{cfg.process_id}":
         time.sleep(10 * cfg.timeout_s)  # fault injection for the tests: a host that never comes up
@@ -196,6 +193,19 @@ def _tasks_on_this_node(env) -> int:
         counts += [int(m[1])] * int(m[2] or 1)
     node = int(env.get("SLURM_NODEID", "0"))
     return counts[node] if node < len(counts) else counts[-1]
+
+
+def local_devices(detected: str | None, env, platform: str | None, visible) -> list[int] | None:
+    """The ``local_device_ids`` this process passes to ``jax.distributed.initialize``; None: JAX's.
+
+    Chosen here only for a GPU job under SLURM (:func:`slurm_local_devices`, ``visible()`` counting
+    the GPUs this process sees); ``JAX_LOCAL_DEVICE_IDS``, where set, is the user's choice and wins.
+    """
+    if detected != "SLURM" or "JAX_LOCAL_DEVICE_IDS" in env:
+        return None
+    if (platform or env.get("JAX_PLATFORMS", "")).startswith("cpu"):
+        return None
+    return slurm_local_devices(env, visible())
 
 
 def slurm_local_devices(env, visible: int) -> list[int] | None:

@@ -107,6 +107,31 @@ def test_defaults_come_from_the_fields():
     assert f"(default: {StepConfig().bucket_mb})" in re.sub(r"\s+", " ", parser.format_help())
 
 
+def test_an_init_from_folder_gives_its_tokenizer_unless_one_is_named(tmp_path):
+    """A Hugging Face folder's own tokenizer.json is the run's default; --tokenizer still wins,
+    and a folder without one leaves bytes (None)."""
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    assert cli.parse_train(["--init-from", str(folder)]).data.tokenizer is None
+    (folder / "tokenizer.json").write_text("{}")
+    assert cli.parse_train(["--init-from", str(folder)]).data.tokenizer == str(folder / "tokenizer.json")
+    assert cli.parse_train(["--init-from", str(folder), "--tokenizer", "bytes"]).data.tokenizer == "bytes"
+    assert cli.parse_train([]).data.tokenizer is None
+
+
+def test_inspect_takes_a_training_runs_config_file(tmp_path):
+    """A config file describes the whole run: inspect.py reads the step's keys from it and lets
+    the training run's keys be; the same flags on its command line are one line each."""
+    file = tmp_path / "run.toml"
+    file.write_text('batch_size = 16\nsteps = 7\ncheckpoint_dir = "ck"\nmetrics = "m.jsonl"\n'
+                    'eval_every = 3\n')
+    cfg, _ = cli.parse_run(cli.inspect_parser(), ["--config", str(file)], compile_only=True)
+    assert (cfg.batch_size, cfg.steps) == (16, 7)
+    for flags in (["--checkpoint-dir", "ck"], ["--metrics", "m.jsonl"], ["--eval-every", "3"]):
+        with pytest.raises(ConfigError, match=f"^{flags[0]} belongs to a training run: inspect.py compiles"):
+            cli.parse_run(cli.inspect_parser(), ["--config", str(file), *flags], compile_only=True)
+
+
 def test_error_messages_name_the_flag_from_the_tree():
     assert options.flag(StepConfig, "reducer") == "--strategy"
     assert options.flag(ModelChoice, "preset") == "--model"

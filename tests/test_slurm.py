@@ -17,7 +17,7 @@ import time
 import pytest
 from test_distributed import COMMON, ROOT, assert_close, assert_params_close, losses, uninterrupted  # noqa: F401
 
-from jaxshard.distributed import DistributedError, slurm_local_devices
+from jaxshard.distributed import DistributedError, local_devices, slurm_local_devices
 
 CLUSTER = ROOT / "scripts" / "slurm" / "cluster.sh"
 TEMPLATE = ROOT / "scripts" / "slurm" / "train.sbatch"
@@ -103,6 +103,22 @@ def test_the_sbatch_template_restarts_a_killed_process_and_loses_nothing(slurm, 
     assert_params_close(tmp_path / "p.npz", source / "params.npz")
 
 
+def test_the_sbatch_template_does_not_restart_bad_input(slurm, tmp_path):
+    """A mesh that does not fit the job's devices is bad input (status 2): the same flags would
+    fail again, so the template stops at once with the run's own line, restarts left unused."""
+    out = tmp_path / "job.out"
+    args = ["-p", "debug", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--overcommit",
+            f"--output={out}", str(TEMPLATE), *TRAIN[3:], "--mesh", "data=3", "--steps", "10",
+            "--checkpoint-dir", str(tmp_path / "ck")]
+    state, status = sbatch_and_wait({**slurm, "JAXSHARD_PYTHON": sys.executable, "MAX_RESTARTS": "2"}, args)
+    log = out.read_text()
+    assert (state, status) == ("FAILED", 2), log[-4000:]
+    assert "error: --mesh data=3" in log
+    assert log.rstrip().endswith("error: bad input (status 2): not restarted"), log[-2000:]
+    assert "restart 1/2" not in log
+    assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())
+
+
 @pytest.mark.parametrize("layout, processors", [([], 16), (["--ntasks-per-node=1"], 2),
                                                 (["--gpus-per-node=0", "--gpus-per-task=1"], 16)])
 def test_the_sbatch_template_fits_two_eight_gpu_nodes(slurm, layout, processors):
@@ -183,6 +199,18 @@ def slurm_env(tasks_per_node, localid, gpus_on_node=None, nodeid=0):
 ])
 def test_slurm_processes_drive_the_gpus_of_their_layout(env, visible, want):
     assert slurm_local_devices(env, visible) == want
+
+
+def test_jax_local_device_ids_wins_over_the_slurm_split():
+    """What initialize passes JAX: the split for a GPU job under SLURM; None (JAX's own choice,
+    which reads JAX_LOCAL_DEVICE_IDS) where the user set it, on CPU, or under no scheduler."""
+    one_per_node = slurm_env("1(x2)", 0, 8)
+    assert local_devices("SLURM", one_per_node, None, lambda: 8) == list(range(8))
+    assert local_devices("SLURM", {**one_per_node, "JAX_LOCAL_DEVICE_IDS": "2,3"}, None, lambda: 8) is None
+    assert local_devices("SLURM", one_per_node, "cpu", lambda: 8) is None
+    assert local_devices("SLURM", {**one_per_node, "JAX_PLATFORMS": "cpu"}, None, lambda: 8) is None
+    assert local_devices("Open MPI", one_per_node, None, lambda: 8) is None
+    assert local_devices(None, one_per_node, None, lambda: 8) is None
 
 
 def test_gpus_that_do_not_split_between_processes_are_one_line():
