@@ -75,7 +75,7 @@ def run(name: str, timeout: int, explain: int = 0) -> dict:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
         except subprocess.TimeoutExpired:
             return {"case": name, "flags": flags, "error": f"no result in {timeout} s"}
-        peak = peak_buffers(Path(scratch) / "dump", explain) if explain else None
+        peak, live = peak_buffers(Path(scratch) / "dump", explain) if explain else (None, None)
     text = out.stdout + out.stderr
     temps = TEMP.findall(text)
     costs = COST.findall(text)
@@ -94,14 +94,16 @@ def run(name: str, timeout: int, explain: int = 0) -> dict:
         if dtype in args:
             row[dtype]["argument_predicted"], row[dtype]["argument_xla"] = args[dtype]
     if peak is not None:
-        row["peak_buffers"] = peak
+        row["peak_buffers"], row["live_at_peak"] = peak, live
     return row
 
 
-def peak_buffers(dump: Path, top: int) -> list[dict]:
+def peak_buffers(dump: Path, top: int) -> tuple[list[dict], int]:
     """The ``top`` largest temporary buffers live at the peak of the last compiled step in
     ``dump`` (the float32 compile), from XLA's buffer assignment and live ranges: size, shape
-    and the JAX operation that made each (its op_name)."""
+    and the JAX operation that made each (its op_name); and the bytes of every value live
+    then, which the temp size exceeds by what the buffer assignment's packing of them leaves
+    unused."""
     def last(suffix: str) -> str:
         return sorted(dump.glob(f"*jit_step*{suffix}"))[-1].read_text()
 
@@ -129,7 +131,7 @@ def peak_buffers(dump: Path, top: int) -> list[dict]:
     for size, name, shape in live_then[:top]:
         made = re.search(rf"%{re.escape(name)} = .*?op_name=\"([^\"]*)\"", hlo)
         out.append({"bytes": size, "shape": shape, "buffer": name, "op": made[1] if made else ""})
-    return out
+    return out, usage[at]
 
 
 def table(rows: list[dict]) -> str:
@@ -168,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     for r in rows:
         if r.get("peak_buffers"):
-            print(f"\n{r['case']}: the largest buffers live at the float32 compile's peak")
+            print(f"\n{r['case']}: {r['live_at_peak'] / 1e9:.2f} GB live at the float32 compile's peak, "
+                  f"{r['float32']['temp_xla'] / 1e9:.2f} GB of temp; the largest buffers then")
             for b in r["peak_buffers"]:
                 print(f"  {b['bytes'] / 1e9:7.2f} GB  {b['shape']:<34} {b['op']}")
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)

@@ -131,3 +131,16 @@ def test_remat_auto_is_the_policy_measured_fastest_on_the_backend():
     assert build_model(cli.parse_train(["--model", "tiny"])).remat == Remat.DOTS  # on CPU
     assert remat.default_for("gpu") == Remat.NONE
     assert build_model(cli.parse_train(["--model", "tiny", "--remat", "none"])).remat == Remat.NONE
+
+
+def test_the_memory_benchmark_reads_the_compiled_step():
+    """scripts/bench_memory.py's figures for a row of docs/memory.md's table are the compiled step's."""
+    from scripts.bench_memory import keeps_row
+
+    row = keeps_row("llama-tiny", "fsdp=8", 0, "full", False, B, L)
+    model, program, compiled = _fsdp_step("full", reshard=False)
+    assert row["temp_bytes"] == compiled.memory_analysis().temp_size_in_bytes
+    assert row["allgather_bytes"] == _gathered_bytes(compiled, program.rules.mesh)
+    assert row["allgather_over_params"] == row["allgather_bytes"] / (4 * model.n_params())
+    assert row["gathered_kept_bytes"] == inspect.gathered_weights_kept(compiled, model, program.rules)
+    assert row["gathered_layers_kept"] == model.cfg.n_layers
