@@ -61,10 +61,31 @@ def _installed(name: str) -> bool:
         return False
 
 
+# The share of a GPU's memory XLA's allocator takes for its pool, which the planner's memory
+# check counts as usable (``planner.evaluate``). JAX's default is 0.75 of total memory (its
+# "GPU memory allocation" page; newer releases start there and grow), so a plan counted
+# against 0.90 could not run under it. The rest is for what CUDA keeps outside the pool: its
+# context, cuBLAS's and cuDNN's workspaces, NCCL's channel buffers -- an allowance, not
+# measured here.
+GPU_MEMORY_FRACTION = 0.90
+_POOL_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE",
+                   "XLA_PYTHON_CLIENT_ALLOCATOR")
+
+
+def gpu_pool_environment(env: dict[str, str]) -> dict[str, str]:
+    """The variables to set for the GPU allocator's pool: :data:`GPU_MEMORY_FRACTION`, unless
+    the user set the pool (its fraction, under either name, preallocation or the allocator)."""
+    if any(name in env for name in _POOL_VARIABLES):
+        return {}
+    return {"XLA_CLIENT_MEM_FRACTION": f"{GPU_MEMORY_FRACTION:.2f}"}
+
+
 def configure(cfg: RuntimeConfig) -> None:
     """Apply ``cfg``; call before any jax computation or device query."""
     import jax
 
+    # (read when a GPU backend starts; nothing else reads them)
+    os.environ.update(gpu_pool_environment(dict(os.environ)))
     if cfg.platform is not None:
         check_platform(cfg.platform)
         jax.config.update("jax_platforms", cfg.platform)

@@ -1,5 +1,6 @@
 """The planner follows the classic guidance because the numbers say so."""
 
+import os
 import re
 
 import jax
@@ -297,3 +298,24 @@ def test_the_readmes_plans_are_the_planners(row, name, n, hosts, batch, theirs, 
     published = planner.given(TransformerLM(model.cfg, remat="full"), theirs,
                               planner.Strategy(sequence_parallel=sp), H100, batch, 8192, hosts=hosts)
     assert line.split("|")[-2].strip().startswith(f"{published.step_s:.3g} s, {mfu(published):.0%}"), line
+
+
+def test_the_planner_counts_the_gpu_pool_the_runtime_asks_for(monkeypatch):
+    """A plan fits where its peak is within the share of GPU memory that the run's allocator
+    gets: the runtime sets that share for JAX (whose own default, 0.75, is smaller) unless the
+    user set the pool."""
+    import inspect as pyinspect
+
+    from jaxshard import runtime
+    from jaxshard.analysis import planner
+
+    asked = runtime.gpu_pool_environment({})
+    assert float(asked["XLA_CLIENT_MEM_FRACTION"]) == pyinspect.signature(planner.evaluate).parameters["usable"].default
+    for users in ({"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}, {"XLA_CLIENT_MEM_FRACTION": "0.95"},
+                  {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}, {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}):
+        assert runtime.gpu_pool_environment(users) == {}
+    for name in runtime._POOL_VARIABLES:  # (set, then removed: the test's end restores each as it was)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    runtime.configure(runtime.RuntimeConfig(compile_cache=None))
+    assert os.environ["XLA_CLIENT_MEM_FRACTION"] == asked["XLA_CLIENT_MEM_FRACTION"]

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from jaxshard import runtime
 from jaxshard.analysis import accounting, timing
 from jaxshard.analysis.devices import GB, Device
 from jaxshard.errors import ConfigError
@@ -172,7 +173,8 @@ def _splits(model: Stageable, devices: int, per_host: int, batch_size: int) -> l
 
 
 def evaluate(model: Stageable, mesh: dict[str, int], strategy: Strategy, remat: Remat, device: Device,
-             batch_size: int, seq_len: int, compute_dtype: str = "bfloat16", usable: float = 0.9,
+             batch_size: int, seq_len: int, compute_dtype: str = "bfloat16",
+             usable: float = runtime.GPU_MEMORY_FRACTION,
              microbatches: int | None = None, grad_accum: int = 1, virtual_stages: int = 1,
              software: timing.Software = timing.SOFTWARE["jaxshard"]) -> Plan:
     """One plan: its memory per device (the accounting's; a pipeline's as 1F1B keeps it) and
@@ -354,7 +356,7 @@ def explain(model: Stageable, plans: list[Plan], device: Device, hosts: int, com
                     for stack in ("blocks", "moe_blocks") if stack in params)
     lines = [f"Model state: {n:,} params x 16 B (float32 params, grads, Adam m and v) = "
              f"{state / GB:,.1f} GB; the classic mixed-precision count 2+2+12 B gives the same 16 B."]
-    if state <= 0.9 * device.memory:
+    if state <= runtime.GPU_MEMORY_FRACTION * device.memory:
         lines.append(f"It fits one {device.name} ({device.memory / GB:.0f} GB): data parallelism (DDP) "
                      "needs no sharding, and ZeRO/FSDP only pay more communication.")
     else:
