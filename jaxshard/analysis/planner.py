@@ -9,7 +9,7 @@ fewer activations than recomputing them), the planner predicts per-device memory
 software does not hide, each collective priced at the bandwidth of the link it crosses --
 within a host, or across hosts for an axis whose groups span hosts; mesh axes nest outermost
 first, so the outermost axes cross hosts). Plans that do not fit are marked; among those that
-do, the fastest wins and, within 5% (finer than the time model can tell), the simpler one.
+do, the fastest wins and, within 7% (finer than the time model can tell: ``TIE``), the simpler one.
 
 A pipeline plan runs 1F1B with the most microbatches up to 4P that split the batch (at least
 P). Its model: each device holds 1/P of the layers and keeps at most 2P - 1 microbatches'
@@ -45,7 +45,11 @@ from jaxshard.rules import ShardingRules, Strategy
 if TYPE_CHECKING:
     from jaxshard.training.step import Program
 
-TIE = 0.05  # plans within 5% of each other's step time: the time model is no finer; simpler wins
+# Plans whose step times differ by less than this are ties (the simpler wins): the time
+# model's own spread. Over jaxshard's six steps measured on one H100 (docs/bench/gpu.json),
+# predicted over measured runs from 0.945 to 1.008, so two plans 6.6% apart can be in the
+# wrong order (tests/test_timing.py holds TIE to that spread).
+TIE = 0.07
 
 
 @dataclass
@@ -323,7 +327,7 @@ def _with_remat(model: Stageable, remat: Remat) -> Any:
 def plan(model: Stageable, devices: int, device: Device, batch_size: int, seq_len: int, *,
          hosts: int = 1, compute_dtype: str = "bfloat16",
          software: timing.Software = timing.SOFTWARE["jaxshard"]) -> list[Plan]:
-    """Every candidate, fitting ones first, fastest first (within 5%: simplest first)."""
+    """Every candidate, fitting ones first, fastest first (within ``TIE``: simplest first)."""
     if devices < 1 or hosts < 1 or devices % hosts:
         raise ConfigError(f"--devices {devices} must be a positive multiple of --hosts {hosts}")
     _check_lengths(model, batch_size, seq_len)
