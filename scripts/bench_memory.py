@@ -8,7 +8,8 @@
 
 keeps: the compiled step (nothing runs) of FSDP (``fsdp=8``) under each recompute policy with and
 without reshard-after-forward, and of ZeRO-2 (``data=8 --zero 2``), DDP (``data=8``) and TP
-(``data=2,tensor=4``) without remat. Per row, XLA's memory analysis per device (argument,
+(``data=2,tensor=4``) without remat, and FSDP under ``--fp8 tensorwise`` (its weights gathered
+as float8, which XLA:CPU widens to float16). Per row, XLA's memory analysis per device (argument,
 output, temp, aliased bytes, and arguments + outputs + temps - aliased, what bench_peers.py
 reports), the gathered layers the step keeps for the backward pass
 (``inspect.gathered_weights_kept``) and its all-gather bytes over the params' bytes.
@@ -17,7 +18,7 @@ policies: the step time of each --remat policy on each mesh: --warmup steps, the
 steps per configuration, taken round-robin across the configurations so that the machine's
 drift falls on all alike; each step waits for its loss. Median (min-max) per configuration.
 
-Writes memory.json and memory.md to --out.
+Writes memory.json and memory.md to --out; a part not run keeps what the file holds of it.
 """
 
 from __future__ import annotations
@@ -34,10 +35,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[0] = ROOT
 
 PARTS = ("keeps", "policies")
-# (mesh, ZeRO stage, --remat, reshard-after-forward): docs/memory.md's rows.
-KEEPS = (("fsdp=8", 0, "none", True), ("fsdp=8", 0, "none", False), ("fsdp=8", 0, "selective", True),
-         ("fsdp=8", 0, "dots", True), ("fsdp=8", 0, "full", True), ("fsdp=8", 0, "full", False),
-         ("data=8", 2, "none", True), ("data=8", 0, "none", True), ("data=2,tensor=4", 0, "none", True))
+# (mesh, ZeRO stage, --remat, reshard-after-forward, --fp8): docs/memory.md's rows, and
+# docs/float8.md's float8 all-gather.
+KEEPS = (("fsdp=8", 0, "none", True, None), ("fsdp=8", 0, "none", False, None),
+         ("fsdp=8", 0, "selective", True, None), ("fsdp=8", 0, "dots", True, None),
+         ("fsdp=8", 0, "full", True, None), ("fsdp=8", 0, "full", False, None),
+         ("data=8", 2, "none", True, None), ("data=8", 0, "none", True, None),
+         ("data=2,tensor=4", 0, "none", True, None), ("fsdp=8", 0, "none", True, "tensorwise"))
 MIB = 2**20
 
 
@@ -56,7 +60,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def build(model_name: str, mesh: str, zero: int, remat: str, reshard: bool):
+def build(model_name: str, mesh: str, zero: int, remat: str, reshard: bool, fp8: str | None = None):
     """The model and the training program of one configuration, on all devices."""
     import jax
 
@@ -66,18 +70,19 @@ def build(model_name: str, mesh: str, zero: int, remat: str, reshard: bool):
     from jaxshard.training.step import StepConfig, build_program
     from models import TransformerLM, get_preset
 
-    model = TransformerLM(get_preset(model_name), remat=remat)
+    model = TransformerLM(get_preset(model_name).replace(fp8=fp8), remat=remat)
     rules = ShardingRules(build_mesh(mesh, jax.devices()), Strategy(zero=zero, reshard_after_forward=reshard))
     return model, build_program(model, rules, OptimConfig(), StepConfig())
 
 
-def keeps_row(model_name: str, mesh: str, zero: int, remat: str, reshard: bool, batch: int, seq: int) -> dict:
+def keeps_row(model_name: str, mesh: str, zero: int, remat: str, reshard: bool, fp8: str | None, batch: int,
+              seq: int) -> dict:
     """One compiled step's memory per device and what it gathers and keeps (float32 params)."""
     import jax
 
     from jaxshard.analysis import inspect, shards
 
-    model, program = build(model_name, mesh, zero, remat, reshard)
+    model, program = build(model_name, mesh, zero, remat, reshard, fp8)
     rules = program.rules
     compiled = program.lower_step(batch, seq).compile()
     mem = inspect.xla_memory(compiled)
@@ -88,7 +93,7 @@ def keeps_row(model_name: str, mesh: str, zero: int, remat: str, reshard: bool, 
     kept = inspect.gathered_weights_kept(compiled, model, rules)
     allgather = sum(c.bytes * c.executions for c in inspect.compiled_collectives(compiled, rules.mesh)
                     if c.kind == "all-gather")
-    return {"mesh": mesh, "zero": zero, "remat": remat, "reshard_after_forward": reshard,
+    return {"mesh": mesh, "zero": zero, "remat": remat, "reshard_after_forward": reshard, "fp8": fp8,
             "temp_bytes": mem["temp"], "argument_bytes": mem["argument"], "output_bytes": mem["output"],
             "alias_bytes": mem["alias"], "total_bytes": mem["argument"] + mem["output"] + mem["temp"] - mem["alias"],
             "gathered_kept_bytes": kept, "gathered_layers_kept": round(kept / per_layer) if per_layer else 0,
@@ -131,7 +136,7 @@ def keeps_table(rows: list[dict]) -> list[str]:
     for r in rows:
         n = r["gathered_layers_kept"]
         kept = f"{n} of {r['layers']} ({r['gathered_kept_bytes'] / MIB:.1f} MiB)" if n else "0"
-        mesh = r["mesh"] + (f" --zero {r['zero']}" if r["zero"] else "")
+        mesh = r["mesh"] + (f" --zero {r['zero']}" if r["zero"] else "") + (f" --fp8 {r['fp8']}" if r["fp8"] else "")
         lines.append(f"| `{mesh}` | {r['remat']} | {str(r['reshard_after_forward']).lower()} | {kept} | "
                      f"{r['allgather_over_params']:.2f} | {r['temp_bytes'] / MIB:.1f} MiB | "
                      f"{r['total_bytes'] / MIB:.1f} MiB |")
@@ -170,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         meta = {"backend": jax.default_backend(), "devices": jax.device_count(), "cpu_count": os.cpu_count(),
                 "jax": jax.__version__, "model": a.model, "batch_size": a.batch_size, "seq_len": a.seq_len}
-        report, md = {}, []
+        report = {}
         what = (f"{a.model}, batch {a.batch_size} x {a.seq_len}, {meta['devices']} fake CPU devices, "
                 f"jax {jax.__version__}")
         if "keeps" in parts:
@@ -180,18 +185,27 @@ def main(argv: list[str] | None = None) -> int:
                 report["keeps"].append(keeps_row(a.model, *row, a.batch_size, a.seq_len))
                 print(f"compiled {row}", file=sys.stderr, flush=True)
             meta["keeps_wall_s"] = time.perf_counter() - t
-            md += [f"What the compiled training step keeps, per device (XLA's memory analysis; nothing run): {what}.",
-                   "", *keeps_table(report["keeps"]), ""]
         if "policies" in parts:
             t = time.perf_counter()
             report["policies"] = time_policies(a.model, meshes, policies, a.batch_size, a.seq_len, a.warmup, a.steps)
-            meta.update(policies_wall_s=time.perf_counter() - t, warmup=a.warmup, steps=a.steps)
-            md += [f"Step time, median (min–max) of {a.steps} steps after {a.warmup}, the configurations "
-                   f"interleaved: {what}, {meta['cpu_count']} cores.", "",
-                   *policies_table(report["policies"], meshes, policies), ""]
+            meta.update(policies_wall_s=time.perf_counter() - t, warmup=a.warmup, steps=a.steps,
+                        meshes=meshes, policies=policies)
         meta["wall_s"] = time.perf_counter() - t0
+        # A part not run this time keeps its figures from the file (one part re-measured alone).
+        path = os.path.join(a.out, "memory.json")
+        old = json.load(open(path)) if os.path.exists(path) else {}
+        report = {**{k: v for k, v in old.items() if k in PARTS}, **report}
+        meta = {**old.get("meta", {}), **meta}
+        md = []
+        if "keeps" in report:
+            md += [f"What the compiled training step keeps, per device (XLA's memory analysis; nothing run): {what}.",
+                   "", *keeps_table(report["keeps"]), ""]
+        if "policies" in report:
+            md += [f"Step time, median (min–max) of {meta['steps']} steps after {meta['warmup']}, the "
+                   f"configurations interleaved: {what}, {meta['cpu_count']} cores.", "",
+                   *policies_table(report["policies"], meta.get("meshes", meshes), meta.get("policies", policies)), ""]
         os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "memory.json"), "w") as f:
+        with open(path, "w") as f:
             json.dump({"meta": meta, **report}, f, indent=1)
         with open(os.path.join(a.out, "memory.md"), "w") as f:
             f.write("\n".join(md))

@@ -304,6 +304,8 @@ def test_microbatch_not_divisible_by_batch_axes():
      "--balance does not model MoE layers yet; give --stage-layers"),
     (["--model", "moe-tiny", "--mesh", "expert=4,tensor=2", "--sequence-parallel"],
      "MoE layers with sequence or context parallelism are not implemented yet"),
+    (["--model", "moe-tiny", "--mesh", "expert=4,sequence=2"],
+     "MoE layers with sequence or context parallelism are not implemented yet"),
 ])
 def test_model_parallel_input_errors(flags, message):
     assert_one_line_error(train(*flags, "--cpu-devices", "8"), message)

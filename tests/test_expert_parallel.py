@@ -250,6 +250,12 @@ def test_large_moe_presets_count_total_and_active_params_from_shapes(name, total
     assert round(active / 1e9, 1) == published[1] / 1e9
 
 
+@pytest.mark.parametrize("name, total, active", [("moe-tiny", 251_200, 103_744), ("moe-tiny-gpt2", 300_544, 184_064)])
+def test_tiny_moe_presets_count_as_docs_moe_md_says(name, total, active):
+    model = TransformerLM(get_preset(name))
+    assert (model.n_params(), model.n_active_params()) == (total, active)
+
+
 def _run_with_metrics(model, mesh, seed=0, **step):
     program = make_program(model, mesh, seed=seed, **step)
     state, metrics = program.init(seed), []

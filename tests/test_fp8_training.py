@@ -482,6 +482,8 @@ def test_a_resumed_delayed_float8_run_keeps_its_amax_histories(tmp_path):
     ({"param_dtype": "bfloat16"}, "--fp8 delayed takes each step's amaxes from one pass: not yet with "
                                   "--grad-accum, a pipeline's microbatches, --strategy explicit, 2-byte "
                                   "--param-dtype or float16"),
+    ({"dtype": "float16"}, "--fp8 delayed takes each step's amaxes from one pass: not yet with --grad-accum, "
+                           "a pipeline's microbatches, --strategy explicit, 2-byte --param-dtype or float16"),
 ])
 def test_delayed_float8_where_it_does_not_run_yet_is_one_line(step, message):
     with pytest.raises(ConfigError) as e:

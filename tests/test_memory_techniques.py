@@ -137,7 +137,7 @@ def test_the_memory_benchmark_reads_the_compiled_step():
     """scripts/bench_memory.py's figures for a row of docs/memory.md's table are the compiled step's."""
     from scripts.bench_memory import keeps_row
 
-    row = keeps_row("llama-tiny", "fsdp=8", 0, "full", False, B, L)
+    row = keeps_row("llama-tiny", "fsdp=8", 0, "full", False, None, B, L)
     model, program, compiled = _fsdp_step("full", reshard=False)
     assert row["temp_bytes"] == compiled.memory_analysis().temp_size_in_bytes
     assert row["allgather_bytes"] == _gathered_bytes(compiled, program.rules.mesh)

@@ -130,6 +130,22 @@ def test_fsdp_min_size_keeps_small_params_replicated():
     assert got["blocks/ffn/w_in"] == P(None, "fsdp", None)
 
 
+def test_fsdp_with_tensor_shards_the_first_other_dim_that_divides():
+    """docs/tensor-sequence-context.md: where tensor splits a weight's heads, mlp or vocab dim,
+    FSDP takes the first other dim that divides (after the layers'), or shares tensor's dim
+    where no other can (a bias)."""
+    model = TransformerLM(get_preset("tiny-llama"))
+    rules = ShardingRules(build_mesh("data=2,fsdp=2,tensor=2"), Strategy())
+    got = flat(rules.param_specs(model.param_axes(), model.abstract_params()))
+    assert got["blocks/attn/wq"] == P(None, "fsdp", "tensor", None)  # (2, 64, 8, 8): embed first
+    assert got["blocks/attn/wo"] == P(None, "tensor", "fsdp", None)  # (2, 8, 8, 64): d_head before embed
+    assert got["blocks/ffn/w_out"] == P(None, "tensor", "fsdp")
+    assert got["lm_head"] == P("fsdp", "tensor") and got["tokens"] == P("tensor", "fsdp")
+    gpt2 = TransformerLM(get_preset("tiny"))
+    got = flat(rules.param_specs(gpt2.param_axes(), gpt2.abstract_params()))
+    assert got["blocks/ffn/b_in"] == P(None, ("tensor", "fsdp"))  # (2, 256): no other dim
+
+
 def test_uneven_dims_fall_back_to_another_dim_or_fewer_axes():
     # d_model 36 is not divisible by 8: FSDP shards another dim where one divides.
     cfg = ModelConfig(name="odd", n_layers=2, d_model=36, n_heads=4, d_mlp=144, vocab_size=256,
