@@ -9,7 +9,7 @@
 keeps: the compiled step (nothing runs) of FSDP (``fsdp=8``) under each recompute policy with and
 without reshard-after-forward, and of ZeRO-2 (``data=8 --zero 2``), DDP (``data=8``) and TP
 (``data=2,tensor=4``) without remat, and FSDP under ``--fp8 tensorwise`` (its weights gathered
-as float8, which XLA:CPU widens to float16). Per row, XLA's memory analysis per device (argument,
+as float8, which XLA:CPU widens to float16) and ``rowwise``, under three policies. Per row, XLA's memory analysis per device (argument,
 output, temp, aliased bytes, and arguments + outputs + temps - aliased, what bench_peers.py
 reports), the gathered layers the step keeps for the backward pass
 (``inspect.gathered_weights_kept``) and its all-gather bytes over the params' bytes.
@@ -41,7 +41,9 @@ KEEPS = (("fsdp=8", 0, "none", True, None), ("fsdp=8", 0, "none", False, None),
          ("fsdp=8", 0, "selective", True, None), ("fsdp=8", 0, "dots", True, None),
          ("fsdp=8", 0, "full", True, None), ("fsdp=8", 0, "full", False, None),
          ("data=8", 2, "none", True, None), ("data=8", 0, "none", True, None),
-         ("data=2,tensor=4", 0, "none", True, None), ("fsdp=8", 0, "none", True, "tensorwise"))
+         ("data=2,tensor=4", 0, "none", True, None),
+         *(("fsdp=8", 0, remat, True, recipe) for recipe in ("tensorwise", "rowwise")
+           for remat in ("none", "dots", "full")))
 MIB = 2**20
 
 
