@@ -435,8 +435,8 @@ def test_zero_bubble_with_split_gradients_places_the_hand_over_and_fetches_nothi
     the smallest gradient: the compiled step holds the same collectives as with the hand-over
     apart (the weights' gathers for compute; taking the gradient's first element would fetch
     it every tick), in less temp; at M = P without remat under 1F1B's (GPT-2's tiny on
-    ``fsdp=4``: 0.957x; 0.943x under the cap P - s, apart 1.028x). The values are split by rows alone there, so the leaves
-    shaped as no B-only residual (under ``dots`` the MLP's and the attention output's
+    ``fsdp=4``: 0.957x; 0.943x under the cap P - s, apart 1.028x). The values are split by
+    rows alone there, so the leaves shaped as no B-only residual (under ``dots`` the MLP's and the attention output's
     gradients) are packed into the rows of one (the attention's probabilities): all that stays
     apart is the weight gradients B makes whole. An MoE layer's expert buffers, laid out by
     rows with the experts first, are packed too (moe-tiny without remat)."""
