@@ -10,9 +10,10 @@ keeps: the compiled step (nothing runs) of FSDP (``fsdp=8``) under each recomput
 without reshard-after-forward, and of ZeRO-2 (``data=8 --zero 2``), DDP (``data=8``) and TP
 (``data=2,tensor=4``) without remat, and FSDP under ``--fp8 tensorwise`` (its weights gathered
 as float8, which XLA:CPU widens to float16) and ``rowwise``, under three policies. Per row,
-XLA's memory analysis per device (argument, output, temp, aliased bytes, and arguments + outputs + temps - aliased, what bench_peers.py
-reports), the gathered layers the step keeps for the backward pass
-(``inspect.gathered_weights_kept``) and its all-gather bytes over the params' bytes.
+XLA's memory analysis per device (argument, output, temp, aliased bytes, and arguments +
+outputs + temps - aliased, what bench_peers.py reports), the gathered layers the step keeps
+for the backward pass (``inspect.gathered_weights_kept``) and its all-gather bytes over the
+params' bytes.
 
 policies: the step time of each --remat policy on each mesh: --warmup steps, then --steps timed
 steps per configuration, taken round-robin across the configurations so that the machine's
