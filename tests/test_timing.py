@@ -182,7 +182,7 @@ def _bench_gpu():
 def test_the_model_against_jaxshards_steps_measured_on_an_h100():
     """docs/bench/gpu.json: jaxshard's training steps on one H100 SXM (scripts/bench_gpu.py) --
     three of them profiled, three held out of every measured cost the model takes from those
-    profiles -- each predicted within 10% of its measured step, and the profiled parts the model
+    profiles -- each predicted at 0.94-1.01 of its measured step, and the profiled parts the model
     prices from counts (the optimizer's passes, the layer scan's copies) within 15% of their
     traced kernels' time."""
     bench_gpu = _bench_gpu()
@@ -192,7 +192,7 @@ def test_the_model_against_jaxshards_steps_measured_on_an_h100():
     for case in recorded["train"]:
         t = bench_gpu.predicted(case["flags"])
         ratios.append(t.total / case["step_s"])
-        assert 0.9 <= ratios[-1] <= 1.1, (case["case"], t.total, case["step_s"])
+        assert 0.94 <= ratios[-1] <= 1.01, (case["case"], t.total, case["step_s"])  # as the README says
     # The planner calls plans closer than the model's spread ties (planner.TIE), no finer.
     assert max(ratios) / min(ratios) - 1 <= planner.TIE < max(ratios) / min(ratios) - 1 + 0.01, ratios
     hbm = KNOWN_DEVICES["h100"].hbm
