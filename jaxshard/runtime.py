@@ -68,14 +68,14 @@ def _installed(name: str) -> bool:
 # context, cuBLAS's and cuDNN's workspaces, NCCL's channel buffers -- an allowance, not
 # measured here.
 GPU_MEMORY_FRACTION = 0.90
-_POOL_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE",
+POOL_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE",
                    "XLA_PYTHON_CLIENT_ALLOCATOR")
 
 
 def gpu_pool_environment(env: dict[str, str]) -> dict[str, str]:
     """The variables to set for the GPU allocator's pool: :data:`GPU_MEMORY_FRACTION`, unless
     the user set the pool (its fraction, under either name, preallocation or the allocator)."""
-    if any(name in env for name in _POOL_VARIABLES):
+    if any(name in env for name in POOL_VARIABLES):
         return {}
     return {"XLA_CLIENT_MEM_FRACTION": f"{GPU_MEMORY_FRACTION:.2f}"}
 

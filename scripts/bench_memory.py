@@ -108,15 +108,15 @@ def time_policies(model_name: str, meshes: list[str], policies: list[str], batch
                   warmup: int, steps: int) -> list[dict]:
     """Step seconds of each (mesh, policy), the configurations' steps taken in turn."""
     import jax
-    import numpy as np
+
+    from jaxshard.data.synthetic import random_batches
 
     runs = []
     for mesh in meshes:
         for policy in policies:
             model, program = build(model_name, mesh, 0, policy, True)
             compiled = program.lower_step(batch, seq).compile()
-            data = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (batch, seq + 1), dtype=np.int32)
-            batch_d = jax.device_put({"inputs": data[:, :-1], "targets": data[:, 1:]}, program.batch_sharding)
+            batch_d = jax.device_put(random_batches(model.cfg.vocab_size, 1, batch, seq)[0], program.batch_sharding)
             runs.append({"mesh": mesh, "remat": policy, "compiled": compiled, "state": program.init(0),
                          "batch": batch_d, "times": []})
             print(f"compiled {mesh} --remat {policy}", file=sys.stderr, flush=True)

@@ -314,7 +314,7 @@ def test_the_planner_counts_the_gpu_pool_the_runtime_asks_for(monkeypatch):
     for users in ({"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}, {"XLA_CLIENT_MEM_FRACTION": "0.95"},
                   {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}, {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}):
         assert runtime.gpu_pool_environment(users) == {}
-    for name in runtime._POOL_VARIABLES:  # (set, then removed: the test's end restores each as it was)
+    for name in runtime.POOL_VARIABLES:  # (set, then removed: the test's end restores each as it was)
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
     runtime.configure(runtime.RuntimeConfig(compile_cache=None))
