@@ -403,3 +403,48 @@ def test_the_environment_gives_what_the_flags_leave_unset(monkeypatch):
     monkeypatch.setenv("JAXSHARD_NUM_PROCESSES", "four")
     with pytest.raises(DistributedError, match="^JAXSHARD_NUM_PROCESSES must be an integer, got 'four'$"):
         DistributedConfig.from_env()
+
+
+def test_the_launcher_stops_the_survivors_after_a_second_then_kills_after_five():
+    """docs/hosts-and-checkpoints.md: when a process fails, a peer still running a second
+    later gets SIGTERM, and SIGKILL 5 s after that (``launch_local._stop``'s defaults), on
+    real processes: one ends by itself within the second, one ends on SIGTERM, one ignores it."""
+    import importlib.util
+    import threading
+
+    spec = importlib.util.spec_from_file_location("launch_local", ROOT / "scripts" / "launch_local.py")
+    launcher = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(launcher)
+    ignores = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+             for code in ("import time; time.sleep(0.3)", "import time; time.sleep(60)", ignores)]
+    assert procs[2].stdout.readline() == "ready\n"
+    ended, start = {}, time.monotonic()
+
+    def wait(i):
+        code = procs[i].wait()
+        ended[i] = (time.monotonic(), code)
+
+    for i in range(3):
+        threading.Thread(target=wait, args=(i,), daemon=True).start()
+    how = launcher._stop(procs, ended)
+    assert how == {0: "ended with status 0", 1: "stopped (SIGTERM)", 2: "killed (still running 5 s after SIGTERM)"}
+    assert [p.returncode for p in procs] == [0, -signal.SIGTERM, -signal.SIGKILL]
+    took = {i: when - start for i, (when, _) in ended.items() if i in (1, 2)}
+    assert 0.95 <= took[1] < 2.5, took  # SIGTERM at the settle's end, not before
+    assert 5.9 <= took[2] < 8.5, took  # SIGKILL 5 s after it
+
+
+def test_the_shutdown_wait_a_failed_process_skips_is_jaxs_default():
+    """docs/hosts-and-checkpoints.md: a failed process exits at once (``distributed.exit_failed``)
+    because JAX's shutdown would wait up to 300 s for a lost peer: that is
+    ``jax.distributed.initialize``'s default, and jaxshard passes no other."""
+    import inspect
+
+    import jax
+
+    from jaxshard import distributed
+
+    assert inspect.signature(jax.distributed.initialize).parameters["shutdown_timeout_seconds"].default == 300
+    assert "shutdown_timeout" not in inspect.getsource(distributed)
+    assert "up to 300 s for the lost peer" in (ROOT / "docs" / "hosts-and-checkpoints.md").read_text()
