@@ -36,6 +36,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxshard.errors import ConfigError
 from jaxshard.fp8 import SCALE
+from jaxshard.parallel.attention import RING
 from jaxshard.parallel.experts import EXCHANGED
 from jaxshard.parallel.grouped import GROUPED
 from jaxshard.rules import GATHERED, active
@@ -220,7 +221,7 @@ def _keeping_exchanges(base, remat: Remat):
     (:func:`from_inputs` runs a function's forward again whatever the policy names.)"""
     if base is jax.checkpoint_policies.everything_saveable:
         return base
-    kept = {Kind.FULL: (SCALE,), Kind.DOTS: (EXCHANGED, GROUPED, SCALE),
+    kept = {Kind.FULL: (SCALE,), Kind.DOTS: (EXCHANGED, GROUPED, RING, SCALE),
             Kind.DOTS_NO_BATCH: (EXCHANGED, GROUPED, SCALE)}.get(remat.kind, (EXCHANGED, SCALE))
 
     def policy(prim, *avals, **params):

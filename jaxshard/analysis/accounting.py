@@ -239,8 +239,9 @@ def _layer_elements(cfg: Any, rules: ShardingRules, seq_len: int, c: int, remat:
     mlp_in = cfg.mlp_in
     named = {"qkv": N * H / t + 2 * K * H / kv_t, "attn_out": N * H / t, "attn_proj": D / sp,
              "mlp_in": mlp_in * F / t, "mlp_hidden": F / t}
-    # A flash kernel keeps each row's float32 softmax statistic instead of the probabilities.
-    scores = N * F32 / c / t if flash else N * L / t
+    # A flash kernel keeps each row's float32 softmax statistic instead of the probabilities,
+    # and so does a ring (its backward pass recomputes them from it, ``attention._ring_attention``).
+    scores = N * F32 / c / t if flash or attention_lib.ring_size(rules) > 1 else N * L / t
     match remat.kind:
         case Kind.FULL | Kind.OFFLOAD:  # offload: the named ones are in host memory
             per_token_layer = D / sp
@@ -549,9 +550,11 @@ def flops(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
     last = (cfg.n_layers - n_moe) * D * F
     if n_moe:
         last += n_moe * (expert_slots(cfg, L) + cfg.moe_shared_experts) * D * (cfg.moe_d_mlp or F)
+    # A ring's backward pass computes its scores (q k^T) again from the saved log-sum-exp; where
+    # the policy recomputes the attention's forward pass, XLA shares those scores with it.
     match remat.kind:
         case Kind.NONE | Kind.DOTS:
-            recompute = 0
+            recompute = cfg.n_layers * attention // 2 if ring > 1 else 0
         case Kind.SELECTIVE | Kind.DOTS_NO_BATCH:
             recompute = cfg.n_layers * attention
         case _:

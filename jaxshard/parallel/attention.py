@@ -24,10 +24,11 @@ earlier blocks were all masked add ``exp(0)`` junk that the first finite score s
 ``exp(_NEG - m) = 0``.
 
 Memory per device: the forward holds one query chunk, two kv chunks (the one in use and the
-one arriving) and the running statistics, O(C) instead of O(L) for gathered keys/values.
-Autodiff saves each step's kv chunk and probabilities for the backward pass, so the residuals
-are those of dense attention divided by S: ``[B, heads, C, L]`` probabilities and ``[B, L,
-kv_heads, H]`` keys/values per device. The partitioner alone would all-gather keys and values.
+one arriving) and the running statistics, O(C) instead of O(L) for gathered keys/values; the
+backward pass (:func:`_ring_attention`, Ring Attention's rather than autodiff's, which would
+keep every step's kv chunk, running output and probabilities) reads the device's own chunks,
+the output and each row's log-sum-exp, O(C) too, and passes the kv chunks round again with
+their gradients. The partitioner alone would all-gather keys and values.
 """
 
 from __future__ import annotations
@@ -40,12 +41,14 @@ from collections.abc import Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxshard.axes import Dim
 from jaxshard.errors import ConfigError
 from jaxshard.rules import active, spec_axes
 
 _NEG = float(jnp.finfo(jnp.float32).min)
+RING = "ring_attention"  # a ring's output and rows' log-sum-exp: what its backward pass reads
 
 # The dense path's kernel: "auto" (on GPUs cuDNN's flash kernel where it takes the inputs, the
 # blockwise kernel where it does not; the materialised softmax elsewhere) or "blockwise" (flash attention's algorithm in plain JAX, any backend). Set by
@@ -243,13 +246,12 @@ def causal_attention(q_BLKGH: jax.Array, k_BLKH: jax.Array, v_BLKH: jax.Array, s
     manual = spec_axes(spec)
     if rules.strategy.context_parallel == "ulysses":
         return _ulysses_region(rules, q_BLKGH, k_BLKH, v_BLKH, axes, kernel, segments_BL)
-    ring = _balanced_ring if balanced else _ring
+    ring = functools.partial(_ring_attention, axes=tuple(axes), manual=tuple(manual), balanced=balanced)
     if segments_BL is None:
-        return jax.shard_map(lambda q, k, v: ring(q, k, v, axes, tuple(manual)), mesh=rules.context_mesh,
+        return jax.shard_map(lambda q, k, v: ring(q, k, v, None), mesh=rules.context_mesh,
                              in_specs=(spec, spec, spec), out_specs=spec,
                              axis_names=manual)(q_BLKGH, k_BLKH, v_BLKH)
-    return jax.shard_map(lambda q, k, v, s: ring(q, k, v, axes, tuple(manual), s), mesh=rules.context_mesh,
-                         in_specs=(spec, spec, spec, spec), out_specs=spec,
+    return jax.shard_map(ring, mesh=rules.context_mesh, in_specs=(spec, spec, spec, spec), out_specs=spec,
                          axis_names=manual)(q_BLKGH, k_BLKH, v_BLKH, segments_BL)
 
 
@@ -532,8 +534,7 @@ def _ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual, seg_BC=None):
         pv = jnp.einsum("bkgcm,bmkh->bkgch", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         o_BKGCH = o_BKGCH * scale[..., None] + pv
         m_BKGC = m_new
-    o_BKGCH = o_BKGCH / l_BKGC[..., None]
-    return o_BKGCH.transpose(0, 3, 1, 2, 4).astype(q_BCKGH.dtype)
+    return o_BKGCH / l_BKGC[..., None], m_BKGC + jnp.log(l_BKGC)
 
 
 def _fold(state, q_BQKGH, k_BMKH, v_BMKH, causal: bool, depth: int = 0, q_seg=None, k_seg=None):
@@ -612,7 +613,125 @@ def _balanced_ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual, seg_BC=None):
         lo = jax.tree.map(pick, state, lo)
         hi = jax.tree.map(pick, hi, state)
     out = [o / l[..., None] for _, l, o in (lo, hi)]
-    return jnp.concatenate(out, axis=3).transpose(0, 3, 1, 2, 4).astype(q_BCKGH.dtype)
+    return jnp.concatenate(out, axis=3), jnp.concatenate([m + jnp.log(l) for m, l, _ in (lo, hi)], axis=3)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _ring_attention(q_BCKGH, k_BCKH, v_BCKH, seg_BC, axes, manual, balanced):
+    """A device's ``[B, C, K, G, H]`` output of the ring (:func:`_balanced_ring` or
+    :func:`_ring`), differentiated as Ring Attention's backward pass (Liu et al. 2023) rather
+    than by autodiff: it keeps the device's own query, key and value chunks, the output and
+    each row's log-sum-exp -- O(C) -- where autodiff kept every step's kv chunk, running output
+    and probabilities (the whole sequence's keys and values on every device)."""
+    return _ring_attention_fwd(q_BCKGH, k_BCKH, v_BCKH, seg_BC, axes, manual, balanced)[0]
+
+
+def _ring_attention_fwd(q_BCKGH, k_BCKH, v_BCKH, seg_BC, axes, manual, balanced):
+    # A kernel to the remat policies: none of its own matmuls' outputs is kept (``dots`` would
+    # keep every step's scores and p v), only its output and statistic, by name (:data:`RING`).
+    ring = jax.checkpoint(functools.partial(_balanced_ring if balanced else _ring, axes=axes, manual=manual),
+                          policy=jax.checkpoint_policies.nothing_saveable)
+    o_BKGCH, lse_BKGC = ring(q_BCKGH, k_BCKH, v_BCKH, seg_BC=seg_BC)
+    out = checkpoint_name(o_BKGCH.transpose(0, 3, 1, 2, 4).astype(q_BCKGH.dtype), RING)
+    lse_BKGC = checkpoint_name(lse_BKGC, RING)
+    return out, (q_BCKGH, k_BCKH, v_BCKH, seg_BC, out, lse_BKGC)
+
+
+def _ring_attention_bwd(axes, manual, balanced, res, d_BCKGH):
+    """The ring again: each device's key and value chunks travel with their gradients' running
+    sums, and at each step the device's queries' share of the attention to the chunk it holds
+    is recomputed from the saved log-sum-exp (:func:`_ring_step`) and differentiated; the last
+    hop brings each chunk's gradients home. A step's share of the output, p v with p = exp(s -
+    lse), and of the rows' sums of p, are the two values its vjp pulls back, with the output's
+    cotangent and minus each row's sum of it times the output (the softmax's normaliser)."""
+    q, k, v, seg, out, lse = res
+    S = math.prod(jax.lax.axis_size(a) for a in axes)
+    to_next = [(i, (i + 1) % S) for i in range(S)]
+    d_BKGCH = d_BCKGH.transpose(0, 2, 3, 1, 4).astype(jnp.float32)
+    delta_BKGC = (d_BKGCH * out.transpose(0, 2, 3, 1, 4).astype(jnp.float32)).sum(-1)
+    dq = jnp.zeros(q.shape, jnp.float32)
+    dk, dv = (jax.lax.pcast(jnp.zeros(x.shape, jnp.float32), manual, to="varying") for x in (k, v))
+    held = (k, v, seg)
+    for i in range(S):
+        if i:
+            *held, dk, dv = jax.lax.ppermute((*held, dk, dv), axes, to_next)
+        k_i, v_i, seg_i = held
+        _, pull = jax.vjp(lambda q_, k_, v_: _ring_step(q_, k_, v_, lse, i, axes, balanced, seg, seg_i), q, k_i, v_i)
+        gq, gk, gv = pull((d_BKGCH, -delta_BKGC))
+        dq, dk, dv = dq + gq, dk + gk, dv + gv
+    dk, dv = jax.lax.ppermute((dk, dv), axes, to_next)  # home
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
+
+
+def _ring_step(q_BCKGH, k_BCKH, v_BCKH, lse_BKGC, i, axes, balanced, q_seg=None, k_seg=None):
+    """Step ``i`` of a ring's forward pass with each row's final log-sum-exp known: the
+    device's queries' ``[B, K, G, C, H]`` share of the output and ``[B, K, G, C]`` share of
+    the rows' sums of probabilities, from the kv chunk held at that step, the same pairs and
+    masks as the forward's (nothing where a pair is skipped)."""
+    S = math.prod(jax.lax.axis_size(a) for a in axes)
+    me = jax.lax.axis_index(axes)
+    C = q_BCKGH.shape[1]
+    if not balanced:
+        src = (me - i) % S
+        s = _scores(q_BCKGH, k_BCKH, me * C + jnp.arange(C), src * C + jnp.arange(C), q_seg, k_seg)
+        return _shares(s, v_BCKH, lse_BKGC)
+    h = C // 2
+
+    def halves(x, axis=1):
+        return (None, None) if x is None else (jax.lax.slice_in_dim(x, 0, h, axis=axis),
+                                               jax.lax.slice_in_dim(x, h, C, axis=axis))
+
+    (q_lo, q_hi), (k_lo, k_hi), (v_lo, v_hi) = halves(q_BCKGH), halves(k_BCKH), halves(v_BCKH)
+    (lse_lo, lse_hi), (q_lo_seg, q_hi_seg), (k_lo_seg, k_hi_seg) = halves(lse_BKGC, 3), halves(q_seg), halves(k_seg)
+    add = functools.partial(jax.tree.map, jnp.add)
+    if i == 0:
+        depth = diagonal_depth(h)
+        lo = _fixed_fold(q_lo, k_lo, v_lo, lse_lo, True, depth, q_lo_seg, k_lo_seg)
+        hi = add(_fixed_fold(q_hi, k_lo, v_lo, lse_hi, False, 0, q_hi_seg, k_lo_seg),
+                 _fixed_fold(q_hi, k_hi, v_hi, lse_hi, True, depth, q_hi_seg, k_hi_seg))
+    else:
+        earlier = (me - i) % S < me
+        pick = functools.partial(jnp.where, earlier)
+        segs = () if q_seg is None else (pick(q_lo_seg, q_hi_seg), pick(k_lo_seg, k_hi_seg))
+        picked = _fixed_fold(pick(q_lo, q_hi), pick(k_lo, k_hi), pick(v_lo, v_hi), pick(lse_lo, lse_hi), False, 0,
+                             *segs)
+        hi = _fixed_fold(q_hi, k_lo, v_lo, lse_hi, False, 0, q_hi_seg, k_lo_seg)
+        lo = jax.tree.map(lambda x: jnp.where(earlier, x, 0), picked)
+        hi = add(hi, jax.tree.map(lambda x: jnp.where(earlier, 0, x), picked))
+    return tuple(jnp.concatenate([a, b], axis=3) for a, b in zip(lo, hi))
+
+
+def _fixed_fold(q_BQKGH, k_BMKH, v_BMKH, lse_BKGQ, causal: bool, depth: int = 0, q_seg=None, k_seg=None):
+    """:func:`_fold`'s pairs with each row's log-sum-exp known: the share of the output and of
+    the rows' sums of probabilities (:func:`_shares`); the diagonal halved ``depth`` times, its
+    masked corner skipped."""
+    if causal and depth:
+        n = q_BQKGH.shape[1] // 2
+        qs, ks = ((None, None), (None, None)) if q_seg is None else \
+            ((q_seg[:, :n], q_seg[:, n:]), (k_seg[:, :n], k_seg[:, n:]))
+        first = _fixed_fold(q_BQKGH[:, :n], k_BMKH[:, :n], v_BMKH[:, :n], lse_BKGQ[..., :n], True, depth - 1,
+                            qs[0], ks[0])
+        second = jax.tree.map(jnp.add,
+                              _fixed_fold(q_BQKGH[:, n:], k_BMKH[:, :n], v_BMKH[:, :n], lse_BKGQ[..., n:], False, 0,
+                                          qs[1], ks[0]),
+                              _fixed_fold(q_BQKGH[:, n:], k_BMKH[:, n:], v_BMKH[:, n:], lse_BKGQ[..., n:], True,
+                                          depth - 1, qs[1], ks[1]))
+        return tuple(jnp.concatenate([a, b], axis=3) for a, b in zip(first, second))
+    s = jnp.einsum("blkgh,bmkh->bkglm", q_BQKGH, k_BMKH, preferred_element_type=jnp.float32) / math.sqrt(q_BQKGH.shape[-1])
+    if causal or q_seg is not None:
+        n, m = q_BQKGH.shape[1], k_BMKH.shape[1]
+        q_pos, k_pos = (jnp.arange(n), jnp.arange(m)) if causal else (jnp.zeros(n, jnp.int32), jnp.zeros(m, jnp.int32))
+        s = jnp.where(_allowed(q_pos, k_pos, q_seg, k_seg), s, _NEG)
+    return _shares(s, v_BMKH, lse_BKGQ)
+
+
+def _shares(s_BKGQM, v_BMKH, lse_BKGQ):
+    p = jnp.exp(s_BKGQM - lse_BKGQ[..., None])
+    pv = jnp.einsum("bkglm,bmkh->bkglh", p.astype(v_BMKH.dtype), v_BMKH, preferred_element_type=jnp.float32)
+    return pv, p.sum(-1)
 
 
 def _ulysses_region(rules, q_BLKGH, k_BLKH, v_BLKH, axes, kernel, segments_BL=None):
