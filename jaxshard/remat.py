@@ -36,7 +36,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxshard.errors import ConfigError
 from jaxshard.fp8 import SCALE
-from jaxshard.parallel.attention import RING
+from jaxshard.parallel.attention import RING, ring_size
 from jaxshard.parallel.experts import EXCHANGED
 from jaxshard.parallel.grouped import GROUPED
 from jaxshard.rules import GATHERED, active
@@ -145,8 +145,12 @@ def from_inputs(fn: Callable) -> Callable:
 def attention_core(fn: Callable) -> Callable:
     """``fn`` (the attention core: scores, softmax, probabilities times values) recomputed from
     its inputs q, k, v in the backward pass under ``selective``, as Megatron's selective
-    recompute does."""
-    return from_inputs(fn) if _CURRENT.get().kind is Kind.SELECTIVE else fn
+    recompute does -- but for a ring (context parallelism), which keeps no probabilities to
+    free: its backward pass reads its output and each row's statistic, and makes the scores
+    again itself (``attention._ring_attention``)."""
+    if _CURRENT.get().kind is not Kind.SELECTIVE or ring_size() > 1:
+        return fn
+    return from_inputs(fn)
 
 
 def keeps_activations() -> bool:

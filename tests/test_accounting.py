@@ -1,5 +1,6 @@
 """The accounting's predictions against what XLA compiles, and the verifier."""
 
+import contextlib
 import math
 
 import jax
@@ -122,6 +123,8 @@ WASTE = {
     "tp+sp": ("llama-tiny", "data=2,tensor=4", "none", dict(sequence_parallel=True), 64),
     # Attention-heavy (width 64 at sequence 512): the balanced ring's share of the square.
     "cp": ("llama-tiny:narrow", "data=2,sequence=4", "none", {}, 512),
+    # (selective leaves a ring's core alone: its backward pass makes the scores again itself)
+    "cp+selective": ("llama-tiny:narrow", "data=2,sequence=4", "selective", {}, 512),
     "cp-ulysses": ("llama-tiny:narrow", "data=2,sequence=4", "selective", dict(context_parallel="ulysses"), 512),
     "gqa+tp": ("tiny-llama", "tensor=8", "none", {}, 64),  # 2 kv heads on 8: projected on every device
     "moe": ("moe-tiny", "data=8", "none", {}, 64),
@@ -241,24 +244,31 @@ def test_a_ring_saves_a_devices_share_of_what_one_device_saves(model_name, seq, 
     """Ring attention on ``sequence=4`` saves per device no more for the backward pass than
     one device's residuals over 4 (autodiff of the ring had kept every step's kv chunk, running
     output and probabilities: 1.2-1.8x that), and the accounting's estimate is within 11%.
+    Under ``selective`` the ring keeps what it keeps without remat (its core is not made
+    again: it has no probabilities to free), so against one device's without remat.
     Traced residuals (``print_saved_residuals``) are global: a device's are the non-param ones
     over 4, the params (whole on every device) once."""
-    model = TransformerLM(get_preset(model_name), remat=remat)
-    params = sum(math.prod(p.shape) * p.dtype.itemsize for p in jax.tree.leaves(model.abstract_params()))
+    params = sum(math.prod(p.shape) * p.dtype.itemsize
+                 for p in jax.tree.leaves(TransformerLM(get_preset(model_name)).abstract_params()))
     x = jax.ShapeDtypeStruct((2, seq), jnp.int32)
     rules = ShardingRules(build_mesh("sequence=4", jax.devices()[:4]))
 
-    def loss(p, x):
-        return model.loss(p, x, x)[0]
+    def saved(policy, ring):
+        model = TransformerLM(get_preset(model_name), remat=policy)
 
-    def ring_loss(p, x):
-        with use_rules(rules):
-            return loss(p, x)
+        def loss(p, x):
+            with use_rules(rules) if ring else contextlib.nullcontext():
+                return model.loss(p, x, x)[0]
 
-    one = inspect.jaxpr_saved_bytes(loss, model.abstract_params(), x) - params
-    ring = (inspect.jaxpr_saved_bytes(ring_loss, model.abstract_params(), x) - params) / 4
+        return inspect.jaxpr_saved_bytes(loss, model.abstract_params(), x) - params
+
+    ring = saved(remat, True) / 4
+    one = saved("none" if remat == "selective" else remat, False)
     assert ring <= one / 4 * 1.001 + 256, (ring, one / 4)  # (+ a row statistic where one device keeps none)
-    estimate = accounting.memory(model, rules, 2, seq, remat=remat).saved_for_backward
+    if remat == "selective":
+        assert ring <= saved("none", True) / 4
+    estimate = accounting.memory(TransformerLM(get_preset(model_name), remat=remat), rules, 2, seq,
+                                 remat=remat).saved_for_backward
     assert abs(ring + params - estimate) <= 0.11 * (ring + params), (ring + params, estimate)
 
 

@@ -132,9 +132,10 @@ def test_sequence_parallel_turns_block_all_reduces_into_reduce_scatter_all_gathe
 
 @pytest.mark.parametrize("model_name", ["tiny", "tiny-llama"])
 def test_balanced_ring_under_selective_recompute_matches_one_device(model_name):
-    """--remat selective recomputes the ring in a backward pass traced after the model's
-    forward has returned: it must run the balanced ring the forward ran (the contiguous one,
-    read from the context then, gave wrong gradients)."""
+    """A ring's backward pass is traced after the model's forward has returned: it must run
+    the balanced ring the forward ran (the contiguous one, read from the context then, gave
+    wrong gradients when --remat selective recomputed the ring). Under selective too, which
+    leaves a ring's core alone."""
     assert_matches_reference(model_name, "sequence=4", remat="selective")
 
 

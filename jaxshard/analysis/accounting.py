@@ -251,8 +251,9 @@ def _layer_elements(cfg: Any, rules: ShardingRules, seq_len: int, c: int, remat:
             per_token_layer = 2 * D / sp + projections + scores + mlp_in * F / t
         case Kind.DOTS_NO_BATCH:  # no batched matmuls: not the scores nor p v
             per_token_layer = 2 * D / sp + projections - N * H / t + mlp_in * F / t
-        case Kind.SELECTIVE:  # no attention probabilities: they are recomputed
-            per_token_layer = 4 * D / sp + projections + (mlp_in + 1) * F / t
+        case Kind.SELECTIVE:  # no attention probabilities: they are recomputed (a ring's statistic kept)
+            ring = attention_lib.ring_size(rules) > 1
+            per_token_layer = 4 * D / sp + projections + (mlp_in + 1) * F / t + (scores if ring else 0)
         case _:
             per_token_layer = 4 * D / sp + projections + scores + (mlp_in + 1) * F / t
     moe = 0.0
@@ -555,6 +556,8 @@ def flops(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
     match remat.kind:
         case Kind.NONE | Kind.DOTS:
             recompute = cfg.n_layers * attention // 2 if ring > 1 else 0
+        case Kind.SELECTIVE if ring > 1:  # (selective leaves a ring's core alone: remat.attention_core)
+            recompute = cfg.n_layers * attention // 2
         case Kind.SELECTIVE | Kind.DOTS_NO_BATCH:
             recompute = cfg.n_layers * attention
         case _:
