@@ -6,9 +6,12 @@ keeping or re-gathering a layer's weights for the backward pass (``--reshard-aft
 * ``none``: keep every activation the backward pass needs;
 * ``full``: keep only each layer's input (and its float8 scales), recompute the layer in the
   backward pass;
-* ``dots`` / ``dots_no_batch``: keep matmul outputs (those without batch dims), recompute the rest;
+* ``dots`` / ``dots_no_batch``: keep matmul outputs (those without batch dims), recompute the
+  rest (``dots`` keeps a context-parallel ring's output and statistic, ``attention.RING``, in
+  place of its steps' matmuls);
 * ``selective``: Megatron's selective recompute -- keep everything but the attention core
-  (scores, softmax, probabilities times values), which is recomputed from the saved q, k, v;
+  (scores, softmax, probabilities times values), which is recomputed from the saved q, k, v
+  (not a ring's, which keeps no probabilities);
 * ``names:qkv,attn_proj``: keep only the activations the model tags with these names
   (:data:`NAMES`), recompute the rest;
 * ``offload:qkv,attn_proj``: like ``names``, but the named activations go to host memory

@@ -125,6 +125,9 @@ WASTE = {
     "cp": ("llama-tiny:narrow", "data=2,sequence=4", "none", {}, 512),
     # (selective leaves a ring's core alone: its backward pass makes the scores again itself)
     "cp+selective": ("llama-tiny:narrow", "data=2,sequence=4", "selective", {}, 512),
+    # (the recomputed ring's scores shared with its backward pass's: x1.03 unexplained, the
+    # balanced ring's chosen pair of each later step not shared)
+    "cp+full": ("llama-tiny:narrow", "data=2,sequence=4", "full", {}, 512),
     "cp-ulysses": ("llama-tiny:narrow", "data=2,sequence=4", "selective", dict(context_parallel="ulysses"), 512),
     "gqa+tp": ("tiny-llama", "tensor=8", "none", {}, 64),  # 2 kv heads on 8: projected on every device
     "moe": ("moe-tiny", "data=8", "none", {}, 64),

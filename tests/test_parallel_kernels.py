@@ -81,6 +81,38 @@ def test_ring_attention(mesh, kv_heads, groups):
     _context_parallel_attention(mesh, kv_heads, groups, "ring")
 
 
+@pytest.mark.parametrize("balanced", [False, True])
+@pytest.mark.parametrize("mesh, kv_heads, groups", [("data=2,sequence=4", 2, 2), ("sequence=2", 4, 1)])
+def test_ring_attention_gradients_in_bfloat16_and_either_layout(mesh, kv_heads, groups, balanced):
+    """The ring's own backward pass in both layouts (balanced: the tokens in
+    ``balanced_order``, each device's two halves): values and gradients against dense
+    attention in float32, and from bfloat16 inputs within bfloat16's rounding (its matmuls
+    take bfloat16 and sum in float32, as FlashAttention-2's)."""
+    B, L, H = 2, 32, 8
+    S = int(mesh.split("sequence=")[1])
+    order = attention.balanced_order(L, S) if balanced else np.arange(L)
+    q = jnp.asarray(RNG.normal(size=(B, L, kv_heads, groups, H)), jnp.float32) * 2
+    k, v = (jnp.asarray(RNG.normal(size=(B, L, kv_heads, H)), jnp.float32) for _ in range(2))
+    cot = jnp.asarray(RNG.normal(size=q.shape), jnp.float32)
+
+    def ring(q, k, v):  # in the sequence's order, through the layout's
+        q = constrain(q[:, order], (Dim.BATCH, Dim.LENGTH, Dim.ACT_KV_HEADS, None, None))
+        return causal_attention(q, k[:, order], v[:, order], balanced=balanced)[:, np.argsort(order)]
+
+    def loss(f, *a):
+        return (f(*a).astype(jnp.float32) * cot).sum()
+
+    np.testing.assert_allclose(under(mesh, ring, q, k, v), causal_attention(q, k, v), rtol=1e-5, atol=1e-6)
+    want = jax.grad(lambda *a: loss(causal_attention, *a), argnums=(0, 1, 2))(q, k, v)
+    got = under(mesh, jax.grad(lambda *a: loss(ring, *a), argnums=(0, 1, 2)), q, k, v)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+    low = under(mesh, jax.grad(lambda *a: loss(ring, *a), argnums=(0, 1, 2)), *(x.astype(jnp.bfloat16) for x in (q, k, v)))
+    for g, w in zip(low, want):
+        assert g.dtype == jnp.bfloat16
+        assert float(jnp.linalg.norm(g.astype(jnp.float32) - w) / jnp.linalg.norm(w)) < 2e-2
+
+
 @pytest.mark.parametrize("mesh, kv_heads, groups", [
     ("data=2,sequence=4", 4, 1),  # S divides the kv heads
     ("data=2,sequence=4", 2, 2),  # 2 kv heads on 4 devices: each repeated twice

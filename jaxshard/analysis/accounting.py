@@ -251,9 +251,8 @@ def _layer_elements(cfg: Any, rules: ShardingRules, seq_len: int, c: int, remat:
             per_token_layer = 2 * D / sp + projections + scores + mlp_in * F / t
         case Kind.DOTS_NO_BATCH:  # no batched matmuls: not the scores nor p v
             per_token_layer = 2 * D / sp + projections - N * H / t + mlp_in * F / t
-        case Kind.SELECTIVE:  # no attention probabilities: they are recomputed (a ring's statistic kept)
-            ring = attention_lib.ring_size(rules) > 1
-            per_token_layer = 4 * D / sp + projections + (mlp_in + 1) * F / t + (scores if ring else 0)
+        case Kind.SELECTIVE if attention_lib.ring_size(rules) == 1:  # no probabilities: recomputed
+            per_token_layer = 4 * D / sp + projections + (mlp_in + 1) * F / t
         case _:
             per_token_layer = 4 * D / sp + projections + scores + (mlp_in + 1) * F / t
     moe = 0.0
@@ -430,7 +429,7 @@ class Flops:
     model: float  # 6 N_matmul + causal attention, whole step, all devices
     hardware: float  # what runs: attention as computed (the full square but for a balanced ring's share) and remat recompute, all devices
     formula: str
-    recompute: float = 0.0  # of ``hardware``: the matmuls the remat policy runs again
+    recompute: float = 0.0  # of ``hardware``: the matmuls run again (the remat policy's, a ring's scores)
     devices: int = 1  # the devices the work splits over (a pipeline's stages included)
 
     def waste(self, compiled: float) -> dict[str, float]:
@@ -551,12 +550,15 @@ def flops(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
     last = (cfg.n_layers - n_moe) * D * F
     if n_moe:
         last += n_moe * (expert_slots(cfg, L) + cfg.moe_shared_experts) * D * (cfg.moe_d_mlp or F)
-    # A ring's backward pass computes its scores (q k^T) again from the saved log-sum-exp; where
-    # the policy recomputes the attention's forward pass, XLA shares those scores with it.
+    # A ring's backward pass computes its scores (q k^T) again from the saved log-sum-exp:
+    # counted under none and dots, and under selective, which leaves a ring's core alone
+    # (remat.attention_core). Where the policy recomputes the attention's forward pass, XLA
+    # shares those scores with it (but for the balanced ring's chosen pair of each later step:
+    # 3/32 of its forward attention on 4 devices, left unexplained).
     match remat.kind:
         case Kind.NONE | Kind.DOTS:
             recompute = cfg.n_layers * attention // 2 if ring > 1 else 0
-        case Kind.SELECTIVE if ring > 1:  # (selective leaves a ring's core alone: remat.attention_core)
+        case Kind.SELECTIVE if ring > 1:
             recompute = cfg.n_layers * attention // 2
         case Kind.SELECTIVE | Kind.DOTS_NO_BATCH:
             recompute = cfg.n_layers * attention

@@ -48,7 +48,7 @@ from jaxshard.errors import ConfigError
 from jaxshard.rules import active, spec_axes
 
 _NEG = float(jnp.finfo(jnp.float32).min)
-RING = "ring_attention"  # a ring's output and rows' log-sum-exp: what its backward pass reads
+RING = "ring_attention"  # a ring's output and rows' log-sum-exp, which its backward pass reads
 
 # The dense path's kernel: "auto" (on GPUs cuDNN's flash kernel where it takes the inputs, the
 # blockwise kernel where it does not; the materialised softmax elsewhere) or "blockwise" (flash attention's algorithm in plain JAX, any backend). Set by
@@ -627,111 +627,122 @@ def _ring_attention(q_BCKGH, k_BCKH, v_BCKH, seg_BC, axes, manual, balanced):
 
 
 def _ring_attention_fwd(q_BCKGH, k_BCKH, v_BCKH, seg_BC, axes, manual, balanced):
-    # A kernel to the remat policies: none of its own matmuls' outputs is kept (``dots`` would
-    # keep every step's scores and p v), only its output and statistic, by name (:data:`RING`).
-    ring = jax.checkpoint(functools.partial(_balanced_ring if balanced else _ring, axes=axes, manual=manual),
-                          policy=jax.checkpoint_policies.nothing_saveable)
-    o_BKGCH, lse_BKGC = ring(q_BCKGH, k_BCKH, v_BCKH, seg_BC=seg_BC)
-    out = checkpoint_name(o_BKGCH.transpose(0, 3, 1, 2, 4).astype(q_BCKGH.dtype), RING)
+    # The output and statistic carry the name :data:`RING`, which ``--remat dots`` keeps: with
+    # them kept, nothing the backward pass reads needs the steps' matmuls, so the policy keeps
+    # none of those (it would otherwise keep every step's scores and p v).
+    ring = _balanced_ring if balanced else _ring
+    o_BKGCH, lse_BKGC = ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual, seg_BC)
+    out_BCKGH = checkpoint_name(o_BKGCH.transpose(0, 3, 1, 2, 4).astype(q_BCKGH.dtype), RING)
     lse_BKGC = checkpoint_name(lse_BKGC, RING)
-    return out, (q_BCKGH, k_BCKH, v_BCKH, seg_BC, out, lse_BKGC)
+    return out_BCKGH, (q_BCKGH, k_BCKH, v_BCKH, seg_BC, out_BCKGH, lse_BKGC)
 
 
 def _ring_attention_bwd(axes, manual, balanced, res, d_BCKGH):
-    """The ring again: each device's key and value chunks travel with their gradients' running
-    sums, and at each step the device's queries' share of the attention to the chunk it holds
-    is recomputed from the saved log-sum-exp (:func:`_ring_step`) and differentiated; the last
-    hop brings each chunk's gradients home. A step's share of the output, p v with p = exp(s -
-    lse), and of the rows' sums of p, are the two values its vjp pulls back, with the output's
-    cotangent and minus each row's sum of it times the output (the softmax's normaliser)."""
-    q, k, v, seg, out, lse = res
+    """The ring again: each device's key and value chunks travel with their gradients' float32
+    running sums, and at each step the device's queries' share of the attention to the chunk
+    it holds is differentiated (:func:`_ring_step_grads`, the forward's pairs and masks, the
+    probabilities made again from the saved log-sum-exp); the last hop brings each chunk's
+    gradients home."""
+    q_BCKGH, k_BCKH, v_BCKH, seg_BC, out_BCKGH, lse_BKGC = res
     S = math.prod(jax.lax.axis_size(a) for a in axes)
     to_next = [(i, (i + 1) % S) for i in range(S)]
     d_BKGCH = d_BCKGH.transpose(0, 2, 3, 1, 4).astype(jnp.float32)
-    delta_BKGC = (d_BKGCH * out.transpose(0, 2, 3, 1, 4).astype(jnp.float32)).sum(-1)
-    dq = jnp.zeros(q.shape, jnp.float32)
-    dk, dv = (jax.lax.pcast(jnp.zeros(x.shape, jnp.float32), manual, to="varying") for x in (k, v))
-    held = (k, v, seg)
+    # (FlashAttention-2's D: each row's sum of the output times its cotangent)
+    delta_BKGC = (d_BKGCH * out_BCKGH.transpose(0, 2, 3, 1, 4).astype(jnp.float32)).sum(-1)
+    dq_BCKGH = jnp.zeros(q_BCKGH.shape, jnp.float32)
+    dk_BCKH, dv_BCKH = (jax.lax.pcast(jnp.zeros(x.shape, jnp.float32), manual, to="varying") for x in (k_BCKH, v_BCKH))
+    held = (k_BCKH, v_BCKH, seg_BC)
     for i in range(S):
         if i:
-            *held, dk, dv = jax.lax.ppermute((*held, dk, dv), axes, to_next)
-        k_i, v_i, seg_i = held
-        _, pull = jax.vjp(lambda q_, k_, v_: _ring_step(q_, k_, v_, lse, i, axes, balanced, seg, seg_i), q, k_i, v_i)
-        gq, gk, gv = pull((d_BKGCH, -delta_BKGC))
-        dq, dk, dv = dq + gq, dk + gk, dv + gv
-    dk, dv = jax.lax.ppermute((dk, dv), axes, to_next)  # home
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+            *held, dk_BCKH, dv_BCKH = jax.lax.ppermute((*held, dk_BCKH, dv_BCKH), axes, to_next)
+        grads = _ring_step_grads(q_BCKGH, *held[:2], lse_BKGC, d_BKGCH, delta_BKGC, i, axes, balanced, seg_BC,
+                                 held[2])
+        dq_BCKGH, dk_BCKH, dv_BCKH = (a + b for a, b in zip((dq_BCKGH, dk_BCKH, dv_BCKH), grads))
+    dk_BCKH, dv_BCKH = jax.lax.ppermute((dk_BCKH, dv_BCKH), axes, to_next)  # home
+    return dq_BCKGH.astype(q_BCKGH.dtype), dk_BCKH.astype(k_BCKH.dtype), dv_BCKH.astype(v_BCKH.dtype), None
 
 
 _ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
 
 
-def _ring_step(q_BCKGH, k_BCKH, v_BCKH, lse_BKGC, i, axes, balanced, q_seg=None, k_seg=None):
-    """Step ``i`` of a ring's forward pass with each row's final log-sum-exp known: the
-    device's queries' ``[B, K, G, C, H]`` share of the output and ``[B, K, G, C]`` share of
-    the rows' sums of probabilities, from the kv chunk held at that step, the same pairs and
-    masks as the forward's (nothing where a pair is skipped)."""
+def _ring_step_grads(q_BCKGH, k_BCKH, v_BCKH, lse_BKGC, d_BKGCH, delta_BKGC, i, axes, balanced, q_seg=None,
+                     k_seg=None):
+    """The float32 gradients ``(dq, dk, dv)`` of step ``i`` of a ring's forward pass (the
+    device's queries against the kv chunk held at that step): the same pairs and masks as
+    the forward's, nothing where a pair is skipped."""
     S = math.prod(jax.lax.axis_size(a) for a in axes)
     me = jax.lax.axis_index(axes)
     C = q_BCKGH.shape[1]
     if not balanced:
         src = (me - i) % S
-        s = _scores(q_BCKGH, k_BCKH, me * C + jnp.arange(C), src * C + jnp.arange(C), q_seg, k_seg)
-        return _shares(s, v_BCKH, lse_BKGC)
+        s_BKGCM = _scores(q_BCKGH, k_BCKH, me * C + jnp.arange(C), src * C + jnp.arange(C), q_seg, k_seg)
+        return _pair_grads_of(s_BKGCM, q_BCKGH, k_BCKH, v_BCKH, lse_BKGC, d_BKGCH, delta_BKGC)
     h = C // 2
 
-    def halves(x, axis=1):
-        return (None, None) if x is None else (jax.lax.slice_in_dim(x, 0, h, axis=axis),
-                                               jax.lax.slice_in_dim(x, h, C, axis=axis))
+    def halves(x):  # (sliced as the forward slices them)
+        return (None, None) if x is None else (x[:, :h], x[:, h:])
+
+    def rows(x):  # [B, K, G, C, ...]: the query halves
+        return (x[:, :, :, :h], x[:, :, :, h:])
 
     (q_lo, q_hi), (k_lo, k_hi), (v_lo, v_hi) = halves(q_BCKGH), halves(k_BCKH), halves(v_BCKH)
-    (lse_lo, lse_hi), (q_lo_seg, q_hi_seg), (k_lo_seg, k_hi_seg) = halves(lse_BKGC, 3), halves(q_seg), halves(k_seg)
-    add = functools.partial(jax.tree.map, jnp.add)
+    (q_lo_seg, q_hi_seg), (k_lo_seg, k_hi_seg) = halves(q_seg), halves(k_seg)
+    (lse_lo, lse_hi), (d_lo, d_hi), (delta_lo, delta_hi) = rows(lse_BKGC), rows(d_BKGCH), rows(delta_BKGC)
     if i == 0:
         depth = diagonal_depth(h)
-        lo = _fixed_fold(q_lo, k_lo, v_lo, lse_lo, True, depth, q_lo_seg, k_lo_seg)
-        hi = add(_fixed_fold(q_hi, k_lo, v_lo, lse_hi, False, 0, q_hi_seg, k_lo_seg),
-                 _fixed_fold(q_hi, k_hi, v_hi, lse_hi, True, depth, q_hi_seg, k_hi_seg))
+        dq_lo, dk_lo, dv_lo = _pair_grads(q_lo, k_lo, v_lo, lse_lo, d_lo, delta_lo, True, depth, q_lo_seg, k_lo_seg)
+        dq_hi, dk_lo2, dv_lo2 = _pair_grads(q_hi, k_lo, v_lo, lse_hi, d_hi, delta_hi, False, 0, q_hi_seg, k_lo_seg)
+        dq_hi2, dk_hi, dv_hi = _pair_grads(q_hi, k_hi, v_hi, lse_hi, d_hi, delta_hi, True, depth, q_hi_seg, k_hi_seg)
+        dq_hi, dk_lo, dv_lo = dq_hi + dq_hi2, dk_lo + dk_lo2, dv_lo + dv_lo2
     else:
         earlier = (me - i) % S < me
         pick = functools.partial(jnp.where, earlier)
         segs = () if q_seg is None else (pick(q_lo_seg, q_hi_seg), pick(k_lo_seg, k_hi_seg))
-        picked = _fixed_fold(pick(q_lo, q_hi), pick(k_lo, k_hi), pick(v_lo, v_hi), pick(lse_lo, lse_hi), False, 0,
-                             *segs)
-        hi = _fixed_fold(q_hi, k_lo, v_lo, lse_hi, False, 0, q_hi_seg, k_lo_seg)
-        lo = jax.tree.map(lambda x: jnp.where(earlier, x, 0), picked)
-        hi = add(hi, jax.tree.map(lambda x: jnp.where(earlier, 0, x), picked))
-    return tuple(jnp.concatenate([a, b], axis=3) for a, b in zip(lo, hi))
+        picked = _pair_grads(pick(q_lo, q_hi), pick(k_lo, k_hi), pick(v_lo, v_hi), pick(lse_lo, lse_hi),
+                             pick(d_lo, d_hi), pick(delta_lo, delta_hi), False, 0, *segs)
+        dq_hi, dk_lo, dv_lo = _pair_grads(q_hi, k_lo, v_lo, lse_hi, d_hi, delta_hi, False, 0, q_hi_seg, k_lo_seg)
+        (dq_lo, dk_lo2, dv_lo2), (dq_hi2, dk_hi, dv_hi) = ([jnp.where(earlier, x, 0) for x in picked],
+                                                           [jnp.where(earlier, 0, x) for x in picked])
+        dq_hi, dk_lo, dv_lo = dq_hi + dq_hi2, dk_lo + dk_lo2, dv_lo + dv_lo2
+    return tuple(jnp.concatenate(pair, axis=1) for pair in ((dq_lo, dq_hi), (dk_lo, dk_hi), (dv_lo, dv_hi)))
 
 
-def _fixed_fold(q_BQKGH, k_BMKH, v_BMKH, lse_BKGQ, causal: bool, depth: int = 0, q_seg=None, k_seg=None):
-    """:func:`_fold`'s pairs with each row's log-sum-exp known: the share of the output and of
-    the rows' sums of probabilities (:func:`_shares`); the diagonal halved ``depth`` times, its
-    masked corner skipped."""
+def _pair_grads(q_BQKGH, k_BMKH, v_BMKH, lse_BKGQ, d_BKGQH, delta_BKGQ, causal: bool, depth: int = 0,
+                q_seg=None, k_seg=None):
+    """:func:`_fold`'s pair, differentiated: float32 ``(dq, dk, dv)``; the diagonal halved
+    ``depth`` times, its masked corner skipped, as the forward skipped it."""
     if causal and depth:
         n = q_BQKGH.shape[1] // 2
-        qs, ks = ((None, None), (None, None)) if q_seg is None else \
-            ((q_seg[:, :n], q_seg[:, n:]), (k_seg[:, :n], k_seg[:, n:]))
-        first = _fixed_fold(q_BQKGH[:, :n], k_BMKH[:, :n], v_BMKH[:, :n], lse_BKGQ[..., :n], True, depth - 1,
-                            qs[0], ks[0])
-        second = jax.tree.map(jnp.add,
-                              _fixed_fold(q_BQKGH[:, n:], k_BMKH[:, :n], v_BMKH[:, :n], lse_BKGQ[..., n:], False, 0,
-                                          qs[1], ks[0]),
-                              _fixed_fold(q_BQKGH[:, n:], k_BMKH[:, n:], v_BMKH[:, n:], lse_BKGQ[..., n:], True,
-                                          depth - 1, qs[1], ks[1]))
-        return tuple(jnp.concatenate([a, b], axis=3) for a, b in zip(first, second))
-    s = jnp.einsum("blkgh,bmkh->bkglm", q_BQKGH, k_BMKH, preferred_element_type=jnp.float32) / math.sqrt(q_BQKGH.shape[-1])
+        qs, ks = ((None, None), (None, None)) if q_seg is None else (
+            (q_seg[:, :n], q_seg[:, n:]), (k_seg[:, :n], k_seg[:, n:]))
+        first = _pair_grads(q_BQKGH[:, :n], k_BMKH[:, :n], v_BMKH[:, :n], lse_BKGQ[..., :n], d_BKGQH[..., :n, :],
+                            delta_BKGQ[..., :n], True, depth - 1, qs[0], ks[0])
+        across = _pair_grads(q_BQKGH[:, n:], k_BMKH[:, :n], v_BMKH[:, :n], lse_BKGQ[..., n:], d_BKGQH[..., n:, :],
+                             delta_BKGQ[..., n:], False, 0, qs[1], ks[0])
+        second = _pair_grads(q_BQKGH[:, n:], k_BMKH[:, n:], v_BMKH[:, n:], lse_BKGQ[..., n:], d_BKGQH[..., n:, :],
+                             delta_BKGQ[..., n:], True, depth - 1, qs[1], ks[1])
+        return (jnp.concatenate([first[0], across[0] + second[0]], axis=1),
+                *(jnp.concatenate([first[j] + across[j], second[j]], axis=1) for j in (1, 2)))
+    s_BKGQM = jnp.einsum("blkgh,bmkh->bkglm", q_BQKGH, k_BMKH,
+                         preferred_element_type=jnp.float32) / math.sqrt(q_BQKGH.shape[-1])
     if causal or q_seg is not None:
         n, m = q_BQKGH.shape[1], k_BMKH.shape[1]
         q_pos, k_pos = (jnp.arange(n), jnp.arange(m)) if causal else (jnp.zeros(n, jnp.int32), jnp.zeros(m, jnp.int32))
-        s = jnp.where(_allowed(q_pos, k_pos, q_seg, k_seg), s, _NEG)
-    return _shares(s, v_BMKH, lse_BKGQ)
+        s_BKGQM = jnp.where(_allowed(q_pos, k_pos, q_seg, k_seg), s_BKGQM, _NEG)
+    return _pair_grads_of(s_BKGQM, q_BQKGH, k_BMKH, v_BMKH, lse_BKGQ, d_BKGQH, delta_BKGQ)
 
 
-def _shares(s_BKGQM, v_BMKH, lse_BKGQ):
-    p = jnp.exp(s_BKGQM - lse_BKGQ[..., None])
-    pv = jnp.einsum("bkglm,bmkh->bkglh", p.astype(v_BMKH.dtype), v_BMKH, preferred_element_type=jnp.float32)
-    return pv, p.sum(-1)
+def _pair_grads_of(s_BKGQM, q_BQKGH, k_BMKH, v_BMKH, lse_BKGQ, d_BKGQH, delta_BKGQ):
+    """FlashAttention-2's backward for one block of masked scores: p = exp(s - lse), dv = p^T
+    do, dp = do v^T, ds = p (dp - D); the matmuls take the inputs' dtype and sum in float32."""
+    p_BKGQM = jnp.exp(s_BKGQM - lse_BKGQ[..., None])
+    d_in = d_BKGQH.astype(v_BMKH.dtype)
+    dv_BMKH = jnp.einsum("bkglm,bkglh->bmkh", p_BKGQM.astype(v_BMKH.dtype), d_in, preferred_element_type=jnp.float32)
+    dp_BKGQM = jnp.einsum("bkglh,bmkh->bkglm", d_in, v_BMKH, preferred_element_type=jnp.float32)
+    ds_BKGQM = (p_BKGQM * (dp_BKGQM - delta_BKGQ[..., None]) / math.sqrt(q_BQKGH.shape[-1])).astype(q_BQKGH.dtype)
+    dq_BQKGH = jnp.einsum("bkglm,bmkh->blkgh", ds_BKGQM, k_BMKH, preferred_element_type=jnp.float32)
+    dk_BMKH = jnp.einsum("bkglm,blkgh->bmkh", ds_BKGQM, q_BQKGH, preferred_element_type=jnp.float32)
+    return dq_BQKGH, dk_BMKH, dv_BMKH
 
 
 def _ulysses_region(rules, q_BLKGH, k_BLKH, v_BLKH, axes, kernel, segments_BL=None):

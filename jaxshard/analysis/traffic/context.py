@@ -4,7 +4,7 @@ al. 2023, DeepSpeed-Ulysses).
 
 With the sequence split into S chunks, each attention passes its key and value chunks S - 1
 hops around the ring; the backward pass passes them around again with their gradients' running
-sums (four chunks a hop), and one hop more brings the gradients home. A remat policy that
+sums (four chunks a hop; the sums in float32), and one hop more brings the gradients home. A remat policy that
 recomputes the attention sends nothing more: XLA merges the recomputed forward pass's hops
 with the backward pass's, which pass the same chunks. Where ``tensor`` splits the kv heads,
 each device passes only its heads. In the balanced layout
@@ -22,6 +22,7 @@ projection's backward pass reads it.
 
 from __future__ import annotations
 
+from jaxshard.analysis.shards import F32
 from jaxshard.analysis.traffic.ledger import Ledger
 from jaxshard.axes import Dim
 from jaxshard.parallel import attention
@@ -37,11 +38,13 @@ def ring(ledger: Ledger) -> None:
     if rules.strategy.context_parallel == "ulysses":
         _ulysses(ledger, seq, S)
         return
-    kv_local = ledger.rows * ledger.length * cfg.n_kv_heads * cfg.d_head * ledger.c
     kv_t = rules.size(tensor) if tensor and cfg.n_kv_heads % rules.size(tensor) == 0 else 1
-    ledger.add("collective-permute", seq, kv_local // kv_t,
-               ledger.grad_accum * cfg.n_layers * (2 * (S - 1) + 4 * (S - 1) + 2),
-               "CP: pass key and value chunks around the ring (forward), and again with their gradients (backward)")
+    kv_local = ledger.rows * ledger.length * cfg.n_kv_heads * cfg.d_head // kv_t  # elements
+    layers = ledger.grad_accum * cfg.n_layers
+    ledger.add("collective-permute", seq, kv_local * ledger.c, layers * 4 * (S - 1),
+               "CP: pass key and value chunks around the ring (forward, and again backward)")
+    ledger.add("collective-permute", seq, kv_local * F32, layers * 2 * S,
+               "CP: pass the key and value chunks' gradient sums (float32) with them, and home (backward)")
     if attention.balances(cfg, S, ledger.seq_len):
         ledger.add("all-gather", seq, ledger.rows * ledger.seq_len * 4, 2 * ledger.grad_accum,
                    "CP, balanced: gather the token ids and targets to put them in the balanced order")
