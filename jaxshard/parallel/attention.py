@@ -505,6 +505,8 @@ def fused(q_BLKGH: jax.Array, k_BLKH: jax.Array, v_BLKH: jax.Array,
 
 
 def _ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual, seg_BC=None):
+    """The contiguous ring's forward pass: the device's float32 output ``[B, K, G, C, H]``
+    and each row's log-sum-exp ``[B, K, G, C]``, every chunk pair computed, the future masked."""
     S = math.prod(jax.lax.axis_size(a) for a in axes)
     C = q_BCKGH.shape[1]
     me = jax.lax.axis_index(axes)
@@ -576,7 +578,9 @@ def _balanced_ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual, seg_BC=None):
     step i computes the later query half against the arriving earlier key half, and either the
     earlier query half against it (the sender is earlier, src < d) or the later query half
     against the sender's later key half (src > d). Which one is chosen by value (``where``),
-    so every device runs the same program, two half-pairs a step."""
+    so every device runs the same program, two half-pairs a step. Returns the device's float32
+    output ``[B, K, G, C, H]`` and each row's log-sum-exp ``[B, K, G, C]``, its halves in the
+    chunk's order."""
     S = math.prod(jax.lax.axis_size(a) for a in axes)
     B, C, K, G, H = q_BCKGH.shape
     h = C // 2
