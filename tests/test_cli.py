@@ -419,6 +419,25 @@ def test_real_size_plans_compile_with_the_predicted_temporaries(tmp_path):
         assert bf16["peak_rss_gib"] < 8 and bf16["compile_s"] < 300
 
 
+def test_confirm_explains_what_is_live_at_xlas_peak(tmp_path):
+    """scripts/bench_confirm.py --explain reads XLA's dumped buffer assignment and live ranges:
+    the bytes live at the float32 compile's peak (docs/memory.md cites them) are at most its
+    temp, which packs them, and not far below it; the largest buffers then are among them,
+    largest first, each with its shape and the JAX operation that made it."""
+    out = tmp_path / "confirm.json"
+    result = run_script("../scripts/bench_confirm.py", "--cases", "8b", "--explain", "4", "--json", str(out),
+                        timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    [row] = json.loads(out.read_text())
+    live, temp, top = row["live_at_peak"], row["float32"]["temp_xla"], row["peak_buffers"]
+    sizes = [b["bytes"] for b in top]
+    assert len(top) == 4 and sizes == sorted(sizes, reverse=True)
+    assert sum(sizes) <= live <= temp and live >= 0.6 * temp, (sizes, live, temp)  # (0.81 when written)
+    assert all(re.fullmatch(r"(f32|bf16|s32|pred)\[[\d,]*\]\{[\d,]*\}", b["shape"]) for b in top), top
+    assert any(b["op"].startswith("jit(step)") for b in top), top  # (a copy XLA made has no op name)
+    assert f"{live / 1e9:.2f} GB live at the float32 compile's peak" in result.stdout
+
+
 def test_gpu_bench_takes_its_figures_from_the_run_it_times(tmp_path, monkeypatch):
     """scripts/bench_gpu.py on CPU, shrunk: the rates part times real matmuls and a triad; a
     training case reads the step time, the time model's prediction and both memories from
