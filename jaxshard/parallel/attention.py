@@ -539,6 +539,20 @@ def _ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual, seg_BC=None):
     return o_BKGCH / l_BKGC[..., None], m_BKGC + jnp.log(l_BKGC)
 
 
+def _pair_scores(q_BQKGH, k_BMKH, causal: bool, q_seg=None, k_seg=None):
+    """The scaled float32 scores ``[B, K, G, Q, M]`` of a ring's pair (:func:`_fold`,
+    :func:`_pair_grads`), masked causally where q and k are the same positions and by
+    document where segment ids are given."""
+    s_BKGQM = jnp.einsum("blkgh,bmkh->bkglm", q_BQKGH, k_BMKH,
+                         preferred_element_type=jnp.float32) / math.sqrt(q_BQKGH.shape[-1])
+    if causal or q_seg is not None:
+        n, m = q_BQKGH.shape[1], k_BMKH.shape[1]
+        # (not causal: q and k are different chunks, every key before every query, or skipped)
+        q_pos, k_pos = (jnp.arange(n), jnp.arange(m)) if causal else (jnp.zeros(n, jnp.int32), jnp.zeros(m, jnp.int32))
+        s_BKGQM = jnp.where(_allowed(q_pos, k_pos, q_seg, k_seg), s_BKGQM, _NEG)
+    return s_BKGQM
+
+
 def _fold(state, q_BQKGH, k_BMKH, v_BMKH, causal: bool, depth: int = 0, q_seg=None, k_seg=None):
     """Fold the attention of queries ``q`` to keys ``k`` (values ``v``) into the running
     (max, sum, output) of the online softmax; ``causal``: q and k are the same positions, and
@@ -558,13 +572,7 @@ def _fold(state, q_BQKGH, k_BMKH, v_BMKH, causal: bool, depth: int = 0, q_seg=No
                        *(() if qs is None else (qs[1], ks[1])))
         return tuple(jnp.concatenate([a, b], axis=3) for a, b in zip(first, second))
     m_BKGQ, l_BKGQ, o_BKGQH = state
-    s_BKGQM = jnp.einsum("blkgh,bmkh->bkglm", q_BQKGH, k_BMKH,
-                         preferred_element_type=jnp.float32) / math.sqrt(q_BQKGH.shape[-1])
-    if causal or q_seg is not None:
-        n, m = q_BQKGH.shape[1], k_BMKH.shape[1]
-        # (not causal: q and k are different chunks, every key before every query, or skipped)
-        q_pos, k_pos = (jnp.arange(n), jnp.arange(m)) if causal else (jnp.zeros(n, jnp.int32), jnp.zeros(m, jnp.int32))
-        s_BKGQM = jnp.where(_allowed(q_pos, k_pos, q_seg, k_seg), s_BKGQM, _NEG)
+    s_BKGQM = _pair_scores(q_BQKGH, k_BMKH, causal, q_seg, k_seg)
     m_new = jnp.maximum(m_BKGQ, s_BKGQM.max(-1))
     p = jnp.exp(s_BKGQM - m_new[..., None])
     scale = jnp.exp(m_BKGQ - m_new)
@@ -727,13 +735,7 @@ def _pair_grads(q_BQKGH, k_BMKH, v_BMKH, lse_BKGQ, d_BKGQH, delta_BKGQ, causal: 
                              delta_BKGQ[..., n:], True, depth - 1, qs[1], ks[1])
         return (jnp.concatenate([first[0], across[0] + second[0]], axis=1),
                 *(jnp.concatenate([first[j] + across[j], second[j]], axis=1) for j in (1, 2)))
-    s_BKGQM = jnp.einsum("blkgh,bmkh->bkglm", q_BQKGH, k_BMKH,
-                         preferred_element_type=jnp.float32) / math.sqrt(q_BQKGH.shape[-1])
-    if causal or q_seg is not None:
-        n, m = q_BQKGH.shape[1], k_BMKH.shape[1]
-        q_pos, k_pos = (jnp.arange(n), jnp.arange(m)) if causal else (jnp.zeros(n, jnp.int32), jnp.zeros(m, jnp.int32))
-        s_BKGQM = jnp.where(_allowed(q_pos, k_pos, q_seg, k_seg), s_BKGQM, _NEG)
-    return _pair_grads_of(s_BKGQM, q_BQKGH, k_BMKH, v_BMKH, lse_BKGQ, d_BKGQH, delta_BKGQ)
+    return _pair_grads_of(_pair_scores(q_BQKGH, k_BMKH, causal, q_seg, k_seg), q_BQKGH, k_BMKH, v_BMKH, lse_BKGQ, d_BKGQH, delta_BKGQ)
 
 
 def _pair_grads_of(s_BKGQM, q_BQKGH, k_BMKH, v_BMKH, lse_BKGQ, d_BKGQH, delta_BKGQ):
