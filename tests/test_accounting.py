@@ -178,6 +178,23 @@ def test_compiled_matmul_flops_are_what_useful_work_recompute_and_kernels_explai
         assert w["rows_measured"] and 1.0 <= w["data_dependent"] / routed <= 1.1, (w, routed)
 
 
+@pytest.mark.parametrize("balanced", [False, True])
+def test_a_ring_folded_in_key_blocks_recomputes_what_the_accounting_says(monkeypatch, balanced):
+    """With a ring's pairs folded in key blocks (``attention.RING_BLOCK`` of 32 on chunks of
+    128), `full`'s recomputed forward cannot lend its scores to the backward pass's, which
+    runs its own loops: the compiled step's matmuls within 2% of useful + recompute with the
+    blocked pairs' scores counted again (``attention.blocked_share``; dropout keeps the
+    contiguous layout)."""
+    from jaxshard.parallel import attention
+
+    monkeypatch.setattr(attention, "RING_BLOCK", 32)
+    cfg = get_preset("llama-tiny").replace(d_model=64, n_heads=4, n_kv_heads=4, d_mlp=128,
+                                           dropout=0.0 if balanced else 0.1)
+    w = _matmul_waste(TransformerLM(cfg, remat="full"), "data=2,sequence=4", 8, 512)
+    assert abs(w["unexplained"] - 1) <= 0.02, w
+    assert attention.blocked_share(4, 512, balanced) > 0.8
+
+
 def test_a_pipelines_matmuls_are_not_counted_where_the_count_cannot_tell_what_ran():
     """Empty layer slots (an uneven stage layout) are skipped in branches under no tick op's
     scope, and a program without the tick ops' names (an executable a compilation cache kept

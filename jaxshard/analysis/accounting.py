@@ -537,7 +537,8 @@ def flops(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
     # As computed: the full square (the future masked; Ulysses' whole-sequence attention too),
     # but a balanced ring's share of it.
     attention = square
-    if attention_lib.balances(cfg, ring, L):
+    balanced = attention_lib.balances(cfg, ring, L)
+    if balanced:
         attention = int(square * attention_lib.balanced_work(ring, L))
     matmul = 2 * (layer_params + head)
     fwd = 2 * (hw_layer_params + head) + cfg.n_layers * attention
@@ -554,16 +555,19 @@ def flops(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
     # counted under none and dots, and under selective, which leaves a ring's core alone
     # (remat.attention_core). Where the policy recomputes the attention's forward pass, XLA
     # shares those scores with it (but for the balanced ring's chosen pair of each later step:
-    # 3/32 of its forward attention on 4 devices, left unexplained).
+    # 3/32 of its forward attention on 4 devices, left unexplained), except in the pairs folded
+    # in key blocks, whose loops it cannot share (attention.blocked_share).
+    unshared = cfg.n_layers * attention * attention_lib.blocked_share(ring, L, balanced) // 2 \
+        if ring > 1 else 0
     match remat.kind:
         case Kind.NONE | Kind.DOTS:
             recompute = cfg.n_layers * attention // 2 if ring > 1 else 0
         case Kind.SELECTIVE if ring > 1:
             recompute = cfg.n_layers * attention // 2
         case Kind.SELECTIVE | Kind.DOTS_NO_BATCH:
-            recompute = cfg.n_layers * attention
+            recompute = cfg.n_layers * attention + unshared
         case _:
-            recompute = 2 * (hw_layer_params - last) + cfg.n_layers * attention
+            recompute = 2 * (hw_layer_params - last) + cfg.n_layers * attention + unshared
     model_flops = tokens * (3 * matmul + 3 * cfg.n_layers * square // 2)
     # (Pipeline stages split the layers: each device computes 1/P of them, the bubble aside.)
     devices = rules.size(rules.batch_axes) * rules.size(rules.activation_mesh_axes(Dim.LENGTH)) * \

@@ -28,7 +28,9 @@ one arriving) and the running statistics, O(C) instead of O(L) for gathered keys
 backward pass (:func:`_ring_attention`, Ring Attention's rather than autodiff's, which would
 keep every step's kv chunk, running output and probabilities) reads the device's own chunks,
 the output and each row's log-sum-exp, O(C) too, and passes the kv chunks round again with
-their gradients. The partitioner alone would all-gather keys and values.
+their gradients. Each pair is folded (and differentiated) :data:`RING_BLOCK` keys at a time,
+so a step's scores in flight are ``[B, K, G, Q, RING_BLOCK]``, not the pair's ``[..., Q, M]``.
+The partitioner alone would all-gather keys and values.
 """
 
 from __future__ import annotations
@@ -138,6 +140,23 @@ def balanced_work(S: int, L: int) -> float:
     computes 1/2 + 2^-(r+1) of its block (halved r times, :func:`diagonal_depth`)."""
     diagonal = 0.5 + 2.0 ** -(diagonal_depth(L // (2 * S)) + 1)
     return (2 * S - 1 + 2 * diagonal) / (4 * S)
+
+
+def blocked_share(S: int, L: int, balanced: bool) -> float:
+    """The share of the attention a device of a ring of S computes (balanced layout or not)
+    that is folded in key blocks (:func:`_key_block`): each pair of blocks runs in a loop of its
+    own, forward and backward, so a policy that recomputes the forward pass cannot lend those
+    scores to the backward pass's, as XLA does for a pair computed whole."""
+    C = L // S
+    if not balanced:
+        return float(_key_block(C) < C)
+    h = C // 2
+
+    def diagonal(n, depth):  # (area, keys) of the pairs _fold cuts a causal diagonal into
+        return [(n * n, n)] if not depth else diagonal(n // 2, depth - 1) * 2 + [(n * n // 4, n // 2)]
+
+    pairs = diagonal(h, diagonal_depth(h)) * 2 + [(h * h, h)] * (2 * S - 1)
+    return sum(a for a, m in pairs if _key_block(m) < m) / sum(a for a, _ in pairs)
 
 
 def balanced_order(L: int, S: int) -> np.ndarray:
@@ -265,9 +284,13 @@ def _allowed(q_pos, k_pos, q_seg=None, k_seg=None):
 
 
 def _scores(q_BLKGH, k_BMKH, q_pos, k_pos, q_seg=None, k_seg=None):
-    s = jnp.einsum("blkgh,bmkh->bkglm", q_BLKGH, k_BMKH,
-                   preferred_element_type=jnp.float32) / math.sqrt(q_BLKGH.shape[-1])
-    return jnp.where(_allowed(q_pos, k_pos, q_seg, k_seg), s, _NEG)
+    return jnp.where(_allowed(q_pos, k_pos, q_seg, k_seg), _unmasked(q_BLKGH, k_BMKH), _NEG)
+
+
+def _unmasked(q_BLKGH, k_BMKH):
+    """The scaled float32 scores ``[B, K, G, L, M]``."""
+    return jnp.einsum("blkgh,bmkh->bkglm", q_BLKGH, k_BMKH,
+                      preferred_element_type=jnp.float32) / math.sqrt(q_BLKGH.shape[-1])
 
 
 def _dense(q_BLKGH, k_BLKH, v_BLKH, kernel: str = "auto", segments_BL=None):
@@ -395,11 +418,7 @@ def _flash_fwd(q_BLKGH, k_BLKH, v_BLKH, T, segments_BL=None):
         j, m_BKGL, l_BKGL, o_BKGLH = carry
         k_BTKH, v_BTKH, seg_BT = blk
         s_BKGLT = _block_scores(q_BLKGH, k_BTKH, j, T, segments_BL, seg_BT)
-        m_new = jnp.maximum(m_BKGL, s_BKGLT.max(-1))
-        p = jnp.exp(s_BKGLT - m_new[..., None])
-        scale = jnp.exp(m_BKGL - m_new)
-        pv = jnp.einsum("bkglt,btkh->bkglh", p.astype(v_BTKH.dtype), v_BTKH, preferred_element_type=jnp.float32)
-        return (j + 1, m_new, l_BKGL * scale + p.sum(-1), o_BKGLH * scale[..., None] + pv), None
+        return (j + 1, *_online_softmax((m_BKGL, l_BKGL, o_BKGLH), s_BKGLT, v_BTKH)), None
 
     # (zeros like the queries: inside a shard_map they vary over its axes as the queries do,
     # as the scan's carry out does -- Ulysses' region)
@@ -412,6 +431,17 @@ def _flash_fwd(q_BLKGH, k_BLKH, v_BLKH, T, segments_BL=None):
     o_BLKGH = (o / l[..., None]).transpose(0, 3, 1, 2, 4).astype(q_BLKGH.dtype)
     lse_BKGL = m + jnp.log(l)
     return o_BLKGH, (q_BLKGH, k_BLKH, v_BLKH, o_BLKGH, lse_BKGL)
+
+
+def _online_softmax(state, s_BKGLT, v_BTKH):
+    """One block of scores ``s`` (values ``v``) folded into the running float32 (max, sum,
+    output) of flash attention's online softmax; returns the new three."""
+    m_BKGL, l_BKGL, o_BKGLH = state
+    m_new = jnp.maximum(m_BKGL, s_BKGLT.max(-1))
+    p = jnp.exp(s_BKGLT - m_new[..., None])
+    scale = jnp.exp(m_BKGL - m_new)
+    pv = jnp.einsum("bkglt,btkh->bkglh", p.astype(v_BTKH.dtype), v_BTKH, preferred_element_type=jnp.float32)
+    return m_new, l_BKGL * scale + p.sum(-1), o_BKGLH * scale[..., None] + pv
 
 
 def _segment_blocks(segments_BL, T, L):
@@ -516,7 +546,7 @@ def _ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual, seg_BC=None):
 
     # Step 0 is the device's own chunk, whose diagonal gives every query row a finite max,
     # so later fully-masked chunks add exp(_NEG - m) = 0.
-    m_BKGC, l_BKGC, o_BKGCH = jax.tree.map(
+    state = jax.tree.map(
         lambda x: jax.lax.pcast(x, manual, to="varying"),
         (jnp.full((B, K, G, C), _NEG, jnp.float32), jnp.zeros((B, K, G, C), jnp.float32),
          jnp.zeros((B, K, G, C, H), jnp.float32)))
@@ -528,29 +558,61 @@ def _ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual, seg_BC=None):
         if i:
             k, v, k_seg = jax.lax.ppermute((k, v, k_seg), axes, to_next)
         src = (me - i) % S  # the chunk this device holds at step i
-        s_BKGCM = _scores(q_BCKGH, k, q_pos, src * C + jnp.arange(C), seg_BC, k_seg)
-        m_new = jnp.maximum(m_BKGC, s_BKGCM.max(-1))
-        p = jnp.exp(s_BKGCM - m_new[..., None])
-        scale = jnp.exp(m_BKGC - m_new)
-        l_BKGC = l_BKGC * scale + p.sum(-1)
-        pv = jnp.einsum("bkgcm,bmkh->bkgch", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        o_BKGCH = o_BKGCH * scale[..., None] + pv
-        m_BKGC = m_new
+        state = _fold_keys(state, q_BCKGH, k, v, q_pos, src * C + jnp.arange(C), seg_BC, k_seg)
+    m_BKGC, l_BKGC, o_BKGCH = state
     return o_BKGCH / l_BKGC[..., None], m_BKGC + jnp.log(l_BKGC)
 
 
-def _pair_scores(q_BQKGH, k_BMKH, causal: bool, q_seg=None, k_seg=None):
-    """The scaled float32 scores ``[B, K, G, Q, M]`` of a ring's pair (:func:`_fold`,
-    :func:`_pair_grads`), masked causally where q and k are the same positions and by
-    document where segment ids are given."""
-    s_BKGQM = jnp.einsum("blkgh,bmkh->bkglm", q_BQKGH, k_BMKH,
-                         preferred_element_type=jnp.float32) / math.sqrt(q_BQKGH.shape[-1])
-    if causal or q_seg is not None:
-        n, m = q_BQKGH.shape[1], k_BMKH.shape[1]
-        # (not causal: q and k are different chunks, every key before every query, or skipped)
-        q_pos, k_pos = (jnp.arange(n), jnp.arange(m)) if causal else (jnp.zeros(n, jnp.int32), jnp.zeros(m, jnp.int32))
-        s_BKGQM = jnp.where(_allowed(q_pos, k_pos, q_seg, k_seg), s_BKGQM, _NEG)
-    return s_BKGQM
+RING_BLOCK = BLOCK  # keys per block of a ring's pair: one block's scores in flight at a time
+
+
+def _key_block(m: int) -> int:
+    """Keys per block of a ring's pair of ``m`` keys: the largest divisor of ``m`` that divides
+    :data:`RING_BLOCK`, or ``m`` itself (one block) where that is ``m`` or under a quarter of
+    the block -- a pair is not cut into many small matmuls."""
+    T = math.gcd(m, RING_BLOCK)
+    return T if T < m and 4 * T >= RING_BLOCK else m
+
+
+def _key_blocks(k_BMKH, v_BMKH, k_pos, k_seg, T):
+    """A pair's keys, values, key positions and segment ids as the scan's ``M / T`` blocks of
+    ``T`` keys. The positions are made to depend on the keys (a zero read from them, which XLA
+    folds away): under remat JAX's partial evaluation would otherwise make every block's mask
+    ahead of the loop and keep them all, the ``[Q, M]`` mask the blocks exist to avoid
+    (:func:`_block_scores`)."""
+    def blocks(x):  # [B, M, ...] -> [M / T, B, T, ...]
+        return None if x is None else x.reshape(x.shape[0], -1, T, *x.shape[2:]).swapaxes(0, 1)
+
+    if k_pos is not None:
+        k_pos = (k_pos + jnp.where(jnp.isfinite(k_BMKH[0, 0, 0, 0]), 0, 0)).reshape(-1, T)
+    return blocks(k_BMKH), blocks(v_BMKH), k_pos, blocks(k_seg)
+
+
+def _pair_scores(q_BQKGH, k_BMKH, q_pos=None, k_pos=None, q_seg=None, k_seg=None):
+    """The scaled float32 scores ``[B, K, G, Q, M]`` of a ring's pair (:func:`_fold_keys`,
+    :func:`_grads_keys`), masked causally where positions are given (None: every key is before
+    every query) and by document where segment ids are."""
+    if q_pos is None and q_seg is None:
+        return _unmasked(q_BQKGH, k_BMKH)
+    if q_pos is None:
+        q_pos, k_pos = jnp.zeros(q_BQKGH.shape[1], jnp.int32), jnp.zeros(k_BMKH.shape[1], jnp.int32)
+    return _scores(q_BQKGH, k_BMKH, q_pos, k_pos, q_seg, k_seg)
+
+
+def _fold_keys(state, q_BQKGH, k_BMKH, v_BMKH, q_pos=None, k_pos=None, q_seg=None, k_seg=None):
+    """Fold the attention of queries ``q`` to keys ``k`` (values ``v``) into the running
+    (max, sum, output) of the online softmax, :func:`_key_block` keys at a time, so that one
+    block's ``[B, K, G, Q, T]`` scores are in flight rather than the pair's ``[..., Q, M]``.
+    ``q_pos``, ``k_pos``: the positions to mask causally (None: no causal mask); ``q_seg``,
+    ``k_seg``: packed documents' segment ids ``[B, Q]`` and ``[B, M]``."""
+    def step(state, block):
+        k_BTKH, v_BTKH, k_pos_T, k_seg_BT = block
+        return _online_softmax(state, _pair_scores(q_BQKGH, k_BTKH, q_pos, k_pos_T, q_seg, k_seg_BT), v_BTKH), None
+
+    T = _key_block(k_BMKH.shape[1])
+    if T == k_BMKH.shape[1]:
+        return step(state, (k_BMKH, v_BMKH, k_pos, k_seg))[0]
+    return jax.lax.scan(step, state, _key_blocks(k_BMKH, v_BMKH, k_pos, k_seg, T))[0]
 
 
 def _fold(state, q_BQKGH, k_BMKH, v_BMKH, causal: bool, depth: int = 0, q_seg=None, k_seg=None):
@@ -571,13 +633,13 @@ def _fold(state, q_BQKGH, k_BMKH, v_BMKH, causal: bool, depth: int = 0, q_seg=No
         second = _fold(second, q_BQKGH[:, n:], k_BMKH[:, n:], v_BMKH[:, n:], True, depth - 1,
                        *(() if qs is None else (qs[1], ks[1])))
         return tuple(jnp.concatenate([a, b], axis=3) for a, b in zip(first, second))
-    m_BKGQ, l_BKGQ, o_BKGQH = state
-    s_BKGQM = _pair_scores(q_BQKGH, k_BMKH, causal, q_seg, k_seg)
-    m_new = jnp.maximum(m_BKGQ, s_BKGQM.max(-1))
-    p = jnp.exp(s_BKGQM - m_new[..., None])
-    scale = jnp.exp(m_BKGQ - m_new)
-    pv = jnp.einsum("bkglm,bmkh->bkglh", p.astype(v_BMKH.dtype), v_BMKH, preferred_element_type=jnp.float32)
-    return m_new, l_BKGQ * scale + p.sum(-1), o_BKGQH * scale[..., None] + pv
+    return _fold_keys(state, q_BQKGH, k_BMKH, v_BMKH, *_pair_positions(q_BQKGH, k_BMKH, causal), q_seg, k_seg)
+
+
+def _pair_positions(q_BQKGH, k_BMKH, causal: bool):
+    """A pair's query and key positions for the causal mask: the same positions where
+    ``causal`` (a diagonal), else None (every key before every query)."""
+    return (jnp.arange(q_BQKGH.shape[1]), jnp.arange(k_BMKH.shape[1])) if causal else (None, None)
 
 
 def _balanced_ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual, seg_BC=None):
@@ -687,8 +749,8 @@ def _ring_step_grads(q_BCKGH, k_BCKH, v_BCKH, lse_BKGC, d_BKGCH, delta_BKGC, i, 
     C = q_BCKGH.shape[1]
     if not balanced:
         src = (me - i) % S
-        s_BKGCM = _scores(q_BCKGH, k_BCKH, me * C + jnp.arange(C), src * C + jnp.arange(C), q_seg, k_seg)
-        return _pair_grads_of(s_BKGCM, q_BCKGH, k_BCKH, v_BCKH, lse_BKGC, d_BKGCH, delta_BKGC)
+        return _grads_keys(q_BCKGH, k_BCKH, v_BCKH, lse_BKGC, d_BKGCH, delta_BKGC, me * C + jnp.arange(C),
+                           src * C + jnp.arange(C), q_seg, k_seg)
     h = C // 2
 
     def halves(x):  # (sliced as the forward slices them)
@@ -735,7 +797,29 @@ def _pair_grads(q_BQKGH, k_BMKH, v_BMKH, lse_BKGQ, d_BKGQH, delta_BKGQ, causal: 
                              delta_BKGQ[..., n:], True, depth - 1, qs[1], ks[1])
         return (jnp.concatenate([first[0], across[0] + second[0]], axis=1),
                 *(jnp.concatenate([first[j] + across[j], second[j]], axis=1) for j in (1, 2)))
-    return _pair_grads_of(_pair_scores(q_BQKGH, k_BMKH, causal, q_seg, k_seg), q_BQKGH, k_BMKH, v_BMKH, lse_BKGQ, d_BKGQH, delta_BKGQ)
+    positions = _pair_positions(q_BQKGH, k_BMKH, causal)
+    return _grads_keys(q_BQKGH, k_BMKH, v_BMKH, lse_BKGQ, d_BKGQH, delta_BKGQ, *positions, q_seg, k_seg)
+
+
+def _grads_keys(q_BQKGH, k_BMKH, v_BMKH, lse_BKGQ, d_BKGQH, delta_BKGQ, q_pos=None, k_pos=None, q_seg=None,
+                k_seg=None):
+    """:func:`_fold_keys`'s pair, differentiated a block of keys at a time as it was folded:
+    float32 ``(dq, dk, dv)``, the queries' gradient summed over the blocks."""
+    def grads(k_BTKH, v_BTKH, k_pos_T, k_seg_BT):
+        s_BKGQT = _pair_scores(q_BQKGH, k_BTKH, q_pos, k_pos_T, q_seg, k_seg_BT)
+        return _pair_grads_of(s_BKGQT, q_BQKGH, k_BTKH, v_BTKH, lse_BKGQ, d_BKGQH, delta_BKGQ)
+
+    T = _key_block(k_BMKH.shape[1])
+    if T == k_BMKH.shape[1]:
+        return grads(k_BMKH, v_BMKH, k_pos, k_seg)
+
+    def step(dq_BQKGH, block):
+        dq, dk, dv = grads(*block)
+        return dq_BQKGH + dq, (dk, dv)
+
+    dq_BQKGH, (dk, dv) = jax.lax.scan(step, jnp.zeros_like(q_BQKGH, jnp.float32),
+                                      _key_blocks(k_BMKH, v_BMKH, k_pos, k_seg, T))
+    return dq_BQKGH, dk.swapaxes(0, 1).reshape(k_BMKH.shape), dv.swapaxes(0, 1).reshape(v_BMKH.shape)
 
 
 def _pair_grads_of(s_BKGQM, q_BQKGH, k_BMKH, v_BMKH, lse_BKGQ, d_BKGQH, delta_BKGQ):
