@@ -21,7 +21,7 @@ from jaxshard.errors import ConfigError
 from jaxshard.parallel import attention
 from jaxshard.parallel.attention import causal_attention
 from jaxshard.parallel.tensor import column_parallel
-from jaxshard.parallel.vectors import scale, shift
+from jaxshard.parallel.vectors import scale, shift, take_rows
 from jaxshard.parallel.vocab import embed_lookup, logits_dot, project
 from jaxshard.remat import attention_core, elementwise, tag
 from jaxshard.rules import active, constrain
@@ -378,7 +378,7 @@ class Embedder(nnx.Module):
                 # Packed documents' places lie within the window: the table's first L rows, so
                 # that only they have a gradient to reduce (as for 0..L-1 below).
                 table = table[: positions_L.shape[1]]
-            x_BLD = x_BLD + jnp.take(table, positions_L, axis=0)
+            x_BLD = x_BLD + take_rows(table, positions_L)
         elif hasattr(self, "positions"):
             # positions_L is 0..L-1: a slice, whose gradient is a dense pad (a scatter-add's
             # would make XLA move the activation gradient around to scatter it); in a ring's

@@ -3,6 +3,8 @@ token the loss it has when its document runs alone, unpacked -- on one device an
 sequence (ring, balanced ring, Ulysses) and data parallelism, with learned and rotary
 positions -- and no attention weight crosses a document on any attention path."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -384,3 +386,38 @@ def test_packing_that_cannot_be_is_one_line(tmp_path, capsys, flags, message):
         main([*COMMON, *(f.format(bin=path) for f in flags)])
     assert e.value.code == 2
     assert capsys.readouterr().err.strip() == "error: " + message.format(bin=path)
+
+
+def test_packed_learned_positions_need_no_rematerialisation_by_the_partitioner(capfd):
+    """GPT-2's learned positions under packing are looked up per token (``vectors.take_rows``):
+    on HSDP, the default experiment's mesh, the step compiles without the partitioner's
+    "involuntary full rematerialization" (it had laid the rows out as the table, split over
+    its model dim, and moved the activation's gradient into that layout)."""
+    model = TransformerLM(get_preset("tiny").replace(documents_eot=EOT))
+    program = make_program(model, "data=2,fsdp=4")
+    capfd.readouterr()
+    jax.config.update("jax_enable_compilation_cache", False)  # (a cached executable is not partitioned)
+    try:
+        program.lower_step(8, L).compile()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+    assert "Involuntary full rematerialization" not in capfd.readouterr().err
+
+
+def test_take_rows_and_its_gradient_are_a_lookups():
+    """``vectors.take_rows`` under HSDP's rules: the rows and the table's gradient (repeated
+    positions summed) as ``jnp.take``'s without rules."""
+    from jaxshard.parallel.vectors import take_rows
+
+    rng = np.random.default_rng(7)
+    table = jnp.asarray(rng.normal(size=(L, 16)), jnp.float32)
+    positions = jnp.asarray(rng.integers(0, L // 2, size=(8, L)), jnp.int32)  # rows used many times, some never
+    cot = jnp.asarray(rng.normal(size=(8, L, 16)), jnp.float32)
+
+    def loss(take, table):
+        return (take(table, positions) * cot).sum()
+
+    lookup = functools.partial(jnp.take, axis=0)
+    np.testing.assert_allclose(under("data=2,fsdp=4", take_rows, table, positions), lookup(table, positions))
+    got = under("data=2,fsdp=4", jax.grad(functools.partial(loss, take_rows)), table)
+    np.testing.assert_allclose(got, jax.grad(functools.partial(loss, lookup))(table), rtol=1e-5, atol=1e-5)

@@ -13,7 +13,7 @@ ring sends, and the whole vector over the slower axis).
 :func:`scale` and :func:`shift` compute ``x * w`` and ``x + b`` as usual and, where
 :func:`two_stage` holds, write the weight gradient as a ``dot_general`` contracting the
 leading dims, which the partitioner reduces in the two stages. Elsewhere they are the plain
-operations.
+operations. :func:`take_rows` looks up packed documents' position rows token by token.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxshard.axes import Dim
 from jaxshard.rules import StateKind, active
@@ -81,3 +82,32 @@ def _shift_bwd(rank, _, g):
 
 _shift.defvjp(lambda x, b, rank: (x + b, None), _shift_bwd)
 
+
+def take_rows(table_PD: jax.Array, positions_BL: jax.Array) -> jax.Array:
+    """``table[positions]``, ``[B, L, D]``: each token's row of a position table (packed
+    documents' places). The table is gathered whole for the lookup, as an FSDP weight is for
+    its matmul, and each device scatters its own tokens' gradient into a whole table, reduced
+    then to where the gradient rests. (Left to itself, the partitioner laid the rows out as the
+    table, split over its model dim, and moved the activation's gradient into that layout to
+    scatter it: an involuntary full rematerialisation, which it warns of.)"""
+    rules = active()
+    if rules is None:
+        return jnp.take(table_PD, positions_BL, axis=0)
+    return _take_rows(table_PD, positions_BL, rules.named(jax.sharding.PartitionSpec()), table_PD.shape[0])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _take_rows(table_PD, positions_BL, whole, rows):
+    return jnp.take(jax.lax.with_sharding_constraint(table_PD, whole), positions_BL, axis=0)
+
+
+def _take_rows_fwd(table_PD, positions_BL, whole, rows):
+    return _take_rows(table_PD, positions_BL, whole, rows), positions_BL
+
+
+def _take_rows_bwd(whole, rows, positions_BL, g_BLD):
+    d_PD = jax.lax.with_sharding_constraint(jnp.zeros((rows, g_BLD.shape[-1]), g_BLD.dtype), whole)
+    return d_PD.at[positions_BL].add(g_BLD), np.zeros(positions_BL.shape, jax.dtypes.float0)
+
+
+_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
