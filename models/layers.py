@@ -376,9 +376,11 @@ class Embedder(nnx.Module):
             table = self.positions[...]
             if attention.current_segments(positions_L.shape[1]) is not None:
                 # Packed documents' places lie within the window: the table's first L rows, so
-                # that only they have a gradient to reduce (as for 0..L-1 below).
-                table = table[: positions_L.shape[1]]
-            x_BLD = x_BLD + take_rows(table, positions_L)
+                # that only they have a gradient to reduce (as for 0..L-1 below), looked up
+                # token by token with the gradient made where the tokens are.
+                x_BLD = x_BLD + take_rows(table[: positions_L.shape[1]], positions_L)
+            else:  # (decoding)
+                x_BLD = x_BLD + jnp.take(table, positions_L, axis=0)
         elif hasattr(self, "positions"):
             # positions_L is 0..L-1: a slice, whose gradient is a dense pad (a scatter-add's
             # would make XLA move the activation gradient around to scatter it); in a ring's

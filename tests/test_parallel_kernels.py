@@ -285,13 +285,15 @@ def test_global_norm_of_sharded_leaves_is_one_scalar_reduction():
     assert [(c.kind, c.bytes) for c in found] == [("all-reduce", 4)], found
 
 
+@pytest.mark.parametrize("block", [1, 4])
 @pytest.mark.parametrize("balanced", [False, True])
 @pytest.mark.parametrize("documents", [False, True])
-def test_ring_pairs_are_folded_a_block_of_keys_at_a_time(monkeypatch, balanced, documents):
-    """With blocks of 4 keys (``attention.RING_BLOCK``) a ring's pairs of 8 and 16 keys are
-    folded and differentiated block by block; values and gradients as dense attention's, with
-    and without packed documents (which leave rows' first blocks wholly masked)."""
-    monkeypatch.setattr(attention, "RING_BLOCK", 4)
+def test_ring_pairs_are_folded_a_block_of_keys_at_a_time(monkeypatch, block, balanced, documents):
+    """With blocks of 4 keys, or of one (``attention.RING_BLOCK``; one cuts the balanced ring's
+    causal diagonals too), a ring's pairs are folded and differentiated block by block; values
+    and gradients as dense attention's, with and without packed documents (which leave rows'
+    first blocks wholly masked)."""
+    monkeypatch.setattr(attention, "RING_BLOCK", block)
     B, L, K, G, H, S = 2, 32, 2, 2, 8, 2
     order = attention.balanced_order(L, S) if balanced else np.arange(L)
     q = jnp.asarray(RNG.normal(size=(B, L, K, G, H)), jnp.float32) * 2
@@ -341,22 +343,24 @@ def test_a_ring_steps_scores_scale_with_the_key_block_not_the_chunk(monkeypatch,
     assert half < 0.7 * blocked and 3 * blocked < whole, (half, blocked, whole)
 
 
-def test_ring_under_remat_makes_each_key_blocks_mask_in_the_loop(monkeypatch):
+@pytest.mark.parametrize("balanced, T", [(False, 4), (True, 2)])
+def test_ring_under_remat_makes_each_key_blocks_mask_in_the_loop(monkeypatch, balanced, T):
     """A ring's key-blocked pairs under remat in a layer scan, as training runs them: no mask
-    larger than one block's (``[B, K, G, C, T]``) anywhere in the program -- JAX's partial
-    evaluation would otherwise make every block's causal mask ahead of the loop, which depends
-    only on positions, and keep them stacked."""
+    stacked over blocks, nor larger than one block's (``[B, K, G, C, T]``), anywhere in the
+    program -- JAX's partial evaluation would otherwise make every block's causal mask ahead of
+    the loop, which depends only on positions, and keep them stacked (balanced: blocks of 2
+    cut its causal diagonals' pieces)."""
     import re
 
-    monkeypatch.setattr(attention, "RING_BLOCK", 4)
-    B, L, S, T = 1, 64, 2, 4
+    monkeypatch.setattr(attention, "RING_BLOCK", T)
+    B, L, S = 1, 64, 2
     rules = ShardingRules(build_mesh(f"sequence={S}", jax.devices()[:S]), Strategy())
     x = jnp.asarray(RNG.normal(size=(B, L, 1, 2, 8)), jnp.float32)
 
     @jax.checkpoint
     def layer(x):
         q = constrain(x, (Dim.BATCH, Dim.LENGTH, Dim.ACT_KV_HEADS, None, None))
-        return causal_attention(q, x[:, :, :, 0, :], x[:, :, :, 1, :], balanced=False)
+        return causal_attention(q, x[:, :, :, 0, :], x[:, :, :, 1, :], balanced=balanced)
 
     def loss(x):
         with use_rules(rules):
@@ -364,5 +368,5 @@ def test_ring_under_remat_makes_each_key_blocks_mask_in_the_loop(monkeypatch):
         return (y ** 2).sum()
 
     text = str(jax.make_jaxpr(jax.grad(loss))(x))
-    masks = [np.prod([int(d) for d in m.split(",")]) for m in re.findall(r"bool\[([0-9,]+)\]", text)]
-    assert masks and max(masks) <= B * 2 * (L // S) * T, masks
+    masks = [[int(d) for d in m.split(",")] for m in re.findall(r"bool\[([0-9,]+)\]", text)]
+    assert masks and max(len(m) for m in masks) <= 5 and max(map(np.prod, masks)) <= B * 2 * (L // S) * T, masks

@@ -139,6 +139,18 @@ def test_balanced_ring_under_selective_recompute_matches_one_device(model_name):
     assert_matches_reference(model_name, "sequence=4", remat="selective")
 
 
+@pytest.mark.parametrize("remat", ["dots", "full"])
+def test_a_ring_folded_in_key_blocks_matches_one_device(monkeypatch, remat):
+    """Blocks of 4 keys (``attention.RING_BLOCK``) on ``sequence=2``, so that every pair of
+    tiny-llama's chunks is folded block by block inside the remat'd layer scan: losses and
+    params as one device's."""
+    from jaxshard.parallel import attention
+
+    monkeypatch.setattr(attention, "RING_BLOCK", 4)
+    assert attention.blocked_share(2, SEQ, True) > 0.5
+    assert_matches_reference("tiny-llama", "sequence=2", remat=remat)
+
+
 def test_a_ring_that_cannot_balance_says_why():
     """The training log's note where the ring keeps contiguous chunks (about twice the
     balanced ring's attention): dropout, or a sequence that does not split into 2S halves;

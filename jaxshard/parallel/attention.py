@@ -567,11 +567,14 @@ RING_BLOCK = BLOCK  # keys per block of a ring's pair: one block's scores in fli
 
 
 def _key_block(m: int) -> int:
-    """Keys per block of a ring's pair of ``m`` keys: the largest divisor of ``m`` that divides
-    :data:`RING_BLOCK`, or ``m`` itself (one block) where that is ``m`` or under a quarter of
-    the block -- a pair is not cut into many small matmuls."""
-    T = math.gcd(m, RING_BLOCK)
-    return T if T < m and 4 * T >= RING_BLOCK else m
+    """Keys per block of a ring's pair of ``m`` keys: ``m`` itself (one block) where that is no
+    more than :data:`RING_BLOCK`, else the largest divisor of ``m`` that is; ``m`` again where
+    that divisor is under a quarter of the block (a pair of, say, a prime number of keys is not
+    cut into many small matmuls: its scores are made whole)."""
+    if m <= RING_BLOCK:
+        return m
+    T = max(d for d in range(1, RING_BLOCK + 1) if m % d == 0)
+    return T if 4 * T >= RING_BLOCK else m
 
 
 def _key_blocks(k_BMKH, v_BMKH, k_pos, k_seg, T):
