@@ -472,10 +472,12 @@ def _flash_bwd(T, res, do_BLKGH, segments_BL=None):
     (_, dq), (dk, dv) = jax.lax.scan(step, (jnp.int32(0), jnp.zeros_like(q_BLKGH, jnp.float32)),
                                      (_blocks(k_BLKH, T), _blocks(v_BLKH, T), segs))
 
-    def unblock(x):  # [L/T, B, T, K, H] -> [B, L, K, H]
-        return x.swapaxes(0, 1).reshape(k_BLKH.shape)
+    return dq.astype(q_BLKGH.dtype), _unblock(dk, k_BLKH.shape), _unblock(dv, v_BLKH.shape)
 
-    return dq.astype(q_BLKGH.dtype), unblock(dk), unblock(dv)
+
+def _unblock(x, shape):
+    """:func:`_blocks` undone: ``[L/T, B, T, K, H]`` -> ``[B, L, K, H]``."""
+    return x.swapaxes(0, 1).reshape(shape)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -583,12 +585,9 @@ def _key_blocks(k_BMKH, v_BMKH, k_pos, k_seg, T):
     folds away): under remat JAX's partial evaluation would otherwise make every block's mask
     ahead of the loop and keep them all, the ``[Q, M]`` mask the blocks exist to avoid
     (:func:`_block_scores`)."""
-    def blocks(x):  # [B, M, ...] -> [M / T, B, T, ...]
-        return None if x is None else x.reshape(x.shape[0], -1, T, *x.shape[2:]).swapaxes(0, 1)
-
     if k_pos is not None:
         k_pos = (k_pos + jnp.where(jnp.isfinite(k_BMKH[0, 0, 0, 0]), 0, 0)).reshape(-1, T)
-    return blocks(k_BMKH), blocks(v_BMKH), k_pos, blocks(k_seg)
+    return _blocks(k_BMKH, T), _blocks(v_BMKH, T), k_pos, _segment_blocks(k_seg, T, k_BMKH.shape[1])
 
 
 def _pair_scores(q_BQKGH, k_BMKH, q_pos=None, k_pos=None, q_seg=None, k_seg=None):
@@ -822,7 +821,7 @@ def _grads_keys(q_BQKGH, k_BMKH, v_BMKH, lse_BKGQ, d_BKGQH, delta_BKGQ, q_pos=No
 
     dq_BQKGH, (dk, dv) = jax.lax.scan(step, jnp.zeros_like(q_BQKGH, jnp.float32),
                                       _key_blocks(k_BMKH, v_BMKH, k_pos, k_seg, T))
-    return dq_BQKGH, dk.swapaxes(0, 1).reshape(k_BMKH.shape), dv.swapaxes(0, 1).reshape(v_BMKH.shape)
+    return dq_BQKGH, _unblock(dk, k_BMKH.shape), _unblock(dv, v_BMKH.shape)
 
 
 def _pair_grads_of(s_BKGQM, q_BQKGH, k_BMKH, v_BMKH, lse_BKGQ, d_BKGQH, delta_BKGQ):
