@@ -28,8 +28,9 @@ one arriving) and the running statistics, O(C) instead of O(L) for gathered keys
 backward pass (:func:`_ring_attention`, Ring Attention's rather than autodiff's, which would
 keep every step's kv chunk, running output and probabilities) reads the device's own chunks,
 the output and each row's log-sum-exp, O(C) too, and passes the kv chunks round again with
-their gradients. Each pair is folded (and differentiated) :data:`RING_BLOCK` keys at a time,
-so a step's scores in flight are ``[B, K, G, Q, RING_BLOCK]``, not the pair's ``[..., Q, M]``.
+their gradients. Each pair is folded (and differentiated) :data:`RING_BLOCK` queries and keys
+at a time, so a step's scores in flight are ``[B, K, G, RING_BLOCK, RING_BLOCK]``, not the
+pair's ``[..., Q, M]``.
 The partitioner alone would all-gather keys and values.
 """
 
@@ -144,7 +145,7 @@ def balanced_work(S: int, L: int) -> float:
 
 def blocked_share(S: int, L: int, balanced: bool) -> float:
     """The share of the attention a device of a ring of S computes (balanced layout or not)
-    that is folded in key blocks (:func:`_key_block`): each pair of blocks runs in a loop of its
+    that is folded in blocks (:func:`_key_block`): each pair of blocks runs in a loop of its
     own, forward and backward, so a policy that recomputes the forward pass cannot lend those
     scores to the backward pass's, as XLA does for a pair computed whole."""
     C = L // S
@@ -560,19 +561,20 @@ def _ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual, seg_BC=None):
         if i:
             k, v, k_seg = jax.lax.ppermute((k, v, k_seg), axes, to_next)
         src = (me - i) % S  # the chunk this device holds at step i
-        state = _fold_keys(state, q_BCKGH, k, v, q_pos, src * C + jnp.arange(C), seg_BC, k_seg)
+        state = _fold_blocks(state, _after(q_BCKGH, state) if i else q_BCKGH, k, v, q_pos, src * C + jnp.arange(C),
+                             seg_BC, k_seg)
     m_BKGC, l_BKGC, o_BKGCH = state
     return o_BKGCH / l_BKGC[..., None], m_BKGC + jnp.log(l_BKGC)
 
 
-RING_BLOCK = BLOCK  # keys per block of a ring's pair: one block's scores in flight at a time
+RING_BLOCK = BLOCK  # queries and keys per block of a ring's pair: one block's scores in flight at a time
 
 
 def _key_block(m: int) -> int:
-    """Keys per block of a ring's pair of ``m`` keys: ``m`` itself (one block) where that is no
-    more than :data:`RING_BLOCK`, else the largest divisor of ``m`` that is; ``m`` again where
-    that divisor is under a quarter of the block (a pair of, say, a prime number of keys is not
-    cut into many small matmuls: its scores are made whole)."""
+    """Keys (and queries) per block of a ring's pair of ``m`` keys (queries): ``m`` itself (one
+    block) where that is no more than :data:`RING_BLOCK`, else the largest divisor of ``m`` that
+    is; ``m`` again where that divisor is under a quarter of the block (a pair of, say, a prime
+    number of keys is not cut into many small matmuls: its scores are made whole)."""
     if m <= RING_BLOCK:
         return m
     T = max(d for d in range(1, RING_BLOCK + 1) if m % d == 0)
@@ -601,12 +603,49 @@ def _pair_scores(q_BQKGH, k_BMKH, q_pos=None, k_pos=None, q_seg=None, k_seg=None
     return _scores(q_BQKGH, k_BMKH, q_pos, k_pos, q_seg, k_seg)
 
 
-def _fold_keys(state, q_BQKGH, k_BMKH, v_BMKH, q_pos=None, k_pos=None, q_seg=None, k_seg=None):
+def _fold_blocks(state, q_BQKGH, k_BMKH, v_BMKH, q_pos=None, k_pos=None, q_seg=None, k_seg=None):
     """Fold the attention of queries ``q`` to keys ``k`` (values ``v``) into the running
-    (max, sum, output) of the online softmax, :func:`_key_block` keys at a time, so that one
-    block's ``[B, K, G, Q, T]`` scores are in flight rather than the pair's ``[..., Q, M]``.
-    ``q_pos``, ``k_pos``: the positions to mask causally (None: no causal mask); ``q_seg``,
-    ``k_seg``: packed documents' segment ids ``[B, Q]`` and ``[B, M]``."""
+    (max, sum, output) of the online softmax a block of queries at a time (:func:`_key_block`
+    of them, each block's rows of the state its own), each block's keys a block at a time
+    (:func:`_fold_keys`): one ``[B, K, G, T, T]`` block of scores in flight rather than the
+    pair's ``[..., Q, M]``. ``q_pos``, ``k_pos``: the positions to mask causally (None: no
+    causal mask); ``q_seg``, ``k_seg``: packed documents' segment ids ``[B, Q]`` and ``[B, M]``."""
+    T = _key_block(q_BQKGH.shape[1])
+    if T == q_BQKGH.shape[1]:
+        return _fold_keys(state, q_BQKGH, k_BMKH, v_BMKH, q_pos, k_pos, q_seg, k_seg)
+
+    def rows(block):
+        state_T, q_BTKGH, q_pos_T, q_seg_BT = block
+        return _fold_keys(state_T, q_BTKGH, k_BMKH, v_BMKH, q_pos_T, k_pos, q_seg_BT, k_seg)
+
+    blocks = jax.lax.map(rows, (tuple(_row_blocks(x, T) for x in state), *_query_blocks(q_BQKGH, q_pos, q_seg, T)))
+    return tuple(_row_unblock(x) for x in blocks)
+
+
+def _query_blocks(q_BQKGH, q_pos, q_seg, T):
+    """A pair's queries, query positions and segment ids as ``Q / T`` blocks of ``T`` queries,
+    the positions made to depend on the queries (:func:`_key_blocks`)."""
+    B, Q = q_BQKGH.shape[:2]
+    if q_pos is not None:
+        q_pos = (q_pos + jnp.where(jnp.isfinite(q_BQKGH[0, 0, 0, 0, 0]), 0, 0)).reshape(-1, T)
+    return q_BQKGH.reshape(B, Q // T, T, *q_BQKGH.shape[2:]).swapaxes(0, 1), q_pos, _segment_blocks(q_seg, T, Q)
+
+
+def _row_blocks(x_BKGQ, T):
+    """Per-row values ``[B, K, G, Q, ...]`` as ``[Q / T, B, K, G, T, ...]``."""
+    B, K, G, Q = x_BKGQ.shape[:4]
+    return jnp.moveaxis(x_BKGQ.reshape(B, K, G, Q // T, T, *x_BKGQ.shape[4:]), 3, 0)
+
+
+def _row_unblock(x):
+    """:func:`_row_blocks` undone."""
+    x = jnp.moveaxis(x, 0, 3)
+    return x.reshape(*x.shape[:3], -1, *x.shape[5:])
+
+
+def _fold_keys(state, q_BQKGH, k_BMKH, v_BMKH, q_pos=None, k_pos=None, q_seg=None, k_seg=None):
+    """:func:`_fold_blocks` for one block of queries: its keys :func:`_key_block` at a time, so
+    that one block's ``[B, K, G, Q, T]`` scores are in flight rather than ``[..., Q, M]``."""
     def step(state, block):
         k_BTKH, v_BTKH, k_pos_T, k_seg_BT = block
         return _online_softmax(state, _pair_scores(q_BQKGH, k_BTKH, q_pos, k_pos_T, q_seg, k_seg_BT), v_BTKH), None
@@ -615,6 +654,19 @@ def _fold_keys(state, q_BQKGH, k_BMKH, v_BMKH, q_pos=None, k_pos=None, q_seg=Non
     if T == k_BMKH.shape[1]:
         return step(state, (k_BMKH, v_BMKH, k_pos, k_seg))[0]
     return jax.lax.scan(step, state, _key_blocks(k_BMKH, v_BMKH, k_pos, k_seg, T))[0]
+
+
+def _after(q_BQKGH, before):
+    """``q`` made to depend on all of ``before`` (plus a zero made from the sum of its values by
+    a test XLA cannot fold): a pair computed from the result is scheduled after the pair that
+    made ``before``. Pairs whose scores depend on nothing but queries and keys are otherwise
+    free to run in any order, and XLA:CPU made the scores of all a balanced step's whole pieces
+    at once and held them together (16 MB at 2,048 tokens a device, against 5 MB for the
+    contiguous ring's one pair a step). (One element would not do: XLA computes a slice of a
+    matmul or reduction by slicing its inputs, which orders only that row's work.)"""
+    total = sum(x.sum(dtype=jnp.float32) for x in jax.tree.leaves(before))
+    zero = jnp.minimum(0, jnp.isnan(total).astype(jnp.int32))
+    return q_BQKGH + zero.astype(q_BQKGH.dtype)
 
 
 def _fold(state, q_BQKGH, k_BMKH, v_BMKH, causal: bool, depth: int = 0, q_seg=None, k_seg=None):
@@ -630,12 +682,12 @@ def _fold(state, q_BQKGH, k_BMKH, v_BMKH, causal: bool, depth: int = 0, q_seg=No
         qs, ks = (None, None) if q_seg is None else ((q_seg[:, :n], q_seg[:, n:]), (k_seg[:, :n], k_seg[:, n:]))
         first = _fold(first, q_BQKGH[:, :n], k_BMKH[:, :n], v_BMKH[:, :n], True, depth - 1,
                       *(() if qs is None else (qs[0], ks[0])))
-        second = _fold(second, q_BQKGH[:, n:], k_BMKH[:, :n], v_BMKH[:, :n], False, 0,
+        second = _fold(second, _after(q_BQKGH[:, n:], first), k_BMKH[:, :n], v_BMKH[:, :n], False, 0,
                        *(() if qs is None else (qs[1], ks[0])))
-        second = _fold(second, q_BQKGH[:, n:], k_BMKH[:, n:], v_BMKH[:, n:], True, depth - 1,
+        second = _fold(second, _after(q_BQKGH[:, n:], second), k_BMKH[:, n:], v_BMKH[:, n:], True, depth - 1,
                        *(() if qs is None else (qs[1], ks[1])))
         return tuple(jnp.concatenate([a, b], axis=3) for a, b in zip(first, second))
-    return _fold_keys(state, q_BQKGH, k_BMKH, v_BMKH, *_pair_positions(q_BQKGH, k_BMKH, causal), q_seg, k_seg)
+    return _fold_blocks(state, q_BQKGH, k_BMKH, v_BMKH, *_pair_positions(q_BQKGH, k_BMKH, causal), q_seg, k_seg)
 
 
 def _pair_positions(q_BQKGH, k_BMKH, causal: bool):
@@ -674,18 +726,20 @@ def _balanced_ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual, seg_BC=None):
         return (None, None) if x is None else (x[:, :h], x[:, h:])
 
     depth = diagonal_depth(h)
+    # (each piece after the one before it: _after)
     lo = _fold(lo, q_lo, k[:, :h], v[:, :h], True, depth, q_lo_seg, halves(k_seg)[0])
-    hi = _fold(hi, q_hi, k[:, :h], v[:, :h], False, 0, q_hi_seg, halves(k_seg)[0])
-    hi = _fold(hi, q_hi, k[:, h:], v[:, h:], True, depth, q_hi_seg, halves(k_seg)[1])
+    hi = _fold(hi, _after(q_hi, lo), k[:, :h], v[:, :h], False, 0, q_hi_seg, halves(k_seg)[0])
+    hi = _fold(hi, _after(q_hi, hi), k[:, h:], v[:, h:], True, depth, q_hi_seg, halves(k_seg)[1])
     for i in range(1, S):
         k, v, k_seg = jax.lax.ppermute((k, v, k_seg), axes, to_next)
         earlier = (me - i) % S < me  # the sender's halves: src and 2S - 1 - src
         k_lo_seg, k_hi_seg = halves(k_seg)
-        hi = _fold(hi, q_hi, k[:, :h], v[:, :h], False, 0, q_hi_seg, k_lo_seg)
+        hi = _fold(hi, _after(q_hi, (lo, hi)), k[:, :h], v[:, :h], False, 0, q_hi_seg, k_lo_seg)
         pick = functools.partial(jnp.where, earlier)
         state = jax.tree.map(pick, lo, hi)
         segs = () if seg_BC is None else (pick(q_lo_seg, q_hi_seg), pick(k_lo_seg, k_hi_seg))
-        state = _fold(state, pick(q_lo, q_hi), pick(k[:, :h], k[:, h:]), pick(v[:, :h], v[:, h:]), False, 0, *segs)
+        state = _fold(state, _after(pick(q_lo, q_hi), hi), pick(k[:, :h], k[:, h:]), pick(v[:, :h], v[:, h:]),
+                      False, 0, *segs)
         lo = jax.tree.map(pick, state, lo)
         hi = jax.tree.map(pick, hi, state)
     out = [o / l[..., None] for _, l, o in (lo, hi)]
@@ -731,7 +785,8 @@ def _ring_attention_bwd(axes, manual, balanced, res, d_BCKGH):
     for i in range(S):
         if i:
             *held, dk_BCKH, dv_BCKH = jax.lax.ppermute((*held, dk_BCKH, dv_BCKH), axes, to_next)
-        grads = _ring_step_grads(q_BCKGH, *held[:2], lse_BKGC, d_BKGCH, delta_BKGC, i, axes, balanced, seg_BC,
+        grads = _ring_step_grads(_after(q_BCKGH, dq_BCKGH) if i else q_BCKGH, *held[:2], lse_BKGC, d_BKGCH,
+                                 delta_BKGC, i, axes, balanced, seg_BC,
                                  held[2])
         dq_BCKGH, dk_BCKH, dv_BCKH = (a + b for a, b in zip((dq_BCKGH, dk_BCKH, dv_BCKH), grads))
     dk_BCKH, dv_BCKH = jax.lax.ppermute((dk_BCKH, dv_BCKH), axes, to_next)  # home
@@ -751,7 +806,7 @@ def _ring_step_grads(q_BCKGH, k_BCKH, v_BCKH, lse_BKGC, d_BKGCH, delta_BKGC, i, 
     C = q_BCKGH.shape[1]
     if not balanced:
         src = (me - i) % S
-        return _grads_keys(q_BCKGH, k_BCKH, v_BCKH, lse_BKGC, d_BKGCH, delta_BKGC, me * C + jnp.arange(C),
+        return _grads_blocks(q_BCKGH, k_BCKH, v_BCKH, lse_BKGC, d_BKGCH, delta_BKGC, me * C + jnp.arange(C),
                            src * C + jnp.arange(C), q_seg, k_seg)
     h = C // 2
 
@@ -767,8 +822,10 @@ def _ring_step_grads(q_BCKGH, k_BCKH, v_BCKH, lse_BKGC, d_BKGCH, delta_BKGC, i, 
     if i == 0:
         depth = diagonal_depth(h)
         dq_lo, dk_lo, dv_lo = _pair_grads(q_lo, k_lo, v_lo, lse_lo, d_lo, delta_lo, True, depth, q_lo_seg, k_lo_seg)
-        dq_hi, dk_lo2, dv_lo2 = _pair_grads(q_hi, k_lo, v_lo, lse_hi, d_hi, delta_hi, False, 0, q_hi_seg, k_lo_seg)
-        dq_hi2, dk_hi, dv_hi = _pair_grads(q_hi, k_hi, v_hi, lse_hi, d_hi, delta_hi, True, depth, q_hi_seg, k_hi_seg)
+        dq_hi, dk_lo2, dv_lo2 = _pair_grads(_after(q_hi, dq_lo), k_lo, v_lo, lse_hi, d_hi, delta_hi, False, 0,
+                                            q_hi_seg, k_lo_seg)
+        dq_hi2, dk_hi, dv_hi = _pair_grads(_after(q_hi, dq_hi), k_hi, v_hi, lse_hi, d_hi, delta_hi, True, depth,
+                                           q_hi_seg, k_hi_seg)
         dq_hi, dk_lo, dv_lo = dq_hi + dq_hi2, dk_lo + dk_lo2, dv_lo + dv_lo2
     else:
         earlier = (me - i) % S < me
@@ -776,7 +833,8 @@ def _ring_step_grads(q_BCKGH, k_BCKH, v_BCKH, lse_BKGC, d_BKGCH, delta_BKGC, i, 
         segs = () if q_seg is None else (pick(q_lo_seg, q_hi_seg), pick(k_lo_seg, k_hi_seg))
         picked = _pair_grads(pick(q_lo, q_hi), pick(k_lo, k_hi), pick(v_lo, v_hi), pick(lse_lo, lse_hi),
                              pick(d_lo, d_hi), pick(delta_lo, delta_hi), False, 0, *segs)
-        dq_hi, dk_lo, dv_lo = _pair_grads(q_hi, k_lo, v_lo, lse_hi, d_hi, delta_hi, False, 0, q_hi_seg, k_lo_seg)
+        dq_hi, dk_lo, dv_lo = _pair_grads(_after(q_hi, picked), k_lo, v_lo, lse_hi, d_hi, delta_hi, False, 0,
+                                          q_hi_seg, k_lo_seg)
         (dq_lo, dk_lo2, dv_lo2), (dq_hi2, dk_hi, dv_hi) = ([jnp.where(earlier, x, 0) for x in picked],
                                                            [jnp.where(earlier, 0, x) for x in picked])
         dq_hi, dk_lo, dv_lo = dq_hi + dq_hi2, dk_lo + dk_lo2, dv_lo + dv_lo2
@@ -793,14 +851,34 @@ def _pair_grads(q_BQKGH, k_BMKH, v_BMKH, lse_BKGQ, d_BKGQH, delta_BKGQ, causal: 
             (q_seg[:, :n], q_seg[:, n:]), (k_seg[:, :n], k_seg[:, n:]))
         first = _pair_grads(q_BQKGH[:, :n], k_BMKH[:, :n], v_BMKH[:, :n], lse_BKGQ[..., :n], d_BKGQH[..., :n, :],
                             delta_BKGQ[..., :n], True, depth - 1, qs[0], ks[0])
-        across = _pair_grads(q_BQKGH[:, n:], k_BMKH[:, :n], v_BMKH[:, :n], lse_BKGQ[..., n:], d_BKGQH[..., n:, :],
-                             delta_BKGQ[..., n:], False, 0, qs[1], ks[0])
-        second = _pair_grads(q_BQKGH[:, n:], k_BMKH[:, n:], v_BMKH[:, n:], lse_BKGQ[..., n:], d_BKGQH[..., n:, :],
-                             delta_BKGQ[..., n:], True, depth - 1, qs[1], ks[1])
+        across = _pair_grads(_after(q_BQKGH[:, n:], first), k_BMKH[:, :n], v_BMKH[:, :n], lse_BKGQ[..., n:],
+                             d_BKGQH[..., n:, :], delta_BKGQ[..., n:], False, 0, qs[1], ks[0])
+        second = _pair_grads(_after(q_BQKGH[:, n:], across), k_BMKH[:, n:], v_BMKH[:, n:], lse_BKGQ[..., n:],
+                             d_BKGQH[..., n:, :], delta_BKGQ[..., n:], True, depth - 1, qs[1], ks[1])
         return (jnp.concatenate([first[0], across[0] + second[0]], axis=1),
                 *(jnp.concatenate([first[j] + across[j], second[j]], axis=1) for j in (1, 2)))
     positions = _pair_positions(q_BQKGH, k_BMKH, causal)
-    return _grads_keys(q_BQKGH, k_BMKH, v_BMKH, lse_BKGQ, d_BKGQH, delta_BKGQ, *positions, q_seg, k_seg)
+    return _grads_blocks(q_BQKGH, k_BMKH, v_BMKH, lse_BKGQ, d_BKGQH, delta_BKGQ, *positions, q_seg, k_seg)
+
+
+def _grads_blocks(q_BQKGH, k_BMKH, v_BMKH, lse_BKGQ, d_BKGQH, delta_BKGQ, q_pos=None, k_pos=None, q_seg=None,
+                  k_seg=None):
+    """:func:`_fold_blocks`'s pair, differentiated in the blocks it was folded in: float32
+    ``(dq, dk, dv)``, each query block's ``dq`` its own, ``dk`` and ``dv`` summed over them."""
+    T = _key_block(q_BQKGH.shape[1])
+    if T == q_BQKGH.shape[1]:
+        return _grads_keys(q_BQKGH, k_BMKH, v_BMKH, lse_BKGQ, d_BKGQH, delta_BKGQ, q_pos, k_pos, q_seg, k_seg)
+
+    def step(acc, block):
+        q_BTKGH, q_pos_T, q_seg_BT, lse_BKGT, d_BKGTH, delta_BKGT = block
+        dq, dk, dv = _grads_keys(q_BTKGH, k_BMKH, v_BMKH, lse_BKGT, d_BKGTH, delta_BKGT, q_pos_T, k_pos, q_seg_BT,
+                                 k_seg)
+        return (acc[0] + dk, acc[1] + dv), dq
+
+    blocks = (*_query_blocks(q_BQKGH, q_pos, q_seg, T), *(_row_blocks(x, T) for x in (lse_BKGQ, d_BKGQH, delta_BKGQ)))
+    zeros = tuple(jnp.zeros_like(x, jnp.float32) for x in (k_BMKH, v_BMKH))
+    (dk_BMKH, dv_BMKH), dq = jax.lax.scan(step, zeros, blocks)
+    return dq.swapaxes(0, 1).reshape(q_BQKGH.shape), dk_BMKH, dv_BMKH
 
 
 def _grads_keys(q_BQKGH, k_BMKH, v_BMKH, lse_BKGQ, d_BKGQH, delta_BKGQ, q_pos=None, k_pos=None, q_seg=None,
