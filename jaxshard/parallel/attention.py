@@ -657,16 +657,18 @@ def _fold_keys(state, q_BQKGH, k_BMKH, v_BMKH, q_pos=None, k_pos=None, q_seg=Non
 
 
 def _after(q_BQKGH, before):
-    """``q`` made to depend on all of ``before`` (plus a zero made from the sum of its values by
-    a test XLA cannot fold): a pair computed from the result is scheduled after the pair that
-    made ``before``. Pairs whose scores depend on nothing but queries and keys are otherwise
-    free to run in any order, and XLA:CPU made the scores of all a balanced step's whole pieces
-    at once and held them together (16 MB at 2,048 tokens a device, against 5 MB for the
-    contiguous ring's one pair a step). (One element would not do: XLA computes a slice of a
-    matmul or reduction by slicing its inputs, which orders only that row's work.)"""
+    """``q`` (or a tuple of arrays: a pair's queries and their output's cotangents) made to
+    depend on all of ``before``, plus a zero made from the sum of its values by a test XLA
+    cannot fold: a pair computed from the result is scheduled after the pair that made
+    ``before``. Pairs are otherwise free to run in any order -- scores need only queries and
+    keys, and the backward pass's ``do v^T`` no query at all -- and XLA:CPU made a balanced
+    step's pieces' at once and held them together (2,048 tokens a device: 16 MB against the
+    contiguous ring's 5; 8.7 MB ordered by the queries alone). One element would not do: XLA
+    computes a slice of a matmul or a reduction by slicing its inputs, which orders only that
+    row's work."""
     total = sum(x.sum(dtype=jnp.float32) for x in jax.tree.leaves(before))
     zero = jnp.minimum(0, jnp.isnan(total).astype(jnp.int32))
-    return q_BQKGH + zero.astype(q_BQKGH.dtype)
+    return jax.tree.map(lambda x: x + zero.astype(x.dtype), q_BQKGH)
 
 
 def _fold(state, q_BQKGH, k_BMKH, v_BMKH, causal: bool, depth: int = 0, q_seg=None, k_seg=None):
@@ -785,9 +787,9 @@ def _ring_attention_bwd(axes, manual, balanced, res, d_BCKGH):
     for i in range(S):
         if i:
             *held, dk_BCKH, dv_BCKH = jax.lax.ppermute((*held, dk_BCKH, dv_BCKH), axes, to_next)
-        grads = _ring_step_grads(_after(q_BCKGH, dq_BCKGH) if i else q_BCKGH, *held[:2], lse_BKGC, d_BKGCH,
-                                 delta_BKGC, i, axes, balanced, seg_BC,
-                                 held[2])
+        # (the step's queries and cotangents after the step before: _after)
+        q_i, d_i = _after((q_BCKGH, d_BKGCH), grads) if i else (q_BCKGH, d_BKGCH)
+        grads = _ring_step_grads(q_i, *held[:2], lse_BKGC, d_i, delta_BKGC, i, axes, balanced, seg_BC, held[2])
         dq_BCKGH, dk_BCKH, dv_BCKH = (a + b for a, b in zip((dq_BCKGH, dk_BCKH, dv_BCKH), grads))
     dk_BCKH, dv_BCKH = jax.lax.ppermute((dk_BCKH, dv_BCKH), axes, to_next)  # home
     return dq_BCKGH.astype(q_BCKGH.dtype), dk_BCKH.astype(k_BCKH.dtype), dv_BCKH.astype(v_BCKH.dtype), None
@@ -822,10 +824,10 @@ def _ring_step_grads(q_BCKGH, k_BCKH, v_BCKH, lse_BKGC, d_BKGCH, delta_BKGC, i, 
     if i == 0:
         depth = diagonal_depth(h)
         dq_lo, dk_lo, dv_lo = _pair_grads(q_lo, k_lo, v_lo, lse_lo, d_lo, delta_lo, True, depth, q_lo_seg, k_lo_seg)
-        dq_hi, dk_lo2, dv_lo2 = _pair_grads(_after(q_hi, dq_lo), k_lo, v_lo, lse_hi, d_hi, delta_hi, False, 0,
-                                            q_hi_seg, k_lo_seg)
-        dq_hi2, dk_hi, dv_hi = _pair_grads(_after(q_hi, dq_hi), k_hi, v_hi, lse_hi, d_hi, delta_hi, True, depth,
-                                           q_hi_seg, k_hi_seg)
+        q_, d_ = _after((q_hi, d_hi), (dq_lo, dk_lo, dv_lo))
+        dq_hi, dk_lo2, dv_lo2 = _pair_grads(q_, k_lo, v_lo, lse_hi, d_, delta_hi, False, 0, q_hi_seg, k_lo_seg)
+        q_, d_ = _after((q_hi, d_hi), (dq_hi, dk_lo2, dv_lo2))
+        dq_hi2, dk_hi, dv_hi = _pair_grads(q_, k_hi, v_hi, lse_hi, d_, delta_hi, True, depth, q_hi_seg, k_hi_seg)
         dq_hi, dk_lo, dv_lo = dq_hi + dq_hi2, dk_lo + dk_lo2, dv_lo + dv_lo2
     else:
         earlier = (me - i) % S < me
@@ -833,8 +835,8 @@ def _ring_step_grads(q_BCKGH, k_BCKH, v_BCKH, lse_BKGC, d_BKGCH, delta_BKGC, i, 
         segs = () if q_seg is None else (pick(q_lo_seg, q_hi_seg), pick(k_lo_seg, k_hi_seg))
         picked = _pair_grads(pick(q_lo, q_hi), pick(k_lo, k_hi), pick(v_lo, v_hi), pick(lse_lo, lse_hi),
                              pick(d_lo, d_hi), pick(delta_lo, delta_hi), False, 0, *segs)
-        dq_hi, dk_lo, dv_lo = _pair_grads(_after(q_hi, picked), k_lo, v_lo, lse_hi, d_hi, delta_hi, False, 0,
-                                          q_hi_seg, k_lo_seg)
+        q_, d_ = _after((q_hi, d_hi), picked)
+        dq_hi, dk_lo, dv_lo = _pair_grads(q_, k_lo, v_lo, lse_hi, d_, delta_hi, False, 0, q_hi_seg, k_lo_seg)
         (dq_lo, dk_lo2, dv_lo2), (dq_hi2, dk_hi, dv_hi) = ([jnp.where(earlier, x, 0) for x in picked],
                                                            [jnp.where(earlier, 0, x) for x in picked])
         dq_hi, dk_lo, dv_lo = dq_hi + dq_hi2, dk_lo + dk_lo2, dv_lo + dv_lo2
@@ -851,10 +853,13 @@ def _pair_grads(q_BQKGH, k_BMKH, v_BMKH, lse_BKGQ, d_BKGQH, delta_BKGQ, causal: 
             (q_seg[:, :n], q_seg[:, n:]), (k_seg[:, :n], k_seg[:, n:]))
         first = _pair_grads(q_BQKGH[:, :n], k_BMKH[:, :n], v_BMKH[:, :n], lse_BKGQ[..., :n], d_BKGQH[..., :n, :],
                             delta_BKGQ[..., :n], True, depth - 1, qs[0], ks[0])
-        across = _pair_grads(_after(q_BQKGH[:, n:], first), k_BMKH[:, :n], v_BMKH[:, :n], lse_BKGQ[..., n:],
-                             d_BKGQH[..., n:, :], delta_BKGQ[..., n:], False, 0, qs[1], ks[0])
-        second = _pair_grads(_after(q_BQKGH[:, n:], across), k_BMKH[:, n:], v_BMKH[:, n:], lse_BKGQ[..., n:],
-                             d_BKGQH[..., n:, :], delta_BKGQ[..., n:], True, depth - 1, qs[1], ks[1])
+        # (each piece's queries and cotangents after the piece before: _after)
+        q_, d_ = _after((q_BQKGH[:, n:], d_BKGQH[..., n:, :]), first)
+        across = _pair_grads(q_, k_BMKH[:, :n], v_BMKH[:, :n], lse_BKGQ[..., n:], d_, delta_BKGQ[..., n:], False, 0,
+                             qs[1], ks[0])
+        q_, d_ = _after((q_BQKGH[:, n:], d_BKGQH[..., n:, :]), across)
+        second = _pair_grads(q_, k_BMKH[:, n:], v_BMKH[:, n:], lse_BKGQ[..., n:], d_, delta_BKGQ[..., n:], True,
+                             depth - 1, qs[1], ks[1])
         return (jnp.concatenate([first[0], across[0] + second[0]], axis=1),
                 *(jnp.concatenate([first[j] + across[j], second[j]], axis=1) for j in (1, 2)))
     positions = _pair_positions(q_BQKGH, k_BMKH, causal)
