@@ -402,8 +402,14 @@ def test_packed_learned_positions_need_no_rematerialisation_by_the_partitioner(c
         make_program(model, "data=2,fsdp=4").lower_step(8, L).compile()
         return "Involuntary full rematerialization" in capfd.readouterr().err
 
+    from jax.experimental.compilation_cache import compilation_cache
+
+    # A cached executable is not partitioned, so the cache is off here; JAX reads the flag once
+    # a process, at its first compile, so the cache is reset to read it again (before, the flag
+    # alone did nothing: with the programs cached by an earlier run, no compile here warned).
     cached = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)  # (a cached executable is not partitioned)
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     try:
         assert not warned()
         with pytest.MonkeyPatch.context() as patch:
@@ -411,6 +417,7 @@ def test_packed_learned_positions_need_no_rematerialisation_by_the_partitioner(c
             assert warned()
     finally:
         jax.config.update("jax_enable_compilation_cache", cached)
+        compilation_cache.reset_cache()
 
 
 def test_take_rows_and_its_gradient_are_a_lookups():

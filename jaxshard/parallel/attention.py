@@ -379,8 +379,12 @@ def blockwise(q_BLKGH: jax.Array, k_BLKH: jax.Array, v_BLKH: jax.Array, block: i
     backward pass) in plain JAX: a scan over blocks of ``block`` keys with the online softmax.
     Autodiff keeps q, k, v, the output and each row's float32 log-sum-exp; the backward pass
     recomputes each block's probabilities from them. So it holds what a GPU's flash kernel
-    holds (no ``L x L`` scores), plus one block's ``[B, heads, L, block]`` scores in flight."""
-    T = min(block, k_BLKH.shape[1])
+    holds (no ``L x L`` scores), plus one block's ``[B, heads, block, block]`` scores in
+    flight: the queries too are taken ``block`` at a time."""
+    L = k_BLKH.shape[1]
+    T = min(block, L)
+    if L % T:
+        raise ValueError(f"sequence {L} is not a multiple of the attention block {T}")
     if segments_BL is None:
         return _flash(q_BLKGH, k_BLKH, v_BLKH, T)
     return _flash_documents(q_BLKGH, k_BLKH, v_BLKH, segments_BL, T)
@@ -393,17 +397,19 @@ def _blocks(x_BLKH, T):
     return x_BLKH.reshape(B, L // T, T, K, H).swapaxes(0, 1)  # [L/T, B, T, K, H]
 
 
-def _block_scores(q_BLKGH, k_BTKH, j, T, q_seg=None, k_seg=None):
-    """Scaled, causally masked float32 scores of all queries against key block ``j``.
+def _block_scores(q_BQKGH, k_BTKH, j, T, q_seg=None, k_seg=None, i=0):
+    """Scaled, causally masked float32 scores of query block ``i`` (``Q`` queries from
+    ``i * Q``: all of them where ``i`` is 0 and ``Q`` is the sequence) against key block ``j``.
 
-    The block's mask depends on nothing but ``j``, so under remat JAX's partial evaluation
-    would compute every block's mask ahead of the loop and stack them, ``[L/T, B, K, G, L, T]``
-    booleans kept for the backward pass (1 GB per layer for Llama 3 70B's 8192 tokens): the
-    L x L mask this kernel exists to avoid. Adding a zero read from the keys (always 0; XLA
-    folds it away) makes the mask depend on the data, so it is made inside the loop."""
-    L = q_BLKGH.shape[1]
+    The block's mask depends on nothing but ``i`` and ``j``, so under remat JAX's partial
+    evaluation would compute every block's mask ahead of the loop and stack them,
+    ``[L/T, B, K, G, Q, T]`` booleans kept for the backward pass (1 GB per layer for Llama 3
+    70B's 8192 tokens): the L x L mask this kernel exists to avoid. Adding a zero read from the
+    keys (always 0; XLA folds it away) makes the mask depend on the data, so it is made inside
+    the loop."""
+    Q = q_BQKGH.shape[1]
     j = j + jnp.where(jnp.isfinite(k_BTKH[0, 0, 0, 0]), 0, 0)
-    return _scores(q_BLKGH, k_BTKH, jnp.arange(L), j * T + jnp.arange(T), q_seg, k_seg)
+    return _scores(q_BQKGH, k_BTKH, i * Q + jnp.arange(Q), j * T + jnp.arange(T), q_seg, k_seg)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -412,26 +418,43 @@ def _flash(q_BLKGH, k_BLKH, v_BLKH, T):
 
 
 def _flash_fwd(q_BLKGH, k_BLKH, v_BLKH, T, segments_BL=None):
+    """The output and what the backward pass reads; queries ``T`` at a time (:func:`_flash_rows`)
+    where the sequence is longer than a block."""
     B, L, K, G, H = q_BLKGH.shape
-    segs = _segment_blocks(segments_BL, T, L)
+    if L == T:
+        o_BKGLH, lse_BKGL = _flash_rows(q_BLKGH, k_BLKH, v_BLKH, T, segments_BL, segments_BL)
+    else:
+        def rows(block):
+            i, q_BTKGH, q_seg_BT = block
+            return _flash_rows(q_BTKGH, k_BLKH, v_BLKH, T, q_seg_BT, segments_BL, i)
+
+        o, lse = jax.lax.map(rows, (jnp.arange(L // T), *_query_blocks(q_BLKGH, None, segments_BL, T)[::2]))
+        o_BKGLH, lse_BKGL = _row_unblock(o), _row_unblock(lse)
+    o_BLKGH = o_BKGLH.transpose(0, 3, 1, 2, 4).astype(q_BLKGH.dtype)
+    return o_BLKGH, (q_BLKGH, k_BLKH, v_BLKH, o_BLKGH, lse_BKGL)
+
+
+def _flash_rows(q_BQKGH, k_BLKH, v_BLKH, T, q_seg, segments_BL, i=0):
+    """Query block ``i`` (``Q`` queries) against every key block: its float32 output
+    ``[B, K, G, Q, H]`` and log-sum-exp ``[B, K, G, Q]``, a scan over the key blocks with the
+    online softmax."""
+    segs = _segment_blocks(segments_BL, T, k_BLKH.shape[1])
 
     def step(carry, blk):
-        j, m_BKGL, l_BKGL, o_BKGLH = carry
+        j, m_BKGQ, l_BKGQ, o_BKGQH = carry
         k_BTKH, v_BTKH, seg_BT = blk
-        s_BKGLT = _block_scores(q_BLKGH, k_BTKH, j, T, segments_BL, seg_BT)
-        return (j + 1, *_online_softmax((m_BKGL, l_BKGL, o_BKGLH), s_BKGLT, v_BTKH)), None
+        s_BKGQT = _block_scores(q_BQKGH, k_BTKH, j, T, q_seg, seg_BT, i)
+        return (j + 1, *_online_softmax((m_BKGQ, l_BKGQ, o_BKGQH), s_BKGQT, v_BTKH)), None
 
     # (zeros like the queries: inside a shard_map they vary over its axes as the queries do,
     # as the scan's carry out does -- Ulysses' region)
-    o_init = jnp.zeros_like(q_BLKGH, jnp.float32).transpose(0, 2, 3, 1, 4)
+    o_init = jnp.zeros_like(q_BQKGH, jnp.float32).transpose(0, 2, 3, 1, 4)
     init = (jnp.int32(0), o_init[..., 0] + _NEG, o_init[..., 0], o_init)
     # Each query sees itself (its own block): its row's max is finite from that block on, so
     # the fully masked blocks after it add exp(_NEG - m) = 0, and the junk exp(0) that masked
     # blocks before it added (packed documents: earlier documents' blocks) is scaled by 0 there.
     (_, m, l, o), _ = jax.lax.scan(step, init, (_blocks(k_BLKH, T), _blocks(v_BLKH, T), segs))
-    o_BLKGH = (o / l[..., None]).transpose(0, 3, 1, 2, 4).astype(q_BLKGH.dtype)
-    lse_BKGL = m + jnp.log(l)
-    return o_BLKGH, (q_BLKGH, k_BLKH, v_BLKH, o_BLKGH, lse_BKGL)
+    return o / l[..., None], m + jnp.log(l)
 
 
 def _online_softmax(state, s_BKGLT, v_BTKH):
@@ -453,27 +476,52 @@ def _segment_blocks(segments_BL, T, L):
 
 
 def _flash_bwd(T, res, do_BLKGH, segments_BL=None):
+    """FlashAttention-2's backward pass, a block of ``T`` queries at a time where the sequence
+    is longer than a block (:func:`_flash_rows_grads`; each block's dq its own, dk and dv summed
+    over the blocks)."""
     q_BLKGH, k_BLKH, v_BLKH, o_BLKGH, lse_BKGL = res
-    segs = _segment_blocks(segments_BL, T, q_BLKGH.shape[1])
-    scale = 1.0 / math.sqrt(q_BLKGH.shape[-1])
-    do = do_BLKGH.astype(jnp.float32)
-    d_BKGL = jnp.einsum("blkgh,blkgh->bkgl", do, o_BLKGH.astype(jnp.float32))
+    B, L, K, G, H = q_BLKGH.shape
+    do_BLKGH = do_BLKGH.astype(jnp.float32)
+    d_BKGL = jnp.einsum("blkgh,blkgh->bkgl", do_BLKGH, o_BLKGH.astype(jnp.float32))
+    if L == T:
+        dq, dk, dv = _flash_rows_grads(q_BLKGH, k_BLKH, v_BLKH, do_BLKGH, lse_BKGL, d_BKGL, T, segments_BL,
+                                       segments_BL)
+    else:
+        def rows(acc, block):
+            i, q_BTKGH, q_seg_BT, do_BTKGH, lse_BKGT, d_BKGT = block
+            dq, dk, dv = _flash_rows_grads(q_BTKGH, k_BLKH, v_BLKH, do_BTKGH, lse_BKGT, d_BKGT, T, q_seg_BT,
+                                           segments_BL, i)
+            return (acc[0] + dk, acc[1] + dv), dq
+
+        q_blocks, _, q_segs = _query_blocks(q_BLKGH, None, segments_BL, T)
+        do_blocks = _query_blocks(do_BLKGH, None, None, T)[0]
+        zeros = tuple(jnp.zeros_like(x, jnp.float32) for x in (k_BLKH, v_BLKH))
+        (dk, dv), dq = jax.lax.scan(rows, zeros, (jnp.arange(L // T), q_blocks, q_segs, do_blocks,
+                                                  _row_blocks(lse_BKGL, T), _row_blocks(d_BKGL, T)))
+        dq = dq.swapaxes(0, 1).reshape(q_BLKGH.shape)
+    return dq.astype(q_BLKGH.dtype), dk.astype(k_BLKH.dtype), dv.astype(v_BLKH.dtype)
+
+
+def _flash_rows_grads(q_BQKGH, k_BLKH, v_BLKH, do_BQKGH, lse_BKGQ, d_BKGQ, T, q_seg, segments_BL, i=0):
+    """Query block ``i``'s float32 ``(dq, dk, dv)``: a scan over the key blocks, each block's
+    probabilities made again from the log-sum-exp."""
+    segs = _segment_blocks(segments_BL, T, k_BLKH.shape[1])
+    scale = 1.0 / math.sqrt(q_BQKGH.shape[-1])
 
     def step(carry, blk):
-        j, dq_BLKGH = carry
+        j, dq_BQKGH = carry
         k_BTKH, v_BTKH, seg_BT = blk
-        p = jnp.exp(_block_scores(q_BLKGH, k_BTKH, j, T, segments_BL, seg_BT) - lse_BKGL[..., None])  # [B, K, G, L, T]
-        dv = jnp.einsum("bkglt,blkgh->btkh", p, do)
-        dp = jnp.einsum("blkgh,btkh->bkglt", do, v_BTKH.astype(jnp.float32))
-        ds = p * (dp - d_BKGL[..., None]) * scale
-        dq_BLKGH = dq_BLKGH + jnp.einsum("bkglt,btkh->blkgh", ds, k_BTKH.astype(jnp.float32))
-        dk = jnp.einsum("bkglt,blkgh->btkh", ds, q_BLKGH.astype(jnp.float32))
-        return (j + 1, dq_BLKGH), (dk.astype(k_BTKH.dtype), dv.astype(v_BTKH.dtype))
+        p = jnp.exp(_block_scores(q_BQKGH, k_BTKH, j, T, q_seg, seg_BT, i) - lse_BKGQ[..., None])  # [B, K, G, Q, T]
+        dv = jnp.einsum("bkglt,blkgh->btkh", p, do_BQKGH)
+        dp = jnp.einsum("blkgh,btkh->bkglt", do_BQKGH, v_BTKH.astype(jnp.float32))
+        ds = p * (dp - d_BKGQ[..., None]) * scale
+        dq_BQKGH = dq_BQKGH + jnp.einsum("bkglt,btkh->blkgh", ds, k_BTKH.astype(jnp.float32))
+        dk = jnp.einsum("bkglt,blkgh->btkh", ds, q_BQKGH.astype(jnp.float32))
+        return (j + 1, dq_BQKGH), (dk, dv)
 
-    (_, dq), (dk, dv) = jax.lax.scan(step, (jnp.int32(0), jnp.zeros_like(q_BLKGH, jnp.float32)),
+    (_, dq), (dk, dv) = jax.lax.scan(step, (jnp.int32(0), jnp.zeros_like(q_BQKGH, jnp.float32)),
                                      (_blocks(k_BLKH, T), _blocks(v_BLKH, T), segs))
-
-    return dq.astype(q_BLKGH.dtype), _unblock(dk, k_BLKH.shape), _unblock(dv, v_BLKH.shape)
+    return dq, _unblock(dk, k_BLKH.shape), _unblock(dv, v_BLKH.shape)
 
 
 def _unblock(x, shape):
