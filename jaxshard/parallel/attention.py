@@ -420,7 +420,7 @@ def _flash(q_BLKGH, k_BLKH, v_BLKH, T):
 def _flash_fwd(q_BLKGH, k_BLKH, v_BLKH, T, segments_BL=None):
     """The output and what the backward pass reads; queries ``T`` at a time (:func:`_flash_rows`)
     where the sequence is longer than a block."""
-    B, L, K, G, H = q_BLKGH.shape
+    L = q_BLKGH.shape[1]
     if L == T:
         o_BKGLH, lse_BKGL = _flash_rows(q_BLKGH, k_BLKH, v_BLKH, T, segments_BL, segments_BL)
     else:
@@ -480,7 +480,7 @@ def _flash_bwd(T, res, do_BLKGH, segments_BL=None):
     is longer than a block (:func:`_flash_rows_grads`; each block's dq its own, dk and dv summed
     over the blocks)."""
     q_BLKGH, k_BLKH, v_BLKH, o_BLKGH, lse_BKGL = res
-    B, L, K, G, H = q_BLKGH.shape
+    L = q_BLKGH.shape[1]
     do_BLKGH = do_BLKGH.astype(jnp.float32)
     d_BKGL = jnp.einsum("blkgh,blkgh->bkgl", do_BLKGH, o_BLKGH.astype(jnp.float32))
     if L == T:
