@@ -408,7 +408,7 @@ def _block_scores(q_BQKGH, k_BTKH, j, T, q_seg=None, k_seg=None, i=0):
     keys (always 0; XLA folds it away) makes the mask depend on the data, so it is made inside
     the loop."""
     Q = q_BQKGH.shape[1]
-    j = j + jnp.where(jnp.isfinite(k_BTKH[0, 0, 0, 0]), 0, 0)
+    j = j + _zero_read(k_BTKH)
     return _scores(q_BQKGH, k_BTKH, i * Q + jnp.arange(Q), j * T + jnp.arange(T), q_seg, k_seg)
 
 
@@ -498,7 +498,7 @@ def _flash_bwd(T, res, do_BLKGH, segments_BL=None):
         zeros = tuple(jnp.zeros_like(x, jnp.float32) for x in (k_BLKH, v_BLKH))
         (dk, dv), dq = jax.lax.scan(rows, zeros, (jnp.arange(L // T), q_blocks, q_segs, do_blocks,
                                                   _row_blocks(lse_BKGL, T), _row_blocks(d_BKGL, T)))
-        dq = dq.swapaxes(0, 1).reshape(q_BLKGH.shape)
+        dq = _unblock(dq, q_BLKGH.shape)
     return dq.astype(q_BLKGH.dtype), dk.astype(k_BLKH.dtype), dv.astype(v_BLKH.dtype)
 
 
@@ -525,8 +525,15 @@ def _flash_rows_grads(q_BQKGH, k_BLKH, v_BLKH, do_BQKGH, lse_BKGQ, d_BKGQ, T, q_
 
 
 def _unblock(x, shape):
-    """:func:`_blocks` undone: ``[L/T, B, T, K, H]`` -> ``[B, L, K, H]``."""
+    """:func:`_blocks` (or a query block's ``[L/T, B, T, K, G, H]``) undone: ``[B, L, ...]``."""
     return x.swapaxes(0, 1).reshape(shape)
+
+
+def _zero_read(x):
+    """0, read from ``x``'s first element (XLA folds it away): a value it is added to depends
+    on ``x`` for JAX's partial evaluation, which would otherwise make a block's mask, that
+    depends only on positions, ahead of the loop (:func:`_block_scores`)."""
+    return jnp.where(jnp.isfinite(x.reshape(-1)[0]), 0, 0)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -636,7 +643,7 @@ def _key_blocks(k_BMKH, v_BMKH, k_pos, k_seg, T):
     ahead of the loop and keep them all, the ``[Q, M]`` mask the blocks exist to avoid
     (:func:`_block_scores`)."""
     if k_pos is not None:
-        k_pos = (k_pos + jnp.where(jnp.isfinite(k_BMKH[0, 0, 0, 0]), 0, 0)).reshape(-1, T)
+        k_pos = (k_pos + _zero_read(k_BMKH)).reshape(-1, T)
     return _blocks(k_BMKH, T), _blocks(v_BMKH, T), k_pos, _segment_blocks(k_seg, T, k_BMKH.shape[1])
 
 
@@ -675,7 +682,7 @@ def _query_blocks(q_BQKGH, q_pos, q_seg, T):
     the positions made to depend on the queries (:func:`_key_blocks`)."""
     B, Q = q_BQKGH.shape[:2]
     if q_pos is not None:
-        q_pos = (q_pos + jnp.where(jnp.isfinite(q_BQKGH[0, 0, 0, 0, 0]), 0, 0)).reshape(-1, T)
+        q_pos = (q_pos + _zero_read(q_BQKGH)).reshape(-1, T)
     return q_BQKGH.reshape(B, Q // T, T, *q_BQKGH.shape[2:]).swapaxes(0, 1), q_pos, _segment_blocks(q_seg, T, Q)
 
 
@@ -714,8 +721,9 @@ def _after(q_BQKGH, before):
     contiguous ring's 5; 8.7 MB ordered by the queries alone). One element would not do: XLA
     computes a slice of a matmul or a reduction by slicing its inputs, which orders only that
     row's work."""
-    total = sum(x.sum(dtype=jnp.float32) for x in jax.tree.leaves(before))
-    zero = jnp.minimum(0, jnp.isnan(total).astype(jnp.int32))
+    from jaxshard.parallel.pipeline import zero_from  # (pipeline imports remat, which imports this module)
+
+    zero = zero_from(sum(x.sum(dtype=jnp.float32) for x in jax.tree.leaves(before)))
     return jax.tree.map(lambda x: x + zero.astype(x.dtype), q_BQKGH)
 
 
@@ -931,7 +939,7 @@ def _grads_blocks(q_BQKGH, k_BMKH, v_BMKH, lse_BKGQ, d_BKGQH, delta_BKGQ, q_pos=
     blocks = (*_query_blocks(q_BQKGH, q_pos, q_seg, T), *(_row_blocks(x, T) for x in (lse_BKGQ, d_BKGQH, delta_BKGQ)))
     zeros = tuple(jnp.zeros_like(x, jnp.float32) for x in (k_BMKH, v_BMKH))
     (dk_BMKH, dv_BMKH), dq = jax.lax.scan(step, zeros, blocks)
-    return dq.swapaxes(0, 1).reshape(q_BQKGH.shape), dk_BMKH, dv_BMKH
+    return _unblock(dq, q_BQKGH.shape), dk_BMKH, dv_BMKH
 
 
 def _grads_keys(q_BQKGH, k_BMKH, v_BMKH, lse_BKGQ, d_BKGQH, delta_BKGQ, q_pos=None, k_pos=None, q_seg=None,
