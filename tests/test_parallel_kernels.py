@@ -195,28 +195,52 @@ def test_blockwise_attention_equals_the_dense_one(kv_heads, groups, block, docum
         assert float(jnp.linalg.norm(g.astype(jnp.float32) - w) / jnp.linalg.norm(w)) < 2e-2
 
 
+def _blockwise_gradients(L, block, documents):
+    """The blockwise kernel's forward and backward pass, compiled: one head of width 8, float32,
+    with or without packed documents."""
+    from jaxshard.parallel.attention import blockwise
+
+    q = jax.ShapeDtypeStruct((1, L, 1, 1, 8), jnp.float32)
+    k = jax.ShapeDtypeStruct((1, L, 1, 8), jnp.float32)
+    seg = jax.ShapeDtypeStruct((1, L), jnp.int32)
+
+    def loss(q, k, v, s):
+        return blockwise(q, k, v, block, s if documents else None).sum()
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k, seg).compile()
+
+
 @pytest.mark.parametrize("documents", [False, True])
 def test_blockwise_attentions_temp_scales_with_the_block_not_the_sequence(documents):
     """The blockwise kernel's compiled forward and backward pass (one head, 4,096 tokens) takes
     queries a block at a time as well as keys: halving the block takes the temp below 0.7x, one
     block of the whole sequence over 3x, and twice the tokens less than 1.3x (with the queries
-    whole, about 2x: 34 and 68 MB where blocks take 5.0 and 5.7)."""
-    from jaxshard.parallel.attention import BLOCK, blockwise
+    whole, about 2x: 34 and 68 MB where blocks take 4.7 and 5.1)."""
+    from jaxshard.parallel.attention import BLOCK
 
     def temp(block, L):
-        q = jax.ShapeDtypeStruct((1, L, 1, 1, 8), jnp.float32)
-        k = jax.ShapeDtypeStruct((1, L, 1, 8), jnp.float32)
-        seg = jax.ShapeDtypeStruct((1, L), jnp.int32)
-
-        def loss(q, k, v, s):
-            return blockwise(q, k, v, block, s if documents else None).sum()
-
-        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k, seg).compile()
-        return compiled.memory_analysis().temp_size_in_bytes
+        return _blockwise_gradients(L, block, documents).memory_analysis().temp_size_in_bytes
 
     L = 4096
     blocked, half, whole, longer = temp(BLOCK, L), temp(BLOCK // 2, L), temp(L, L), temp(BLOCK, 2 * L)
     assert half < 0.7 * blocked and 3 * blocked < whole and longer < 1.3 * blocked, (blocked, half, whole, longer)
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_blockwise_attention_skips_the_blocks_wholly_in_the_future(documents):
+    """The compiled forward and backward pass's matmuls (counted by the loops' trip counts)
+    cover the causal triangle of blocks, n (n + 1) / 2 of the n^2 with n blocks: seven
+    ``[L, L]`` products (q k^T and p v forward; the scores again, dv, dp, dq and dk backward),
+    each at 10/16 of the square for 4 blocks, 36/64 for 8, and whole for one block, where the
+    scores are made once."""
+    from jaxshard.analysis import hlo
+
+    def square_products(L, block):
+        return hlo.dot_flops(_blockwise_gradients(L, block, documents).as_text()) / (2 * L * L * 8)
+
+    for n in (4, 8):
+        assert square_products(32 * n, 32) == pytest.approx(7 * (n + 1) / (2 * n), rel=0.01), n
+    assert square_products(32, 32) == pytest.approx(6, rel=0.01)
 
 
 def test_blockwise_attention_under_remat_makes_each_blocks_mask_in_the_loop():

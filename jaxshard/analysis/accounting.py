@@ -535,7 +535,10 @@ def flops(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
     square = 2 * 2 * L * N * H  # q k^T and p v, per token per layer, the full square
     ring = attention_lib.ring_size(rules)
     # As computed: the full square (the future masked; Ulysses' whole-sequence attention too),
-    # but a balanced ring's share of it.
+    # but a balanced ring's share of it. That is the materialised softmax's, the dense path's
+    # on CPU, where the waste is counted; a GPU's flash kernels (cuDNN's, and the blockwise one,
+    # attention.causal_block_pairs) skip the blocks wholly in the future, which the hardware
+    # figure (HFU) does not follow.
     attention = square
     balanced = attention_lib.balances(cfg, ring, L)
     if balanced:

@@ -380,7 +380,8 @@ def blockwise(q_BLKGH: jax.Array, k_BLKH: jax.Array, v_BLKH: jax.Array, block: i
     Autodiff keeps q, k, v, the output and each row's float32 log-sum-exp; the backward pass
     recomputes each block's probabilities from them. So it holds what a GPU's flash kernel
     holds (no ``L x L`` scores), plus one block's ``[B, heads, block, block]`` scores in
-    flight: the queries too are taken ``block`` at a time."""
+    flight: the queries too are taken ``block`` at a time. As a GPU's causal kernel, it skips
+    the block pairs wholly in the future (:func:`causal_block_pairs`)."""
     L = k_BLKH.shape[1]
     T = min(block, L)
     if L % T:
@@ -417,44 +418,55 @@ def _flash(q_BLKGH, k_BLKH, v_BLKH, T):
     return _flash_fwd(q_BLKGH, k_BLKH, v_BLKH, T)[0]
 
 
+def causal_block_pairs(n: int) -> np.ndarray:
+    """The (query block, key block) pairs of ``n`` blocks a causal kernel computes, ``[P, 2]``:
+    every key block up to the query block's own, row by row, ``n (n + 1) / 2`` of the ``n^2``.
+    A pair after the diagonal is wholly in the future: skipped, not computed and masked."""
+    return np.stack(np.tril_indices(n), axis=1).astype(np.int32)
+
+
+def _taker(i, j):
+    """Read query block ``i`` / key block ``j`` of a ``[n, ...]`` array (None stays None)."""
+    def take(x, at):
+        return None if x is None else jax.lax.dynamic_index_in_dim(x, at, keepdims=False)
+    return functools.partial(take, at=i), functools.partial(take, at=j)
+
+
+def _add_at(buffer, x, at):
+    """``buffer[at] += x`` for a loop's ``[n, ...]`` accumulator."""
+    return jax.lax.dynamic_update_index_in_dim(
+        buffer, jax.lax.dynamic_index_in_dim(buffer, at, keepdims=False) + x, at, 0)
+
+
 def _flash_fwd(q_BLKGH, k_BLKH, v_BLKH, T, segments_BL=None):
-    """The output and what the backward pass reads; queries ``T`` at a time (:func:`_flash_rows`)
-    where the sequence is longer than a block."""
+    """The output and what the backward pass reads: one scan over the causal block pairs
+    (:func:`causal_block_pairs`), each query block's online-softmax state folded from its first
+    key block to its own and written to the output rows as it goes."""
     L = q_BLKGH.shape[1]
-    if L == T:
-        o_BKGLH, lse_BKGL = _flash_rows(q_BLKGH, k_BLKH, v_BLKH, T, segments_BL, segments_BL)
-    else:
-        def rows(block):
-            i, q_BTKGH, q_seg_BT = block
-            return _flash_rows(q_BTKGH, k_BLKH, v_BLKH, T, q_seg_BT, segments_BL, i)
-
-        o, lse = jax.lax.map(rows, (jnp.arange(L // T), *_query_blocks(q_BLKGH, None, segments_BL, T)[::2]))
-        o_BKGLH, lse_BKGL = _row_unblock(o), _row_unblock(lse)
-    o_BLKGH = o_BKGLH.transpose(0, 3, 1, 2, 4).astype(q_BLKGH.dtype)
-    return o_BLKGH, (q_BLKGH, k_BLKH, v_BLKH, o_BLKGH, lse_BKGL)
-
-
-def _flash_rows(q_BQKGH, k_BLKH, v_BLKH, T, q_seg, segments_BL, i=0):
-    """Query block ``i`` (``Q`` queries) against every key block: its float32 output
-    ``[B, K, G, Q, H]`` and log-sum-exp ``[B, K, G, Q]``, a scan over the key blocks with the
-    online softmax."""
-    segs = _segment_blocks(segments_BL, T, k_BLKH.shape[1])
-
-    def step(carry, blk):
-        j, m_BKGQ, l_BKGQ, o_BKGQH = carry
-        k_BTKH, v_BTKH, seg_BT = blk
-        s_BKGQT = _block_scores(q_BQKGH, k_BTKH, j, T, q_seg, seg_BT, i)
-        return (j + 1, *_online_softmax((m_BKGQ, l_BKGQ, o_BKGQH), s_BKGQT, v_BTKH)), None
-
+    q_blocks, _, segs = _query_blocks(q_BLKGH, None, segments_BL, T)  # [n, B, T, K, G, H], [n, B, T]
+    k_blocks, v_blocks = _blocks(k_BLKH, T), _blocks(v_BLKH, T)
     # (zeros like the queries: inside a shard_map they vary over its axes as the queries do,
     # as the scan's carry out does -- Ulysses' region)
-    o_init = jnp.zeros_like(q_BQKGH, jnp.float32).transpose(0, 2, 3, 1, 4)
-    init = (jnp.int32(0), o_init[..., 0] + _NEG, o_init[..., 0], o_init)
-    # Each query sees itself (its own block): its row's max is finite from that block on, so
-    # the fully masked blocks after it add exp(_NEG - m) = 0, and the junk exp(0) that masked
-    # blocks before it added (packed documents: earlier documents' blocks) is scaled by 0 there.
-    (_, m, l, o), _ = jax.lax.scan(step, init, (_blocks(k_BLKH, T), _blocks(v_BLKH, T), segs))
-    return o / l[..., None], m + jnp.log(l)
+    o_nBKGTH = jnp.zeros_like(q_blocks, jnp.float32).transpose(0, 1, 3, 4, 2, 5)
+    fresh = (o_nBKGTH[0, ..., 0] + _NEG, o_nBKGTH[0, ..., 0], o_nBKGTH[0])
+
+    def step(carry, pair):
+        state, o_buf, lse_buf = carry
+        row, col = _taker(pair[0], pair[1])
+        state = tuple(jnp.where(pair[1] == 0, f, x) for f, x in zip(fresh, state))  # a new row
+        s_BKGQT = _block_scores(row(q_blocks), col(k_blocks), pair[1], T, row(segs), col(segs), pair[0])
+        m, l, o = state = _online_softmax(state, s_BKGQT, col(v_blocks))
+        o_buf = jax.lax.dynamic_update_index_in_dim(o_buf, o / l[..., None], pair[0], 0)
+        lse_buf = jax.lax.dynamic_update_index_in_dim(lse_buf, m + jnp.log(l), pair[0], 0)
+        return (state, o_buf, lse_buf), None
+
+    # Each query sees itself (its own block, the row's last): its row's max is finite from
+    # then on, so the junk exp(0) that wholly masked blocks before it added (packed documents:
+    # earlier documents' blocks) is scaled by 0 there.
+    (_, o, lse), _ = jax.lax.scan(step, (fresh, o_nBKGTH, o_nBKGTH[..., 0]),
+                                  jnp.asarray(causal_block_pairs(L // T)))
+    o_BLKGH = _row_unblock(o).transpose(0, 3, 1, 2, 4).astype(q_BLKGH.dtype)
+    return o_BLKGH, (q_BLKGH, k_BLKH, v_BLKH, o_BLKGH, _row_unblock(lse))
 
 
 def _online_softmax(state, s_BKGLT, v_BTKH):
@@ -476,52 +488,36 @@ def _segment_blocks(segments_BL, T, L):
 
 
 def _flash_bwd(T, res, do_BLKGH, segments_BL=None):
-    """FlashAttention-2's backward pass, a block of ``T`` queries at a time where the sequence
-    is longer than a block (:func:`_flash_rows_grads`; each block's dq its own, dk and dv summed
-    over the blocks)."""
+    """FlashAttention-2's backward pass over the same causal block pairs as the forward pass:
+    each pair's probabilities made again from the rows' log-sum-exp, its dq added to its query
+    block's and its dk, dv to its key block's (float32 accumulators)."""
     q_BLKGH, k_BLKH, v_BLKH, o_BLKGH, lse_BKGL = res
     L = q_BLKGH.shape[1]
+    scale = 1.0 / math.sqrt(q_BLKGH.shape[-1])
     do_BLKGH = do_BLKGH.astype(jnp.float32)
     d_BKGL = jnp.einsum("blkgh,blkgh->bkgl", do_BLKGH, o_BLKGH.astype(jnp.float32))
-    if L == T:
-        dq, dk, dv = _flash_rows_grads(q_BLKGH, k_BLKH, v_BLKH, do_BLKGH, lse_BKGL, d_BKGL, T, segments_BL,
-                                       segments_BL)
-    else:
-        def rows(acc, block):
-            i, q_BTKGH, q_seg_BT, do_BTKGH, lse_BKGT, d_BKGT = block
-            dq, dk, dv = _flash_rows_grads(q_BTKGH, k_BLKH, v_BLKH, do_BTKGH, lse_BKGT, d_BKGT, T, q_seg_BT,
-                                           segments_BL, i)
-            return (acc[0] + dk, acc[1] + dv), dq
+    q_blocks, _, segs = _query_blocks(q_BLKGH, None, segments_BL, T)
+    do_blocks = _query_blocks(do_BLKGH, None, None, T)[0]
+    lse_blocks, d_blocks = _row_blocks(lse_BKGL, T), _row_blocks(d_BKGL, T)
+    k_blocks, v_blocks = _blocks(k_BLKH, T), _blocks(v_BLKH, T)
 
-        q_blocks, _, q_segs = _query_blocks(q_BLKGH, None, segments_BL, T)
-        do_blocks = _query_blocks(do_BLKGH, None, None, T)[0]
-        zeros = tuple(jnp.zeros_like(x, jnp.float32) for x in (k_BLKH, v_BLKH))
-        (dk, dv), dq = jax.lax.scan(rows, zeros, (jnp.arange(L // T), q_blocks, q_segs, do_blocks,
-                                                  _row_blocks(lse_BKGL, T), _row_blocks(d_BKGL, T)))
-        dq = _unblock(dq, q_BLKGH.shape)
-    return dq.astype(q_BLKGH.dtype), dk.astype(k_BLKH.dtype), dv.astype(v_BLKH.dtype)
-
-
-def _flash_rows_grads(q_BQKGH, k_BLKH, v_BLKH, do_BQKGH, lse_BKGQ, d_BKGQ, T, q_seg, segments_BL, i=0):
-    """Query block ``i``'s float32 ``(dq, dk, dv)``: a scan over the key blocks, each block's
-    probabilities made again from the log-sum-exp."""
-    segs = _segment_blocks(segments_BL, T, k_BLKH.shape[1])
-    scale = 1.0 / math.sqrt(q_BQKGH.shape[-1])
-
-    def step(carry, blk):
-        j, dq_BQKGH = carry
-        k_BTKH, v_BTKH, seg_BT = blk
-        p = jnp.exp(_block_scores(q_BQKGH, k_BTKH, j, T, q_seg, seg_BT, i) - lse_BKGQ[..., None])  # [B, K, G, Q, T]
+    def step(grads, pair):
+        dq_buf, dk_buf, dv_buf = grads
+        row, col = _taker(pair[0], pair[1])
+        q_BQKGH, do_BQKGH, k_BTKH, v_BTKH = row(q_blocks), row(do_blocks), col(k_blocks), col(v_blocks)
+        s_BKGQT = _block_scores(q_BQKGH, k_BTKH, pair[1], T, row(segs), col(segs), pair[0])
+        p = jnp.exp(s_BKGQT - row(lse_blocks)[..., None])  # [B, K, G, Q, T]
         dv = jnp.einsum("bkglt,blkgh->btkh", p, do_BQKGH)
         dp = jnp.einsum("blkgh,btkh->bkglt", do_BQKGH, v_BTKH.astype(jnp.float32))
-        ds = p * (dp - d_BKGQ[..., None]) * scale
-        dq_BQKGH = dq_BQKGH + jnp.einsum("bkglt,btkh->blkgh", ds, k_BTKH.astype(jnp.float32))
+        ds = p * (dp - row(d_blocks)[..., None]) * scale
+        dq = jnp.einsum("bkglt,btkh->blkgh", ds, k_BTKH.astype(jnp.float32))
         dk = jnp.einsum("bkglt,blkgh->btkh", ds, q_BQKGH.astype(jnp.float32))
-        return (j + 1, dq_BQKGH), (dk, dv)
+        return (_add_at(dq_buf, dq, pair[0]), _add_at(dk_buf, dk, pair[1]), _add_at(dv_buf, dv, pair[1])), None
 
-    (_, dq), (dk, dv) = jax.lax.scan(step, (jnp.int32(0), jnp.zeros_like(q_BQKGH, jnp.float32)),
-                                     (_blocks(k_BLKH, T), _blocks(v_BLKH, T), segs))
-    return dq, _unblock(dk, k_BLKH.shape), _unblock(dv, v_BLKH.shape)
+    zeros = tuple(jnp.zeros_like(x, jnp.float32) for x in (q_blocks, k_blocks, v_blocks))
+    (dq, dk, dv), _ = jax.lax.scan(step, zeros, jnp.asarray(causal_block_pairs(L // T)))
+    return (_unblock(dq, q_BLKGH.shape).astype(q_BLKGH.dtype), _unblock(dk, k_BLKH.shape).astype(k_BLKH.dtype),
+            _unblock(dv, v_BLKH.shape).astype(v_BLKH.dtype))
 
 
 def _unblock(x, shape):
