@@ -263,11 +263,20 @@ class TransformerLM:
         table = table_copies(embedder.tokens[...], embedder.tied)
         # Packed documents (``documents_eot``): attention within each, positions from 0 in each,
         # and the target after an end-of-text not counted.
-        layout = (None, None, None) if self.cfg.documents_eot is None else \
-            attention.document_layout(inputs_BL, self.cfg.documents_eot)
+        # They are made from the whole row of token ids on every device, and kept whole: under
+        # a sequence split, one all-gather of the ids (the one the balanced layout's reordering
+        # makes anyway), and the rings and Ulysses slice the ids they need. (Made on the split,
+        # the prefix sums and the reordering gathered each of them, and every layer's attention
+        # its segment ids.)
+        whole_BL = inputs_BL
+        layout = (None, None, None)
+        if self.cfg.documents_eot is not None:
+            whole_BL = constrain(inputs_BL, (Dim.BATCH, None))
+            layout = tuple(constrain(x, (Dim.BATCH, None))
+                           for x in attention.document_layout(whole_BL, self.cfg.documents_eot))
         order = self.balanced_order(inputs_BL.shape[1])
         if order is not None:  # a ring's balanced layout: the loss is a sum over tokens, in any order
-            inputs_BL, targets_BL = inputs_BL[:, order], targets_BL[:, order]
+            inputs_BL, targets_BL = whole_BL[:, order], targets_BL[:, order]
             layout = tuple(None if x is None else x[:, order] for x in layout)
         segments_BL, positions_BL, counted_BL = layout
         with attention.balanced(order), attention.documents(segments_BL, positions_BL):

@@ -437,3 +437,25 @@ def test_take_rows_and_its_gradient_are_a_lookups():
     np.testing.assert_allclose(under("data=2,fsdp=4", take_rows, table, positions), lookup(table, positions))
     got = under("data=2,fsdp=4", jax.grad(functools.partial(loss, take_rows)), table)
     np.testing.assert_allclose(got, jax.grad(functools.partial(loss, lookup))(table), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mesh, remat, dropout, cp", [
+    ("data=2,sequence=4", "none", 0.0, "ring"),  # balanced: the reordering's gather serves
+    ("data=4,sequence=2", "full", 0.1, "ring"),  # contiguous (dropout keeps the order)
+    ("data=2,sequence=4", "none", 0.0, "ulysses"),
+])
+def test_packed_documents_under_a_sequence_split_send_what_the_ledger_says(mesh, remat, dropout, cp):
+    """The documents' ids, positions and loss flags are made once from the whole row of token
+    ids, and the rings and Ulysses slice the ids they need: the compiled step's all-gathers and
+    collective-permutes move exactly the ledger's bytes (one gather of the ids, or the balanced
+    layout's two, and no id with a ring's chunks; made on the split, the prefix sums, the
+    reordering and each layer's attention gathered or passed ids of their own)."""
+    from jaxshard.analysis import inspect
+
+    model = TransformerLM(get_preset("tiny-llama").replace(documents_eot=EOT, dropout=dropout), remat=remat)
+    program = make_program(model, mesh, context_parallel=cp)
+    check = inspect.verify(model, program, program.lower_step(8, 64).compile(), 8, 64)
+    moved = {kind: (predicted, compiled) for kind, predicted, compiled in check.by_kind}
+    assert moved["all-gather"][0] > 0 and not check.flags, (moved, check.flags)
+    for kind in ("all-gather", "collective-permute"):
+        assert moved.get(kind, (0, 0))[0] == moved.get(kind, (0, 0))[1], (kind, moved)

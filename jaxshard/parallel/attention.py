@@ -271,8 +271,25 @@ def causal_attention(q_BLKGH: jax.Array, k_BLKH: jax.Array, v_BLKH: jax.Array, s
         return jax.shard_map(lambda q, k, v: ring(q, k, v, None), mesh=rules.context_mesh,
                              in_specs=(spec, spec, spec), out_specs=spec,
                              axis_names=manual)(q_BLKGH, k_BLKH, v_BLKH)
-    return jax.shard_map(ring, mesh=rules.context_mesh, in_specs=(spec, spec, spec, spec), out_specs=spec,
-                         axis_names=manual)(q_BLKGH, k_BLKH, v_BLKH, segments_BL)
+    # (packed documents' ids whole on every device of the ring: each slices the chunk it holds)
+    return jax.shard_map(ring, mesh=rules.context_mesh, in_specs=(spec, spec, spec, _whole_rows(spec)),
+                         out_specs=spec, axis_names=manual)(q_BLKGH, k_BLKH, v_BLKH, segments_BL)
+
+
+def _whole_rows(spec: jax.sharding.PartitionSpec) -> jax.sharding.PartitionSpec:
+    """``[B, L]`` ids laid out as ``spec``'s rows, the sequence whole."""
+    return jax.sharding.PartitionSpec(spec[0] if len(spec) else None, None)
+
+
+def _held_ids(seg_BL, axes, i: int):
+    """Packed documents' segment ids ``[B, C]`` of the chunk a device holds at ring step
+    ``i`` (0: its own), sliced from the row's whole ids ``[B, L]`` that every device of the
+    ring has (None without documents): the ids travel with no chunk."""
+    if seg_BL is None:
+        return None
+    S = math.prod(jax.lax.axis_size(a) for a in axes)
+    C = seg_BL.shape[1] // S
+    return jax.lax.dynamic_slice_in_dim(seg_BL, (jax.lax.axis_index(axes) - i) % S * C, C, axis=1)
 
 
 def _allowed(q_pos, k_pos, q_seg=None, k_seg=None):
@@ -588,9 +605,10 @@ def fused(q_BLKGH: jax.Array, k_BLKH: jax.Array, v_BLKH: jax.Array,
     return o_BLNH.reshape(B, L, K, G, H)
 
 
-def _ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual, seg_BC=None):
+def _ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual, seg_BL=None):
     """The contiguous ring's forward pass: the device's float32 output ``[B, K, G, C, H]``
-    and each row's log-sum-exp ``[B, K, G, C]``, every chunk pair computed, the future masked."""
+    and each row's log-sum-exp ``[B, K, G, C]``, every chunk pair computed, the future masked.
+    ``seg_BL``: the row's whole segment ids (:func:`_held_ids`)."""
     S = math.prod(jax.lax.axis_size(a) for a in axes)
     C = q_BCKGH.shape[1]
     me = jax.lax.axis_index(axes)
@@ -604,16 +622,16 @@ def _ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual, seg_BC=None):
         lambda x: jax.lax.pcast(x, manual, to="varying"),
         (jnp.full((B, K, G, C), _NEG, jnp.float32), jnp.zeros((B, K, G, C), jnp.float32),
          jnp.zeros((B, K, G, C, H), jnp.float32)))
-    k, v, k_seg = k_BCKH, v_BCKH, seg_BC
+    k, v = k_BCKH, v_BCKH
     # Unrolled in Python (S is small): XLA can overlap each transfer with the next step's math,
     # and there are S - 1 transfers by construction -- no dead last one for DCE to find, which
     # it could not under a remat policy (FSDP's reshard-after-forward).
     for i in range(S):
         if i:
-            k, v, k_seg = jax.lax.ppermute((k, v, k_seg), axes, to_next)
+            k, v = jax.lax.ppermute((k, v), axes, to_next)
         src = (me - i) % S  # the chunk this device holds at step i
         state = _fold_blocks(state, _after(q_BCKGH, state) if i else q_BCKGH, k, v, q_pos, src * C + jnp.arange(C),
-                             seg_BC, k_seg)
+                             _held_ids(seg_BL, axes, 0), _held_ids(seg_BL, axes, i))
     m_BKGC, l_BKGC, o_BKGCH = state
     return o_BKGCH / l_BKGC[..., None], m_BKGC + jnp.log(l_BKGC)
 
@@ -750,7 +768,7 @@ def _pair_positions(q_BQKGH, k_BMKH, causal: bool):
     return (jnp.arange(q_BQKGH.shape[1]), jnp.arange(k_BMKH.shape[1])) if causal else (None, None)
 
 
-def _balanced_ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual, seg_BC=None):
+def _balanced_ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual, seg_BL=None):
     """The ring over chunks that each hold the halves d and 2S - 1 - d (module docstring):
     the own step computes its two causal diagonals and the later half against the earlier;
     step i computes the later query half against the arriving earlier key half, and either the
@@ -758,7 +776,7 @@ def _balanced_ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual, seg_BC=None):
     against the sender's later key half (src > d). Which one is chosen by value (``where``),
     so every device runs the same program, two half-pairs a step. Returns the device's float32
     output ``[B, K, G, C, H]`` and each row's log-sum-exp ``[B, K, G, C]``, its halves in the
-    chunk's order."""
+    chunk's order. ``seg_BL``: the row's whole segment ids (:func:`_held_ids`)."""
     S = math.prod(jax.lax.axis_size(a) for a in axes)
     B, C, K, G, H = q_BCKGH.shape
     h = C // 2
@@ -772,12 +790,14 @@ def _balanced_ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual, seg_BC=None):
                              jnp.zeros((B, K, G, h, H), jnp.float32)))
 
     lo, hi = fresh(), fresh()
-    k, v, k_seg = k_BCKH, v_BCKH, seg_BC
-    # (segment ids of the query and key halves: none without packed documents)
-    q_lo_seg, q_hi_seg = (None, None) if seg_BC is None else (seg_BC[:, :h], seg_BC[:, h:])
+    k, v = k_BCKH, v_BCKH
 
     def halves(x):
         return (None, None) if x is None else (x[:, :h], x[:, h:])
+
+    # (segment ids of the query and key halves: none without packed documents)
+    k_seg = _held_ids(seg_BL, axes, 0)
+    q_lo_seg, q_hi_seg = halves(k_seg)
 
     depth = diagonal_depth(h)
     # (each piece after the one before it: _after)
@@ -785,13 +805,13 @@ def _balanced_ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual, seg_BC=None):
     hi = _fold(hi, _after(q_hi, lo), k[:, :h], v[:, :h], False, 0, q_hi_seg, halves(k_seg)[0])
     hi = _fold(hi, _after(q_hi, hi), k[:, h:], v[:, h:], True, depth, q_hi_seg, halves(k_seg)[1])
     for i in range(1, S):
-        k, v, k_seg = jax.lax.ppermute((k, v, k_seg), axes, to_next)
+        k, v = jax.lax.ppermute((k, v), axes, to_next)
         earlier = (me - i) % S < me  # the sender's halves: src and 2S - 1 - src
-        k_lo_seg, k_hi_seg = halves(k_seg)
+        k_lo_seg, k_hi_seg = halves(_held_ids(seg_BL, axes, i))
         hi = _fold(hi, _after(q_hi, (lo, hi)), k[:, :h], v[:, :h], False, 0, q_hi_seg, k_lo_seg)
         pick = functools.partial(jnp.where, earlier)
         state = jax.tree.map(pick, lo, hi)
-        segs = () if seg_BC is None else (pick(q_lo_seg, q_hi_seg), pick(k_lo_seg, k_hi_seg))
+        segs = () if seg_BL is None else (pick(q_lo_seg, q_hi_seg), pick(k_lo_seg, k_hi_seg))
         state = _fold(state, _after(pick(q_lo, q_hi), hi), pick(k[:, :h], k[:, h:]), pick(v[:, :h], v[:, h:]),
                       False, 0, *segs)
         lo = jax.tree.map(pick, state, lo)
@@ -801,24 +821,24 @@ def _balanced_ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual, seg_BC=None):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _ring_attention(q_BCKGH, k_BCKH, v_BCKH, seg_BC, axes, manual, balanced):
+def _ring_attention(q_BCKGH, k_BCKH, v_BCKH, seg_BL, axes, manual, balanced):
     """A device's ``[B, C, K, G, H]`` output of the ring (:func:`_balanced_ring` or
     :func:`_ring`), differentiated as Ring Attention's backward pass (Liu et al. 2023) rather
     than by autodiff: it keeps the device's own query, key and value chunks, the output and
     each row's log-sum-exp -- O(C) -- where autodiff kept every step's kv chunk, running output
     and probabilities (the whole sequence's keys and values on every device)."""
-    return _ring_attention_fwd(q_BCKGH, k_BCKH, v_BCKH, seg_BC, axes, manual, balanced)[0]
+    return _ring_attention_fwd(q_BCKGH, k_BCKH, v_BCKH, seg_BL, axes, manual, balanced)[0]
 
 
-def _ring_attention_fwd(q_BCKGH, k_BCKH, v_BCKH, seg_BC, axes, manual, balanced):
+def _ring_attention_fwd(q_BCKGH, k_BCKH, v_BCKH, seg_BL, axes, manual, balanced):
     # The output and statistic carry the name :data:`RING`, which ``--remat dots`` keeps: with
     # them kept, nothing the backward pass reads needs the steps' matmuls, so the policy keeps
     # none of those (it would otherwise keep every step's scores and p v).
     ring = _balanced_ring if balanced else _ring
-    o_BKGCH, lse_BKGC = ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual, seg_BC)
+    o_BKGCH, lse_BKGC = ring(q_BCKGH, k_BCKH, v_BCKH, axes, manual, seg_BL)
     out_BCKGH = checkpoint_name(o_BKGCH.transpose(0, 3, 1, 2, 4).astype(q_BCKGH.dtype), RING)
     lse_BKGC = checkpoint_name(lse_BKGC, RING)
-    return out_BCKGH, (q_BCKGH, k_BCKH, v_BCKH, seg_BC, out_BCKGH, lse_BKGC)
+    return out_BCKGH, (q_BCKGH, k_BCKH, v_BCKH, seg_BL, out_BCKGH, lse_BKGC)
 
 
 def _ring_attention_bwd(axes, manual, balanced, res, d_BCKGH):
@@ -827,7 +847,7 @@ def _ring_attention_bwd(axes, manual, balanced, res, d_BCKGH):
     it holds is differentiated (:func:`_ring_step_grads`, the forward's pairs and masks, the
     probabilities made again from the saved log-sum-exp); the last hop brings each chunk's
     gradients home."""
-    q_BCKGH, k_BCKH, v_BCKH, seg_BC, out_BCKGH, lse_BKGC = res
+    q_BCKGH, k_BCKH, v_BCKH, seg_BL, out_BCKGH, lse_BKGC = res
     S = math.prod(jax.lax.axis_size(a) for a in axes)
     to_next = [(i, (i + 1) % S) for i in range(S)]
     d_BKGCH = d_BCKGH.transpose(0, 2, 3, 1, 4).astype(jnp.float32)
@@ -835,13 +855,14 @@ def _ring_attention_bwd(axes, manual, balanced, res, d_BCKGH):
     delta_BKGC = (d_BKGCH * out_BCKGH.transpose(0, 2, 3, 1, 4).astype(jnp.float32)).sum(-1)
     dq_BCKGH = jnp.zeros(q_BCKGH.shape, jnp.float32)
     dk_BCKH, dv_BCKH = (jax.lax.pcast(jnp.zeros(x.shape, jnp.float32), manual, to="varying") for x in (k_BCKH, v_BCKH))
-    held = (k_BCKH, v_BCKH, seg_BC)
+    held = (k_BCKH, v_BCKH)
     for i in range(S):
         if i:
             *held, dk_BCKH, dv_BCKH = jax.lax.ppermute((*held, dk_BCKH, dv_BCKH), axes, to_next)
         # (the step's queries and cotangents after the step before: _after)
         q_i, d_i = _after((q_BCKGH, d_BKGCH), grads) if i else (q_BCKGH, d_BKGCH)
-        grads = _ring_step_grads(q_i, *held[:2], lse_BKGC, d_i, delta_BKGC, i, axes, balanced, seg_BC, held[2])
+        grads = _ring_step_grads(q_i, *held, lse_BKGC, d_i, delta_BKGC, i, axes, balanced,
+                                 _held_ids(seg_BL, axes, 0), _held_ids(seg_BL, axes, i))
         dq_BCKGH, dk_BCKH, dv_BCKH = (a + b for a, b in zip((dq_BCKGH, dk_BCKH, dv_BCKH), grads))
     dk_BCKH, dv_BCKH = jax.lax.ppermute((dk_BCKH, dv_BCKH), axes, to_next)  # home
     return dq_BCKGH.astype(q_BCKGH.dtype), dk_BCKH.astype(k_BCKH.dtype), dv_BCKH.astype(v_BCKH.dtype), None
@@ -995,12 +1016,12 @@ def _ulysses_region(rules, q_BLKGH, k_BLKH, v_BLKH, axes, kernel, segments_BL=No
     manual = spec_axes(q_spec) | spec_axes(kv_spec)
     segs = () if segments_BL is None else (segments_BL,)
     o_BLNH = jax.shard_map(local, mesh=rules.context_mesh,
-                           in_specs=(q_spec, kv_spec, kv_spec, *(jax.sharding.PartitionSpec(*q_spec[:2]),) * len(segs)),
+                           in_specs=(q_spec, kv_spec, kv_spec, *(_whole_rows(q_spec),) * len(segs)),
                            out_specs=q_spec, axis_names=manual)(q_BLKGH.reshape(B, L, K * G, H), k_BLKH, v_BLKH, *segs)
     return o_BLNH.reshape(B, L, K, G, H)
 
 
-def _ulysses(q_BCKGH, k_BCKH, v_BCKH, axes, kernel, seg_BC=None):
+def _ulysses(q_BCKGH, k_BCKH, v_BCKH, axes, kernel, seg_BL=None):
     """DeepSpeed-Ulysses (Jacobs et al. 2023): an all-to-all over the sequence axes turns each
     device's chunk of C = L/S tokens of every head into all L tokens of 1/S of the heads; the
     dense path's attention (on GPUs cuDNN's flash kernel) runs on the whole sequence, and a
@@ -1018,8 +1039,7 @@ def _ulysses(q_BCKGH, k_BCKH, v_BCKH, axes, kernel, seg_BC=None):
     def to_heads(x):  # [B, C, K', ...] -> [B, L, K'/S, ...]
         return jax.lax.all_to_all(x, axes, split_axis=2, concat_axis=1, tiled=True)
 
-    # packed documents: every device attends over the whole sequence, so it needs every id
-    seg_BL = None if seg_BC is None else jax.lax.all_gather(seg_BC, axes, axis=1, tiled=True)
+    # (packed documents: every device attends over the whole sequence with the row's whole ids)
     o_BLKGH = _dense(to_heads(q_BCKGH), to_heads(k_BCKH), to_heads(v_BCKH), kernel, seg_BL)
     o_BCKGH = jax.lax.all_to_all(o_BLKGH, axes, split_axis=1, concat_axis=2, tiled=True)
     return o_BCKGH.reshape(B, C, K, G, H)

@@ -9,7 +9,10 @@ recomputes the attention sends nothing more: XLA merges the recomputed forward p
 with the backward pass's, which pass the same chunks. Where ``tensor`` splits the kv heads,
 each device passes only its heads. In the balanced layout
 (``attention.balances``) the token ids and targets are gathered once per microbatch to put
-them in that order.
+them in that order. Packed documents' segment ids, positions and loss flags are made from the
+whole row of token ids on every device (``models.transformer``): the balanced layout's gather
+of the ids serves, and otherwise (the contiguous ring, Ulysses) the ids are gathered for them;
+no id travels with a chunk.
 
 Ulysses sends each attention's query, key and value chunks to the devices of their heads and
 the output back, four all-to-alls of a device's own ``[rows, L/S, heads, d_head]`` each way
@@ -35,7 +38,14 @@ def ring(ledger: Ledger) -> None:
     if not seq:
         return
     S = rules.size(seq)
-    if rules.strategy.context_parallel == "ulysses":
+    ulysses = rules.strategy.context_parallel == "ulysses"
+    if attention.balances(cfg, S, ledger.seq_len) and not ulysses:
+        ledger.add("all-gather", seq, ledger.rows * ledger.seq_len * 4, 2 * ledger.grad_accum,
+                   "CP, balanced: gather the token ids and targets to put them in the balanced order")
+    elif cfg.documents_eot is not None:
+        ledger.add("all-gather", seq, ledger.rows * ledger.seq_len * 4, ledger.grad_accum,
+                   "CP, packed documents: gather the token ids to find the documents in the whole row")
+    if ulysses:
         _ulysses(ledger, seq, S)
         return
     kv_t = rules.size(tensor) if tensor and cfg.n_kv_heads % rules.size(tensor) == 0 else 1
@@ -45,9 +55,6 @@ def ring(ledger: Ledger) -> None:
                "CP: pass key and value chunks around the ring (forward, and again backward)")
     ledger.add("collective-permute", seq, kv_local * F32, layers * 2 * S,
                "CP: pass the key and value chunks' gradient sums (float32) with them, and home (backward)")
-    if attention.balances(cfg, S, ledger.seq_len):
-        ledger.add("all-gather", seq, ledger.rows * ledger.seq_len * 4, 2 * ledger.grad_accum,
-                   "CP, balanced: gather the token ids and targets to put them in the balanced order")
 
 
 def _ulysses(ledger: Ledger, seq: tuple[str, ...], S: int) -> None:
