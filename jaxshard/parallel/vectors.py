@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxshard.axes import Dim
-from jaxshard.rules import StateKind, active
+from jaxshard.axes import RESIDUAL_BLD, Dim
+from jaxshard.rules import StateKind, active, spec_axes
 
 
 def two_stage(rules) -> bool:
@@ -87,27 +87,64 @@ def take_rows(table_PD: jax.Array, positions_BL: jax.Array) -> jax.Array:
     """``table[positions]``, ``[B, L, D]``: each token's row of a position table (packed
     documents' places). The table is gathered whole for the lookup, as an FSDP weight is for
     its matmul, and each device scatters its own tokens' gradient into a whole table, reduced
-    then to where the gradient rests. (Left to itself, the partitioner laid the rows out as the
-    table, split over its model dim, and moved the activation's gradient into that layout to
-    scatter it: an involuntary full rematerialisation, which it warns of.)"""
+    then to where the gradient rests: where that is split over the summed batch axes, in the
+    textbook's two stages (:func:`_rows_reduction`). (Left to itself, the partitioner laid the
+    rows out as the table, split over its model dim, and moved the activation's gradient into
+    that layout to scatter it: an involuntary full rematerialisation, which it warns of; and
+    given the whole table, it all-reduced it over every summed axis and sliced the shard.)"""
     rules = active()
     if rules is None:
         return jnp.take(table_PD, positions_BL, axis=0)
-    return _take_rows(table_PD, positions_BL, rules.named(jax.sharding.PartitionSpec()), table_PD.shape[0])
+    return _take_rows(table_PD, positions_BL, rules.named(jax.sharding.PartitionSpec()), table_PD.shape[0],
+                      _rows_reduction(rules, table_PD.shape, positions_BL.shape))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _take_rows(table_PD, positions_BL, whole, rows):
+def _rows_reduction(rules, table_shape, positions_shape):
+    """How a device's scattered table gradient is reduced in two stages: ``(mesh, positions'
+    spec, the activation gradient's spec, the gradient's at-rest spec, the axes it is
+    reduce-scattered over (along the model dim), the axes its shard is then all-reduced
+    over)``, the specs as the rules lay them out; None where the gradient does not rest split
+    over summed axes alone along the model dim (it is then reduced whole)."""
+    if not two_stage(rules):
+        return None
+    g_spec = rules.activation_spec(RESIDUAL_BLD, (*positions_shape, table_shape[1]))
+    at_rest = rules.param_spec((Dim.POSITION, Dim.EMBED), table_shape, StateKind.GRADS)
+    rows_axes = tuple(g_spec)[:2]
+    summed = spec_axes(jax.sharding.PartitionSpec(*rows_axes))
+    split = tuple(at_rest)[1] if len(at_rest) > 1 else None
+    split = () if split is None else ((split,) if isinstance(split, str) else tuple(split))
+    if (len(tuple(g_spec)) > 2 and tuple(g_spec)[2] is not None) or (len(at_rest) and at_rest[0] is not None) \
+            or not split or not set(split) <= summed:
+        return None
+    rest = tuple(a for a in rules.mesh.axis_names if a in summed and a not in split)
+    return (rules.mesh, jax.sharding.PartitionSpec(*rows_axes), jax.sharding.PartitionSpec(*rows_axes, None),
+            jax.sharding.PartitionSpec(None, split), split, rest)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _take_rows(table_PD, positions_BL, whole, rows, reduction):
     return jnp.take(jax.lax.with_sharding_constraint(table_PD, whole), positions_BL, axis=0)
 
 
-def _take_rows_fwd(table_PD, positions_BL, whole, rows):
-    return _take_rows(table_PD, positions_BL, whole, rows), positions_BL
+def _take_rows_fwd(table_PD, positions_BL, whole, rows, reduction):
+    return _take_rows(table_PD, positions_BL, whole, rows, reduction), positions_BL
 
 
-def _take_rows_bwd(whole, rows, positions_BL, g_BLD):
-    d_PD = jax.lax.with_sharding_constraint(jnp.zeros((rows, g_BLD.shape[-1]), g_BLD.dtype), whole)
-    return d_PD.at[positions_BL].add(g_BLD), np.zeros(positions_BL.shape, jax.dtypes.float0)
+def _take_rows_bwd(whole, rows, reduction, positions_BL, g_BLD):
+    zero = np.zeros(positions_BL.shape, jax.dtypes.float0)
+    if reduction is None:
+        d_PD = jax.lax.with_sharding_constraint(jnp.zeros((rows, g_BLD.shape[-1]), g_BLD.dtype), whole)
+        return d_PD.at[positions_BL].add(g_BLD), zero
+    mesh, positions_spec, g_spec, at_rest, split, rest = reduction
+
+    def local(positions_BL, g_BLD):  # this device's tokens scattered, then reduced in two stages
+        d_PD = jnp.zeros((rows, g_BLD.shape[-1]), g_BLD.dtype).at[positions_BL].add(g_BLD)
+        d_PD = jax.lax.psum_scatter(d_PD, split, scatter_dimension=1, tiled=True)
+        return jax.lax.psum(d_PD, rest) if rest else d_PD
+
+    manual = frozenset(spec_axes(g_spec))
+    return jax.shard_map(local, mesh=mesh, in_specs=(positions_spec, g_spec), out_specs=at_rest,
+                         axis_names=manual)(positions_BL, g_BLD), zero
 
 
 _take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
