@@ -58,6 +58,15 @@ def _gpu_kernel(cfg: RunConfig, model_cfg) -> str:
     return attention.gpu_kernel(cfg.step.compute_dtype, model_cfg.d_head, cfg.seq_len, attention.gpu_capability())
 
 
+def _dense_kernel(cfg: RunConfig, model_cfg) -> str:
+    """The kernel the dense attention path runs: "xla" but on GPUs, where packed documents take
+    the blockwise one in cuDNN's place (``attention.gpu_kernel``)."""
+    if jax.default_backend() != "gpu":
+        return "xla"
+    return attention.gpu_kernel(cfg.step.compute_dtype, model_cfg.d_head, cfg.seq_len, attention.gpu_capability(),
+                                model_cfg.documents_eot is not None)
+
+
 def documents_eot(cfg: RunConfig, eot: int | None, data_name: str, rules: ShardingRules, model_cfg) -> int | None:
     """The end-of-text id (``eot``: the data's, None if they have none) that packs the windows'
     documents (``--packing``), or None: off, by
@@ -262,7 +271,7 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
          f"optimizer state {held['opt_state']:,} B"
          + (f" ({held['host']:,} B of them in host memory)" if held["host"] else ""))
 
-    flops = accounting.flops(model.cfg, rules, B, L, remat=model.remat)
+    flops = accounting.flops(model.cfg, rules, B, L, remat=model.remat, kernel=_dense_kernel(cfg, model.cfg))
     peak, peak_source = devices.peak_flops(cfg.peak.device, cfg.peak.peak_tflops, cfg.step.compute_dtype,
                                            jax.devices()[0], fp8=model.cfg.fp8 is not None)
     n_dev = jax.device_count()
@@ -718,9 +727,8 @@ def _report(cfg: RunConfig, model: Stageable, rules, compiled, held, records, va
     found = inspect.compiled_collectives(compiled, rules.mesh)
     # (Under a pipeline, what the schedule's slots run -- FSDP's gathers, TP's reductions -- is
     # not predicted.)
-    kernel = _gpu_kernel(cfg, model.cfg) if jax.default_backend() == "gpu" else "xla"
     # Attention by cuDNN's or the blockwise flash kernel (attention.gpu_kernel): no probabilities kept.
-    flash = kernel != "xla" and not rules.activation_mesh_axes(Dim.LENGTH)
+    flash = _dense_kernel(cfg, model.cfg) != "xla" and not rules.activation_mesh_axes(Dim.LENGTH)
     predicted_memory, comm = accounting.predict(model, rules, B, L, schedule, flash=flash, **kwargs)
     report = {
         "model": model.cfg.name,

@@ -232,7 +232,8 @@ def test_blockwise_attention_skips_the_blocks_wholly_in_the_future(documents):
     cover the causal triangle of blocks, n (n + 1) / 2 of the n^2 with n blocks: seven
     ``[L, L]`` products (q k^T and p v forward; the scores again, dv, dp, dq and dk backward),
     each at 10/16 of the square for 4 blocks, 36/64 for 8, and whole for one block, where the
-    scores are made once."""
+    scores are made once; ``attention.computed_share``, what the FLOP count takes, is that
+    share."""
     from jaxshard.analysis import hlo
 
     def square_products(L, block):
@@ -241,6 +242,10 @@ def test_blockwise_attention_skips_the_blocks_wholly_in_the_future(documents):
     for n in (4, 8):
         assert square_products(32 * n, 32) == pytest.approx(7 * (n + 1) / (2 * n), rel=0.01), n
     assert square_products(32, 32) == pytest.approx(6, rel=0.01)
+    # the share the FLOP count gives the kernel (a GPU's HFU), at its own block
+    from jaxshard.parallel.attention import BLOCK, computed_share
+
+    assert square_products(4 * BLOCK, BLOCK) == pytest.approx(7 * computed_share("blockwise", 4 * BLOCK), rel=0.01)
 
 
 def test_blockwise_attention_under_remat_makes_each_blocks_mask_in_the_loop():
@@ -300,6 +305,9 @@ def test_gpu_attention_is_cudnn_or_blockwise_never_the_materialised_softmax_wher
     assert attention.gpu_kernel(jnp.float32, 64, 1000) == "xla"  # no block divides it
     assert attention.gpu_kernel(jnp.float16, 64, 8192, capability=7.0) == "blockwise"  # cuDNN's needs Ampere
     assert attention.gpu_kernel(jnp.bfloat16, 64, 8192, capability=9.0) == "cudnn"
+    # packed documents' ids, which cuDNN's kernel is not given here
+    assert attention.gpu_kernel(jnp.bfloat16, 64, 8192, documents=True) == "blockwise"
+    assert attention.gpu_kernel(jnp.bfloat16, 64, 1000, documents=True) == "xla"
 
 
 def test_backend_xla_options_exist_in_this_jaxlib(monkeypatch):

@@ -508,8 +508,10 @@ ADAMW_FLOPS = 20  # per parameter element per step: clip, moments, bias correcti
 
 
 def flops(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
-          remat: Remat = Remat.NONE, model: LanguageModel | None = None) -> Flops:
-    """FLOPs of one step. With ``model``, the optimizer's elementwise work is added too."""
+          remat: Remat = Remat.NONE, model: LanguageModel | None = None, kernel: str = "xla") -> Flops:
+    """FLOPs of one step. With ``model``, the optimizer's elementwise work is added too.
+    ``kernel``: the dense attention path's (``attention.gpu_kernel``; CPU: "xla"), whose share
+    of the square it computes counts where no ring runs (``attention.computed_share``)."""
     D, N, K, H, F, L = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_mlp, seq_len
     mlp_mats = cfg.mlp_in + 1
     attn_params = D * (N + 2 * K) * H + N * H * D
@@ -534,12 +536,12 @@ def flops(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
     head = D * cfg.padded_vocab
     square = 2 * 2 * L * N * H  # q k^T and p v, per token per layer, the full square
     ring = attention_lib.ring_size(rules)
-    # As computed: the full square (the future masked; Ulysses' whole-sequence attention too),
-    # but a balanced ring's share of it. That is the materialised softmax's, the dense path's
-    # on CPU, where the waste is counted; a GPU's flash kernels (cuDNN's, and the blockwise one,
-    # attention.causal_block_pairs) skip the blocks wholly in the future, which the hardware
-    # figure (HFU) does not follow.
-    attention = square
+    # As computed: the full square (the future masked) by the materialised softmax, the dense
+    # path's on CPU, where the waste is counted; by a GPU's flash kernels (cuDNN's, and the
+    # blockwise one) the blocks before the diagonal; a contiguous ring's full square; a
+    # balanced ring's share of it. (Ulysses attends over the whole sequence by the dense path.)
+    # A flash kernel's backward pass makes its scores again: not counted here.
+    attention = int(square * attention_lib.computed_share(kernel, L)) if ring == 1 else square
     balanced = attention_lib.balances(cfg, ring, L)
     if balanced:
         attention = int(square * attention_lib.balanced_work(ring, L))

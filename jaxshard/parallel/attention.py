@@ -316,9 +316,7 @@ def _dense(q_BLKGH, k_BLKH, v_BLKH, kernel: str = "auto", segments_BL=None):
         return blockwise(q_BLKGH, k_BLKH, v_BLKH, segments_BL=segments_BL)
     L = q_BLKGH.shape[1]
     if jax.default_backend() == "gpu":
-        chosen = gpu_kernel(q_BLKGH.dtype, q_BLKGH.shape[-1], L, gpu_capability())
-        if chosen == "cudnn" and segments_BL is not None:  # (it takes no document ids here)
-            chosen = "blockwise" if L % min(BLOCK, L) == 0 else "xla"
+        chosen = gpu_kernel(q_BLKGH.dtype, q_BLKGH.shape[-1], L, gpu_capability(), segments_BL is not None)
         if chosen == "blockwise":
             return blockwise(q_BLKGH, k_BLKH, v_BLKH, segments_BL=segments_BL)
         if segments_BL is None:
@@ -580,17 +578,35 @@ def gpu_capability() -> float | None:
         return None
 
 
-def gpu_kernel(dtype, head_dim: int, seq_len: int, capability: float | None = None) -> str:
+def gpu_kernel(dtype, head_dim: int, seq_len: int, capability: float | None = None, documents: bool = False) -> str:
     """The dense path's kernel on GPUs: "cudnn" (its flash attention) for 2-byte floats with a
     head width cuDNN takes (a multiple of 8, at most 128) on Ampere or later (capability 8.0;
     None: unknown, taken as new enough); else "blockwise" where the sequence splits into its
     blocks; else "xla", the materialised softmax. That last is what
     ``jax.nn.dot_product_attention`` picks when not told otherwise, and its ``L x L``
-    probabilities, kept per layer, ran a 1B Llama at sequence 8192 out of an 80 GB H100."""
+    probabilities, kept per layer, ran a 1B Llama at sequence 8192 out of an 80 GB H100.
+    ``documents``: packed documents' ids are given, which cuDNN's kernel is not here, so the
+    blockwise kernel (or the materialised softmax) runs in its place."""
     two_bytes = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    if two_bytes and head_dim % 8 == 0 and head_dim <= 128 and (capability is None or capability >= 8.0):
+    if two_bytes and head_dim % 8 == 0 and head_dim <= 128 and (capability is None or capability >= 8.0) \
+            and not documents:
         return "cudnn"
     return "blockwise" if seq_len % min(BLOCK, seq_len) == 0 else "xla"
+
+
+def computed_share(kernel: str, seq_len: int) -> float:
+    """The share of causal attention's full square of scores that the dense path's ``kernel``
+    computes: "xla" (the materialised softmax) all of it; "blockwise" the causal block pairs,
+    (n + 1) / (2n) of its n blocks (:func:`causal_block_pairs`); "cudnn" the causal half (its
+    tiles are cuDNN's own, so their diagonal's extra is not counted)."""
+    if kernel == "xla":
+        return 1.0
+    if kernel == "cudnn":
+        return 0.5
+    if kernel == "blockwise":
+        n = seq_len // min(BLOCK, seq_len)
+        return (n + 1) / (2 * n)
+    raise ValueError(f"attention kernel {kernel!r}: one of xla, blockwise, cudnn")
 
 
 def fused(q_BLKGH: jax.Array, k_BLKH: jax.Array, v_BLKH: jax.Array,
