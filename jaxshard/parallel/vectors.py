@@ -117,8 +117,8 @@ def _rows_reduction(rules, table_shape, positions_shape):
             or not split or not set(split) <= summed:
         return None
     rest = tuple(a for a in rules.mesh.axis_names if a in summed and a not in split)
-    return (rules.mesh, jax.sharding.PartitionSpec(*rows_axes), jax.sharding.PartitionSpec(*rows_axes, None),
-            jax.sharding.PartitionSpec(None, split), split, rest)
+    P = jax.sharding.PartitionSpec
+    return rules.context_mesh, P(*rows_axes), P(*rows_axes, None), P(None, split), split, rest
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
