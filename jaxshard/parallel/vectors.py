@@ -137,10 +137,15 @@ def _take_rows_bwd(whole, rows, reduction, positions_BL, g_BLD):
         return d_PD.at[positions_BL].add(g_BLD), zero
     mesh, positions_spec, g_spec, at_rest, split, rest = reduction
 
+    # The device's tokens are summed into its rows in float32. XLA:CPU aborts compiling a
+    # bfloat16 reduce-scatter here ("Invalid binary instruction opcode copy") and widens bfloat16
+    # collectives to float32 anyway, so there they reduce in float32 (the same bytes).
+    wire = jnp.float32 if jax.default_backend() == "cpu" else g_BLD.dtype
+
     def local(positions_BL, g_BLD):  # this device's tokens scattered, then reduced in two stages
-        d_PD = jnp.zeros((rows, g_BLD.shape[-1]), g_BLD.dtype).at[positions_BL].add(g_BLD)
-        d_PD = jax.lax.psum_scatter(d_PD, split, scatter_dimension=1, tiled=True)
-        return jax.lax.psum(d_PD, rest) if rest else d_PD
+        d_PD = jnp.zeros((rows, g_BLD.shape[-1]), jnp.float32).at[positions_BL].add(g_BLD.astype(jnp.float32))
+        d_PD = jax.lax.psum_scatter(d_PD.astype(wire), split, scatter_dimension=1, tiled=True)
+        return (jax.lax.psum(d_PD, rest) if rest else d_PD).astype(g_BLD.dtype)
 
     manual = frozenset(spec_axes(g_spec))
     return jax.shard_map(local, mesh=mesh, in_specs=(positions_spec, g_spec), out_specs=at_rest,
