@@ -67,6 +67,12 @@ def _dense_kernel(cfg: RunConfig, model_cfg) -> str:
                                 model_cfg.documents_eot is not None)
 
 
+def step_flops(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, B: int, L: int) -> accounting.Flops:
+    """One step's FLOPs (MFU's and HFU's), its attention as the kernel the run's dense path
+    takes computes it (:func:`_dense_kernel`)."""
+    return accounting.flops(model.cfg, rules, B, L, remat=model.remat, kernel=_dense_kernel(cfg, model.cfg))
+
+
 def documents_eot(cfg: RunConfig, eot: int | None, data_name: str, rules: ShardingRules, model_cfg) -> int | None:
     """The end-of-text id (``eot``: the data's, None if they have none) that packs the windows'
     documents (``--packing``), or None: off, by
@@ -271,7 +277,7 @@ def _train(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, corpus: d
          f"optimizer state {held['opt_state']:,} B"
          + (f" ({held['host']:,} B of them in host memory)" if held["host"] else ""))
 
-    flops = accounting.flops(model.cfg, rules, B, L, remat=model.remat, kernel=_dense_kernel(cfg, model.cfg))
+    flops = step_flops(cfg, model, rules, B, L)
     peak, peak_source = devices.peak_flops(cfg.peak.device, cfg.peak.peak_tflops, cfg.step.compute_dtype,
                                            jax.devices()[0], fp8=model.cfg.fp8 is not None)
     n_dev = jax.device_count()

@@ -540,7 +540,6 @@ def flops(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
     # path's on CPU, where the waste is counted; by a GPU's flash kernels (cuDNN's, and the
     # blockwise one) the blocks before the diagonal; a contiguous ring's full square; a
     # balanced ring's share of it. (Ulysses attends over the whole sequence by the dense path.)
-    # A flash kernel's backward pass makes its scores again: not counted here.
     attention = int(square * attention_lib.computed_share(kernel, L)) if ring == 1 else square
     balanced = attention_lib.balances(cfg, ring, L)
     if balanced:
@@ -573,13 +572,18 @@ def flops(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
             recompute = cfg.n_layers * attention + unshared
         case _:
             recompute = 2 * (hw_layer_params - last) + cfg.n_layers * attention + unshared
+    # A flash kernel's backward pass (cuDNN's, the blockwise one) makes its scores again too,
+    # under every policy: a forward pass that a policy runs again keeps none for it.
+    if ring == 1 and kernel != "xla":
+        recompute += cfg.n_layers * attention // 2
     model_flops = tokens * (3 * matmul + 3 * cfg.n_layers * square // 2)
     # (Pipeline stages split the layers: each device computes 1/P of them, the bubble aside.)
     devices = rules.size(rules.batch_axes) * rules.size(rules.activation_mesh_axes(Dim.LENGTH)) * \
         rules.size(rules.activation_mesh_axes(Dim.ACT_HEADS)) * rules.size(rules.param_mesh_axes(Dim.LAYERS))
+    computes = "a balanced ring computes" if balanced else f"the {kernel} kernel computes"
     formula = (f"forward per token = 2 x ({layer_params:,} matmul params in {cfg.n_layers} layers"
                f"{moe_text} + {head:,} vocabulary projection) + {cfg.n_layers} x 4 x L x heads x d_head "
-               f"(attention, L = {L}{'; a balanced ring computes ' + format(attention / square, '.0%') + ' of it' if attention != square else ''}); step = 3 x forward (backward = 2 x){' + recompute' if recompute else ''}; "
+               f"(attention, L = {L}{'; ' + computes + ' ' + format(attention / square, '.0%') + ' of it' if attention != square else ''}); step = 3 x forward (backward = 2 x){' + recompute' if recompute else ''}; "
                f"MFU counts causal attention at half")
     hardware = int(tokens * (3 * fwd + recompute))
     # Elementwise work (XLA counts it as FLOPs too): ~20 per residual element (two norms, adds),

@@ -388,17 +388,18 @@ def _document_bwd(dtype, res, dp):
 _document_probabilities.defvjp(_document_fwd, _document_bwd)
 
 
-def blockwise(q_BLKGH: jax.Array, k_BLKH: jax.Array, v_BLKH: jax.Array, block: int = BLOCK,
+def blockwise(q_BLKGH: jax.Array, k_BLKH: jax.Array, v_BLKH: jax.Array, block: int | None = None,
               segments_BL: jax.Array | None = None) -> jax.Array:
     """Causal attention by flash attention's algorithm (Dao et al. 2022; FlashAttention-2's
-    backward pass) in plain JAX: a scan over blocks of ``block`` keys with the online softmax.
+    backward pass) in plain JAX: a scan over blocks of ``block`` keys (None: :data:`BLOCK`, as
+    :func:`computed_share` counts it) with the online softmax.
     Autodiff keeps q, k, v, the output and each row's float32 log-sum-exp; the backward pass
     recomputes each block's probabilities from them. So it holds what a GPU's flash kernel
     holds (no ``L x L`` scores), plus one block's ``[B, heads, block, block]`` scores in
     flight: the queries too are taken ``block`` at a time. As a GPU's causal kernel, it skips
     the block pairs wholly in the future (:func:`causal_block_pairs`)."""
     L = k_BLKH.shape[1]
-    T = min(block, L)
+    T = min(BLOCK if block is None else block, L)
     if L % T:
         raise ValueError(f"sequence {L} is not a multiple of the attention block {T}")
     if segments_BL is None:
