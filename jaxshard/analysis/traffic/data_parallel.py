@@ -13,7 +13,8 @@ ZeRO; Zhao et al. 2023, PyTorch FSDP):
   reduce-scatter into its shard (ZeRO-1: the optimizer's; ZeRO-2/3, FSDP: the gradient's;
   ``Psi``); under HSDP + ZeRO-1 first over fsdp into the gradient's shard, then into the
   optimizer's over data. Over the model-parallel axes that also split the tokens (sequence;
-  tensor under SP) XLA reduces in a separate collective;
+  tensor under SP) XLA reduces in a separate collective, but for a shard left by a
+  reduce-scatter over fsdp, which it reduces over every axis still to sum in one;
 * ZeRO-1/2: each device updates its optimizer shard, then the updated params are
   all-gathered (``Psi``);
 * the two scalars every step sums: the loss and the gradient norm.
@@ -52,14 +53,18 @@ def gradient(ledger: Ledger, use: ParamUse) -> None:
     # under SP) in separate collectives.
     shard = used // rules.size(rules.active_axes(scatter))
     batch_axes = set(rules.batch_axes)
+    second = scatter - first
+    batch, split = (use.reduce & batch_axes) - scatter, use.reduce - batch_axes - scatter
+    # A shard left by a first reduce-scatter is reduced over every axis still to sum in one
+    # collective: into the optimizer's shard under ZeRO-1, else an all-reduce.
+    if first and split and (second or batch):
+        second, batch, split = (second | split, batch, set()) if second else (second, batch | split, set())
     ledger.add("reduce-scatter", first, used, per_micro,
                f"{p.path}: gradient reduce-scatter into its ZeRO shard")
-    ledger.add("reduce-scatter", scatter - first, used // rules.size(rules.active_axes(first)), per_micro,
+    ledger.add("reduce-scatter", second, used // rules.size(rules.active_axes(first)), per_micro,
                f"{p.path}: ZeRO-1: the gradient shard reduce-scattered into the optimizer's")
-    ledger.add("all-reduce", (use.reduce & batch_axes) - scatter, shard, per_micro,
-               f"{p.path}: gradient all-reduce over the batch")
-    ledger.add("all-reduce", use.reduce - batch_axes - scatter, shard, per_micro,
-               f"{p.path}: gradient all-reduce over the sequence / tensor split")
+    ledger.add("all-reduce", batch, shard, per_micro, f"{p.path}: gradient all-reduce over the batch")
+    ledger.add("all-reduce", split, shard, per_micro, f"{p.path}: gradient all-reduce over the sequence / tensor split")
 
 
 def scalars(ledger: Ledger) -> None:
