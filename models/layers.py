@@ -21,7 +21,7 @@ from jaxshard.errors import ConfigError
 from jaxshard.parallel import attention
 from jaxshard.parallel.attention import causal_attention
 from jaxshard.parallel.tensor import column_parallel
-from jaxshard.parallel.vectors import scale, shift, take_rows
+from jaxshard.parallel.vectors import scale, shift, take_rows, whole_rows
 from jaxshard.parallel.vocab import embed_lookup, logits_dot, project
 from jaxshard.remat import attention_core, elementwise, tag
 from jaxshard.rules import active, constrain
@@ -387,7 +387,7 @@ class Embedder(nnx.Module):
             # balanced order, that slice's rows in the order of the tokens.
             rows = self.positions[...][: positions_L.shape[0]]
             order = attention.current_order(positions_L.shape[0])
-            x_BLD = shift(x_BLD, rows if order is None else rows[order])
+            x_BLD = shift(x_BLD, whole_rows(rows if order is None else rows[order], self.positions.shape))
         return constrain(x_BLD, RESIDUAL_BLD)
 
     def decode(self, x_BLD: jax.Array, table: jax.Array | None = None) -> jax.Array:

@@ -450,8 +450,8 @@ def test_textbook_collectives_without_known_differences(model_name, mesh, zero, 
     """DDP, ZeRO-1/2/3, FSDP, HSDP, TP and TP+SP compile to the textbook's collectives, every
     byte predicted (the loss and the gradient norm are one scalar each) and nothing allowed for:
     each (kind, axes) within 1% of the prediction, plus the verifier's slack of 4 KiB or 1% of
-    the step's bytes (it covers XLA's extra all-gather of the learned position rows' gradient
-    under SP, and its all-reduce of their shard under HSDP + ZeRO-1: a few rows)."""
+    the step's bytes (it covers XLA's all-reduce of the learned position rows' shard under
+    HSDP + ZeRO-1, a few rows, and SP's collective-permutes of them with FSDP)."""
     model = TransformerLM(get_preset(model_name))
     program = make_program(model, mesh, zero=zero, sequence_parallel=sp)
     v = inspect.verify(model, program, program.lower_step(8, 64).compile(), 8, 64)
@@ -460,6 +460,26 @@ def test_textbook_collectives_without_known_differences(model_name, mesh, zero, 
     slack = max(4096, 0.01 * sum(p + c for _, _, p, c in v.collectives))
     for kind, axes, predicted, compiled in v.collectives:
         assert abs(compiled - predicted) <= 0.01 * predicted + slack, (kind, axes, predicted, compiled)
+
+
+@pytest.mark.parametrize("mesh, kw", [
+    ("data=2,sequence=4", {}), ("data=2,sequence=4", dict(dropout=0.1)),  # the balanced ring, the contiguous
+    ("data=2,sequence=4", dict(context_parallel="ulysses")), ("sequence=8", {}),
+    ("data=2,tensor=4", dict(sequence_parallel=True))])
+def test_a_learned_position_tables_rows_are_gathered_once_under_a_sequence_split(mesh, kw):
+    """GPT-2's position rows, each sequence shard's gradient made on it, are gathered whole in
+    one all-gather (``vectors.whole_rows``), and every collective of the step is the ledger's
+    to the byte (but the loss's 4-byte scalars). The partitioner left alone all-reduced them
+    over the sequence under CP (twice the bytes) and under SP sent them with
+    collective-permutes and then all-gathered them too."""
+    kw = dict(kw)
+    dropout = kw.pop("dropout", 0.0)
+    model = TransformerLM(get_preset("tiny").replace(dropout=dropout))
+    program = make_program(model, mesh, **kw)
+    v = inspect.verify(model, program, program.lower_step(8, 128).compile(), 8, 128)
+    assert not v.flags, v.flags
+    for kind, axes, predicted, compiled in v.collectives:
+        assert abs(compiled - predicted) <= 8, (kind, axes, predicted, compiled)
 
 
 def test_zero1_reduce_scatters_gradients_and_moves_what_ddp_moves():

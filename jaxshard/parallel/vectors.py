@@ -83,6 +83,42 @@ def _shift_bwd(rank, _, g):
 _shift.defvjp(lambda x, b, rank: (x + b, None), _shift_bwd)
 
 
+def gathers_rows(rules, table_shape: tuple[int, ...]) -> bool:
+    """Whether the gradient of a learned position table's used rows, each sequence shard's
+    rows made on it, is gathered whole in one all-gather (:func:`whole_rows`): where the tokens
+    are split over the sequence (context parallelism, or sequence parallelism's tensor) and
+    the table's gradient is reduced into a layout that does not split its model dim. (Where
+    it does, under FSDP or ZeRO, the partitioner sends more with that layout asked of it, and
+    it is left alone; so it is in a pipeline, whose stages would gather them for every
+    microbatch where the partitioner moves their sum once a step.)"""
+    if rules is None or rules.param_mesh_axes(Dim.LAYERS):
+        return False
+    split = rules.activation_mesh_axes(Dim.LENGTH) or rules.activation_mesh_axes(Dim.RESIDUAL_LENGTH)
+    spec = rules.param_spec((Dim.POSITION, Dim.EMBED), table_shape, rules.reduced_into)
+    return bool(split) and not spec_axes(spec)
+
+
+def whole_rows(rows_LD: jax.Array, table_shape: tuple[int, ...]) -> jax.Array:
+    """The used rows ``[L, D]`` of a learned position table (``table_shape``), as the tokens
+    take them: where :func:`gathers_rows`, their gradient is made whole along the rows, one
+    all-gather of the shards' rows. Left to the partitioner, it all-reduced them over the
+    sequence under context parallelism (twice the bytes) and, under sequence parallelism, sent
+    them on with collective-permutes and all-gathered them too."""
+    rules = active()
+    if not gathers_rows(rules, table_shape):
+        return rows_LD
+    return _whole_rows(rows_LD, rules.named(jax.sharding.PartitionSpec()))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _whole_rows(x, whole):
+    return jax.lax.with_sharding_constraint(x, whole)
+
+
+_whole_rows.defvjp(lambda x, whole: (_whole_rows(x, whole), None),
+                   lambda whole, _, g: (jax.lax.with_sharding_constraint(g, whole),))
+
+
 def take_rows(table_PD: jax.Array, positions_BL: jax.Array) -> jax.Array:
     """``table[positions]``, ``[B, L, D]``: each token's row of a position table (packed
     documents' places). The table is gathered whole for the lookup, as an FSDP weight is for

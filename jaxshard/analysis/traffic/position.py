@@ -3,9 +3,10 @@
 The model slices the table's first L rows, so only those rows have a gradient, and GSPMD
 reduces only them over the batch (a reduce-scatter into ZeRO's shard, an all-reduce of it
 otherwise). The rows are disjoint across the sequence shards, so those gather rather than
-sum: an all-gather under context parallelism; under sequence parallelism the partitioner sends
-them between the tensor shards with collective-permutes, an all-gather's bytes,
-(T - 1) / T of the rows. ``--strategy explicit`` (``training.reducer``) reduces every gradient
+sum: one all-gather where the model makes them whole (``vectors.gathers_rows``: the table's
+gradient not split along its model dim), else an all-gather under context parallelism and,
+under sequence parallelism, collective-permutes between the tensor shards, an all-gather's
+bytes, (T - 1) / T of the rows. ``--strategy explicit`` (``training.reducer``) reduces every gradient
 whole, as DDP does: the whole table's.
 """
 
@@ -16,6 +17,7 @@ from jax.sharding import PartitionSpec
 from jaxshard.analysis.shards import shard_elems
 from jaxshard.analysis.traffic.ledger import Ledger, ParamUse
 from jaxshard.axes import Dim
+from jaxshard.parallel.vectors import gathers_rows
 
 
 def gradient(ledger: Ledger, use: ParamUse) -> bool:
@@ -34,7 +36,8 @@ def gradient(ledger: Ledger, use: ParamUse) -> bool:
     ledger.add("all-reduce", set(rules.batch_axes) - batch_scatter,
                own // rules.size(rules.active_axes(batch_scatter)), use.per_micro,
                f"{p.path}: gradient of the used rows (HSDP: their shard)")
-    cp_axes = seq_axes & set(rules.activation_mesh_axes(Dim.LENGTH))
+    # (gathered whole where the model asks it to, vectors.gathers_rows)
+    cp_axes = seq_axes if gathers_rows(rules, p.shape) else seq_axes & set(rules.activation_mesh_axes(Dim.LENGTH))
     ledger.add("all-gather", cp_axes, rows, use.per_micro, f"{p.path}: gradient rows held by sequence shards")
     T = rules.size(rules.active_axes(seq_axes - cp_axes))
     ledger.add("collective-permute", seq_axes - cp_axes, rows * (T - 1) // T, use.per_micro,
