@@ -58,8 +58,7 @@ def test_compiled_collective_bytes_match_the_prediction(name):
     assert predicted, name
     for kind, p in predicted.items():
         assert abs(compiled_bytes.get(kind, 0) - p) <= 0.05 * p, (kind, p, compiled_bytes)
-    # Kinds the strategy does not predict: under SP, XLA's shuffle of the learned-position
-    # slice -- under 1% of the step's bytes.
+    # Kinds the strategy does not predict: under 1% of the step's bytes.
     for kind in set(compiled_bytes) - set(predicted):
         assert compiled_bytes[kind] <= 0.01 * total, (kind, compiled_bytes)
 
@@ -180,17 +179,19 @@ def test_compiled_matmul_flops_are_what_useful_work_recompute_and_kernels_explai
         assert w["rows_measured"] and 1.0 <= w["data_dependent"] / routed <= 1.1, (w, routed)
 
 
-@pytest.mark.parametrize("mesh,remat,kw", [("data=8", "none", {}), ("data=8", "full", {}),
-                                            ("data=2,sequence=4", "selective", dict(context_parallel="ulysses"))])
-def test_a_flash_kernels_matmuls_are_what_the_accounting_says(monkeypatch, mesh, remat, kw):
+@pytest.mark.parametrize("mesh,remat,kw,block", [
+    ("data=8", "none", {}, 32), ("data=8", "full", {}, 32),
+    ("data=2,sequence=4", "selective", dict(context_parallel="ulysses"), 32), ("data=8", "full", {}, 128)])
+def test_a_flash_kernels_matmuls_are_what_the_accounting_says(monkeypatch, mesh, remat, kw, block):
     """With the blockwise kernel (flash attention's algorithm, what a GPU runs where cuDNN's
     kernel does not; the HFU counts it) at 4 blocks a sequence: the compiled step's matmuls
     are exactly useful + recompute, where the kernel computes 10/16 of the square of scores
-    (the causal block pairs) and its backward pass makes its scores again under every policy.
-    Counted as the materialised softmax's whole square, they are not."""
+    (the causal block pairs) and its backward pass makes its scores again under every policy
+    (at one block, under a policy that runs the forward pass again, XLA shares that pass's
+    scores with it). Counted as the materialised softmax's whole square, they are not."""
     from jaxshard.parallel import attention
 
-    monkeypatch.setattr(attention, "BLOCK", 32)
+    monkeypatch.setattr(attention, "BLOCK", block)
     cfg = get_preset("llama-tiny").replace(d_model=64, n_heads=4, n_kv_heads=4, d_mlp=128)
     model = TransformerLM(cfg, remat=remat)
     program = make_program(model, mesh, **kw)
@@ -202,7 +203,8 @@ def test_a_flash_kernels_matmuls_are_what_the_accounting_says(monkeypatch, mesh,
         return accounting.matmul_waste(fl, text, model.cfg, program.rules, 8, 128)["unexplained"]
 
     assert unexplained("blockwise") == pytest.approx(1, abs=0.005)
-    assert unexplained("xla") < 0.9
+    if block < 128:  # (one block is the whole square, as the materialised softmax's)
+        assert unexplained("xla") < 0.9
     # The training loop's count on a GPU, where float32 takes this kernel: the same.
     from jaxshard.loop import step_flops
     from jaxshard.run import RunConfig
@@ -475,6 +477,21 @@ def test_a_learned_position_tables_rows_are_gathered_once_under_a_sequence_split
     kw = dict(kw)
     dropout = kw.pop("dropout", 0.0)
     model = TransformerLM(get_preset("tiny").replace(dropout=dropout))
+    program = make_program(model, mesh, **kw)
+    v = inspect.verify(model, program, program.lower_step(8, 128).compile(), 8, 128)
+    assert not v.flags, v.flags
+    for kind, axes, predicted, compiled in v.collectives:
+        assert abs(compiled - predicted) <= 8, (kind, axes, predicted, compiled)
+
+
+@pytest.mark.parametrize("mesh, kw", [("data=2,fsdp=2,sequence=2", {}), ("data=2,fsdp=2,sequence=2", dict(zero=1)),
+                                      ("data=2,fsdp=2,tensor=2", dict(sequence_parallel=True))])
+def test_hsdp_with_a_split_sequence_reduces_each_shard_in_one_collective(mesh, kw):
+    """After the reduce-scatter over fsdp, each gradient shard is reduced over data and the
+    sequence split (sequence; tensor under SP) in one collective: an all-reduce, or ZeRO-1's
+    reduce-scatter into the optimizer's shard. Every collective of the step is the ledger's to
+    the byte (but the loss's 4-byte scalars)."""
+    model = TransformerLM(get_preset("tiny-llama"))
     program = make_program(model, mesh, **kw)
     v = inspect.verify(model, program, program.lower_step(8, 128).compile(), 8, 128)
     assert not v.flags, v.flags

@@ -427,9 +427,9 @@ class Flops:
     tokens: int
     per_device: float  # forward + backward (+ recompute) + optimizer, what one device runs
     model: float  # 6 N_matmul + causal attention, whole step, all devices
-    hardware: float  # what runs: attention as computed (the full square but for a balanced ring's share) and remat recompute, all devices
+    hardware: float  # what runs: attention as computed (the full square but for a balanced ring's or a flash kernel's share) and recompute, all devices
     formula: str
-    recompute: float = 0.0  # of ``hardware``: the matmuls run again (the remat policy's, a ring's scores)
+    recompute: float = 0.0  # of ``hardware``: the matmuls run again (the remat policy's; a ring's and a flash kernel's scores)
     devices: int = 1  # the devices the work splits over (a pipeline's stages included)
 
     def waste(self, compiled: float) -> dict[str, float]:
@@ -573,17 +573,20 @@ def flops(cfg: Any, rules: ShardingRules, batch_size: int, seq_len: int, *,
         case _:
             recompute = 2 * (hw_layer_params - last) + cfg.n_layers * attention + unshared
     # A flash kernel's backward pass (cuDNN's, the blockwise one) makes its scores again too,
-    # under every policy: a forward pass that a policy runs again keeps none for it.
-    if ring == 1 and kernel != "xla":
+    # under every policy: a forward pass that a policy runs again keeps none for it, but for
+    # the blockwise kernel's single block, whose scores XLA shares with that pass's (one loop).
+    shared = kernel == "blockwise" and L <= attention_lib.BLOCK and remat.kind not in (Kind.NONE, Kind.DOTS)
+    if ring == 1 and kernel != "xla" and not shared:
         recompute += cfg.n_layers * attention // 2
     model_flops = tokens * (3 * matmul + 3 * cfg.n_layers * square // 2)
     # (Pipeline stages split the layers: each device computes 1/P of them, the bubble aside.)
     devices = rules.size(rules.batch_axes) * rules.size(rules.activation_mesh_axes(Dim.LENGTH)) * \
         rules.size(rules.activation_mesh_axes(Dim.ACT_HEADS)) * rules.size(rules.param_mesh_axes(Dim.LAYERS))
     computes = "a balanced ring computes" if balanced else f"the {kernel} kernel computes"
+    share = f"; {computes} {attention / square:.0%} of it" if attention != square else ""
     formula = (f"forward per token = 2 x ({layer_params:,} matmul params in {cfg.n_layers} layers"
                f"{moe_text} + {head:,} vocabulary projection) + {cfg.n_layers} x 4 x L x heads x d_head "
-               f"(attention, L = {L}{'; ' + computes + ' ' + format(attention / square, '.0%') + ' of it' if attention != square else ''}); step = 3 x forward (backward = 2 x){' + recompute' if recompute else ''}; "
+               f"(attention, L = {L}{share}); step = 3 x forward (backward = 2 x){' + recompute' if recompute else ''}; "
                f"MFU counts causal attention at half")
     hardware = int(tokens * (3 * fwd + recompute))
     # Elementwise work (XLA counts it as FLOPs too): ~20 per residual element (two norms, adds),

@@ -13,7 +13,8 @@ ring sends, and the whole vector over the slower axis).
 :func:`scale` and :func:`shift` compute ``x * w`` and ``x + b`` as usual and, where
 :func:`two_stage` holds, write the weight gradient as a ``dot_general`` contracting the
 leading dims, which the partitioner reduces in the two stages. Elsewhere they are the plain
-operations. :func:`take_rows` looks up packed documents' position rows token by token.
+operations. :func:`take_rows` looks up packed documents' position rows token by token, and
+:func:`whole_rows` gathers the used position rows' gradient once where the sequence is split.
 """
 
 from __future__ import annotations

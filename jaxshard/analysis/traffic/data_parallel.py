@@ -50,15 +50,17 @@ def gradient(ledger: Ledger, use: ParamUse) -> None:
     p, rules = use.p, ledger.rules
     scatter, first, used, per_micro = use.scatter, use.first, use.used, use.per_micro
     # XLA reduces over the batch axes and over the model-parallel ones (sequence, and tensor
-    # under SP) in separate collectives.
+    # under SP) in separate collectives, but for a shard left by a first reduce-scatter, which
+    # it reduces over every axis still to sum in one: into the optimizer's shard under ZeRO-1,
+    # else an all-reduce.
     shard = used // rules.size(rules.active_axes(scatter))
     batch_axes = set(rules.batch_axes)
     second = scatter - first
     batch, split = (use.reduce & batch_axes) - scatter, use.reduce - batch_axes - scatter
-    # A shard left by a first reduce-scatter is reduced over every axis still to sum in one
-    # collective: into the optimizer's shard under ZeRO-1, else an all-reduce.
-    if first and split and (second or batch):
-        second, batch, split = (second | split, batch, set()) if second else (second, batch | split, set())
+    if first and split and second:
+        second, split = second | split, set()
+    elif first and split and batch:
+        batch, split = batch | split, set()
     ledger.add("reduce-scatter", first, used, per_micro,
                f"{p.path}: gradient reduce-scatter into its ZeRO shard")
     ledger.add("reduce-scatter", second, used // rules.size(rules.active_axes(first)), per_micro,

@@ -4,9 +4,12 @@ The model slices the table's first L rows, so only those rows have a gradient, a
 reduces only them over the batch (a reduce-scatter into ZeRO's shard, an all-reduce of it
 otherwise). The rows are disjoint across the sequence shards, so those gather rather than
 sum: one all-gather where the model makes them whole (``vectors.gathers_rows``: the table's
-gradient not split along its model dim), else an all-gather under context parallelism and,
-under sequence parallelism, collective-permutes between the tensor shards, an all-gather's
-bytes, (T - 1) / T of the rows. ``--strategy explicit`` (``training.reducer``) reduces every gradient
+gradient not split along its model dim, no pipeline). Elsewhere, and for packed documents'
+rows, the partitioner moves them as it chooses, counted here as an all-gather under context
+parallelism and, under sequence parallelism, collective-permutes between the tensor shards
+((T - 1) / T of the rows): it all-reduces them over the sequence under CP (twice an
+all-gather's bytes) and under SP with FSDP adds an all-gather, a few rows within the
+verifier's slack. ``--strategy explicit`` (``training.reducer``) reduces every gradient
 whole, as DDP does: the whole table's.
 """
 
@@ -36,8 +39,10 @@ def gradient(ledger: Ledger, use: ParamUse) -> bool:
     ledger.add("all-reduce", set(rules.batch_axes) - batch_scatter,
                own // rules.size(rules.active_axes(batch_scatter)), use.per_micro,
                f"{p.path}: gradient of the used rows (HSDP: their shard)")
-    # (gathered whole where the model asks it to, vectors.gathers_rows)
-    cp_axes = seq_axes if gathers_rows(rules, p.shape) else seq_axes & set(rules.activation_mesh_axes(Dim.LENGTH))
+    # (gathered whole where the model asks it to, vectors.gathers_rows; packed documents' rows
+    # are looked up token by token, vectors.take_rows)
+    whole = gathers_rows(rules, p.shape) and ledger.cfg.documents_eot is None
+    cp_axes = seq_axes if whole else seq_axes & set(rules.activation_mesh_axes(Dim.LENGTH))
     ledger.add("all-gather", cp_axes, rows, use.per_micro, f"{p.path}: gradient rows held by sequence shards")
     T = rules.size(rules.active_axes(seq_axes - cp_axes))
     ledger.add("collective-permute", seq_axes - cp_axes, rows * (T - 1) // T, use.per_micro,
