@@ -53,18 +53,19 @@ def _check_model_fits_data(model: LanguageModel, corpus: data_lib.Corpus, seq_le
                           f"{model.cfg.max_seq_len}")
 
 
-def _gpu_kernel(cfg: RunConfig, model_cfg) -> str:
-    """The kernel the dense attention path takes on a GPU for this run (``attention.gpu_kernel``)."""
-    return attention.gpu_kernel(cfg.step.compute_dtype, model_cfg.d_head, cfg.seq_len, attention.gpu_capability())
+def _gpu_kernel(cfg: RunConfig, model_cfg, documents: bool = False) -> str:
+    """The kernel the dense attention path takes on a GPU for this run (``attention.gpu_kernel``;
+    ``documents``: packed documents' ids given)."""
+    return attention.gpu_kernel(cfg.step.compute_dtype, model_cfg.d_head, cfg.seq_len, attention.gpu_capability(),
+                                documents)
 
 
 def _dense_kernel(cfg: RunConfig, model_cfg) -> str:
     """The kernel the dense attention path runs: "xla" but on GPUs, where packed documents take
-    the blockwise one in cuDNN's place (``attention.gpu_kernel``)."""
+    the blockwise one in cuDNN's place."""
     if jax.default_backend() != "gpu":
         return "xla"
-    return attention.gpu_kernel(cfg.step.compute_dtype, model_cfg.d_head, cfg.seq_len, attention.gpu_capability(),
-                                model_cfg.documents_eot is not None)
+    return _gpu_kernel(cfg, model_cfg, model_cfg.documents_eot is not None)
 
 
 def step_flops(cfg: RunConfig, model: LanguageModel, rules: ShardingRules, B: int, L: int) -> accounting.Flops:

@@ -414,9 +414,14 @@ def on_host(shardings: Any) -> Any:
     return jax.tree.map(lambda s: s.with_memory_kind(HOST_MEMORY), shardings)
 
 
+def entry_axes(entry: Any) -> tuple[str, ...]:
+    """The mesh axes of one entry of a spec (None, a name or a tuple of names), in order."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def spec_axes(spec: PartitionSpec) -> set[str]:
     """The mesh axes a spec mentions."""
-    return {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
+    return {a for e in spec for a in entry_axes(e)}
 
 
 def _is_axes(x: Any) -> bool:

@@ -48,7 +48,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxshard.axes import Dim
 from jaxshard.errors import ConfigError
-from jaxshard.rules import active, spec_axes
+from jaxshard.rules import active, entry_axes, spec_axes
 
 _NEG = float(jnp.finfo(jnp.float32).min)
 RING = "ring_attention"  # a ring's output and rows' log-sum-exp, which its backward pass reads
@@ -1019,8 +1019,7 @@ def _ulysses_region(rules, q_BLKGH, k_BLKH, v_BLKH, axes, kernel, segments_BL=No
     partitioner replicates them elsewhere: each device holds the kv head of its query heads."""
     B, L, K, G, H = q_BLKGH.shape
     q_spec = rules.activation_spec((Dim.BATCH, Dim.LENGTH, Dim.ACT_HEADS, None), (B, L, K * G, H))
-    heads = q_spec[2] or ()
-    T = rules.size((heads,) if isinstance(heads, str) else tuple(heads))
+    T = rules.size(entry_axes(q_spec[2]))
     if K % T:
         k_BLKH, v_BLKH = (jnp.repeat(x, T // K, axis=2) for x in (k_BLKH, v_BLKH))
     kv_spec = rules.activation_spec((Dim.BATCH, Dim.LENGTH, Dim.ACT_KV_HEADS, None), k_BLKH.shape)

@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxshard.axes import Dim
 from jaxshard.parallel import grouped
-from jaxshard.rules import GATHERED, active
+from jaxshard.rules import GATHERED, active, entry_axes
 
 
 # The all-to-alls' results: every remat policy but ``full`` keeps them (``jaxshard.remat``), so
@@ -233,7 +233,7 @@ def _wide(collective, x):
 def _gather(w, rest, used):
     """``w`` at rest (spec ``rest``) gathered over the axes its compute spec ``used`` drops."""
     for dim, (r, u) in enumerate(zip(rest, used)):
-        extra = tuple(a for a in _names(r) if a not in _names(u))
+        extra = tuple(a for a in entry_axes(r) if a not in entry_axes(u))
         if extra:
             w = _gathered_weight(w, extra, dim)
     return w
@@ -259,8 +259,5 @@ _gathered_weight.defvjp(lambda w, axes, dim: (_gathered_weight(w, axes, dim), No
 
 def _only(manual: frozenset, specs: Sequence[P]) -> list[P]:
     """``specs`` keeping only the ``manual`` axes (the rest left to the partitioner)."""
-    return [P(*(tuple(a for a in _names(e) if a in manual) or None for e in spec)) for spec in specs]
+    return [P(*(tuple(a for a in entry_axes(e) if a in manual) or None for e in spec)) for spec in specs]
 
-
-def _names(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxshard.axes import RESIDUAL_BLD, Dim
-from jaxshard.rules import StateKind, active, spec_axes
+from jaxshard.rules import StateKind, active, entry_axes, spec_axes
 
 
 def two_stage(rules) -> bool:
@@ -148,8 +148,7 @@ def _rows_reduction(rules, table_shape, positions_shape):
     at_rest = rules.param_spec((Dim.POSITION, Dim.EMBED), table_shape, StateKind.GRADS)
     rows_axes = tuple(g_spec)[:2]
     summed = spec_axes(jax.sharding.PartitionSpec(*rows_axes))
-    split = tuple(at_rest)[1] if len(at_rest) > 1 else None
-    split = () if split is None else ((split,) if isinstance(split, str) else tuple(split))
+    split = entry_axes(at_rest[1]) if len(at_rest) > 1 else ()
     if (len(tuple(g_spec)) > 2 and tuple(g_spec)[2] is not None) or (len(at_rest) and at_rest[0] is not None) \
             or not split or not set(split) <= summed:
         return None
